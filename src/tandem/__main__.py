@@ -1,0 +1,3 @@
+from tandem.cli import app
+
+app(prog_name="tandem")

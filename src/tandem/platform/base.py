@@ -1,0 +1,51 @@
+"""The stream/event interface that the ubatch runtime programs against.
+
+`contexts` never touches `torch.cuda` directly: it asks a `Platform` for streams and
+events, so the same handover protocol runs on CUDA and, as cheap ordering tokens, on CPU.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class Event(ABC):
+    """A marker recorded on a stream that other streams (or the host) can wait for."""
+
+    @abstractmethod
+    def record(self, stream: Any = None) -> None:
+        """Record on `stream` (default: the current stream)."""
+
+    @abstractmethod
+    def wait(self, stream: Any = None) -> None:
+        """Make `stream` (default: the current stream) wait until this event completes."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the work recorded before this event has completed."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the event completes."""
+
+
+class Platform(ABC):
+    """Streams and events of one device type."""
+
+    name: str
+    #: True when the current stream is per OS thread rather than per `contextvars`
+    #: context, so a ubatch resumed on a shared thread (greenlets) must re-apply it.
+    stream_is_thread_state: bool = False
+
+    @abstractmethod
+    def current_stream(self) -> Any: ...
+
+    @abstractmethod
+    def set_stream(self, stream: Any) -> None: ...
+
+    @abstractmethod
+    def new_stream(self) -> Any: ...
+
+    @abstractmethod
+    def new_event(self) -> Event: ...

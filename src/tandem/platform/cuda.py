@@ -1,0 +1,42 @@
+"""CUDA platform over `torch.cuda` streams and events."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.platform.base import Event, Platform
+
+
+class CudaEvent(Event):
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event()
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        self._event.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        (stream if stream is not None else torch.cuda.current_stream()).wait_event(self._event)
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    # torch keeps the current CUDA stream per OS thread.
+    stream_is_thread_state = True
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream()
+
+    def set_stream(self, stream: torch.cuda.Stream) -> None:
+        torch.cuda.set_stream(stream)
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream()
+
+    def new_event(self) -> CudaEvent:
+        return CudaEvent()

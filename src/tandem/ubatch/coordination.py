@@ -1,0 +1,54 @@
+"""Data-parallel agreement on whether (and at what padded size) to ubatch this step.
+
+Every DP rank runs the same collectives in the same order, so either all ranks split into
+ubatches or none does; one all-reduce carries every rank's token count and wish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tandem.ubatch.slices import is_last_ubatch_empty
+
+
+@dataclass(frozen=True)
+class UBatchDecision:
+    should_ubatch: bool
+    num_tokens_padded: int
+    num_tokens_per_rank: list[int]
+
+
+def coordinate_ubatching(
+    num_tokens: int,
+    wants_ubatch: bool,
+    *,
+    group: dist.ProcessGroup | None = None,
+    num_ubatches: int = 2,
+) -> UBatchDecision:
+    """Ubatch only if every rank wants to and, with every rank padded to the largest token
+    count, no rank's last ubatch would be pure padding (nor any ubatch have zero tokens).
+
+    Without an initialised process group this is the single-rank decision.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be non-negative, got {num_tokens}")
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        # Row 0: tokens per rank; row 1: 1 where the rank wants to ubatch. Summing one-hot
+        # rows is an all-gather in a single all-reduce.
+        table = torch.zeros(2, world, dtype=torch.int64)
+        table[0, rank] = num_tokens
+        table[1, rank] = int(bool(wants_ubatch))
+        dist.all_reduce(table, group=group)
+        per_rank = [int(n) for n in table[0].tolist()]
+        all_want = bool(table[1].all())
+    else:
+        per_rank, all_want = [int(num_tokens)], bool(wants_ubatch)
+
+    padded = max(per_rank)
+    should = all_want and padded >= num_ubatches and not any(is_last_ubatch_empty(n, padded, num_ubatches) for n in per_rank)
+    return UBatchDecision(should, padded, per_rank)
