@@ -1,0 +1,31 @@
+"""FusedMoEModularKernel = PrepareAndFinalize (dispatch/combine backends) + Experts
+(grouped-GEMM backends) + routing; DBO yield points and SBO."""
+
+from tandem.modular_kernels.experts_torch import TorchBatchedExperts, TorchExperts
+from tandem.modular_kernels.fabric import FabricModel
+from tandem.modular_kernels.factory import ALL2ALL_BACKENDS, MOE_BACKENDS, build_moe_kernel
+from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.kernel import FusedMoEModularKernel
+from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
+from tandem.modular_kernels.quant import dequantize_fp8, quantize_fp8_per_token_group
+from tandem.modular_kernels.routing import expert_mlp, select_experts, torch_moe_reference
+
+__all__ = [
+    "ALL2ALL_BACKENDS",
+    "ActivationFormat",
+    "ExpertTokens",
+    "Experts",
+    "FabricModel",
+    "FusedMoEModularKernel",
+    "LocalPrepareAndFinalize",
+    "MOE_BACKENDS",
+    "PrepareAndFinalize",
+    "TorchBatchedExperts",
+    "TorchExperts",
+    "build_moe_kernel",
+    "dequantize_fp8",
+    "expert_mlp",
+    "quantize_fp8_per_token_group",
+    "select_experts",
+    "torch_moe_reference",
+]

@@ -1,0 +1,115 @@
+"""The two halves of a modular fused-MoE kernel and the data that flows between them.
+
+A `PrepareAndFinalize` moves tokens to the ranks that hold their experts and back; an
+`Experts` runs the grouped GEMMs on what arrived. They meet in one of two activation
+formats and only pair when the formats agree.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tandem.modular_kernels.quant import dequantize_fp8
+
+#: A receive hook: completes an issued transfer (may block); run by the next ubatch under DBO.
+RecvHook = Callable[[], None]
+
+
+class ActivationFormat(enum.Enum):
+    #: `[num_tokens, H]`, each row with its local top-k ids (-1: not on this rank) and weights.
+    STANDARD = "standard"
+    #: `[E_local, max_tokens, H]`: rows of expert e packed first, `expert_num_tokens[e]` valid.
+    MASKED = "masked"
+
+
+@dataclass
+class ExpertTokens:
+    """What dispatch delivers to the experts of this rank."""
+
+    hidden: torch.Tensor
+    #: fp8 per-token-group scales (`hidden` is then float8_e4m3fn), else None.
+    scales: torch.Tensor | None
+    #: compute dtype of the model (the dtype outputs must have).
+    dtype: torch.dtype
+    #: STANDARD: local expert ids `[N, K]`, -1 where the expert lives on another rank.
+    topk_ids: torch.Tensor | None = None
+    #: STANDARD: `[N, K]`.
+    topk_weights: torch.Tensor | None = None
+    #: MASKED: `[E_local]` rows received per local expert.
+    expert_num_tokens: torch.Tensor | None = None
+    #: backend state that finalize needs (layout, counts, handles).
+    handle: Any = None
+
+    def dequantized(self) -> torch.Tensor:
+        if self.scales is None:
+            return self.hidden.to(self.dtype)
+        return dequantize_fp8(self.hidden, self.scales, self.dtype)
+
+
+class PrepareAndFinalize(ABC):
+    """Dispatch (prepare) and combine (finalize) for one rank of an expert-parallel group.
+
+    Rank r of R holds global experts `[r * E_local, (r + 1) * E_local)`.
+    """
+
+    activation_format: ActivationFormat
+    name: str
+
+    def __init__(self, num_experts: int, rank: int = 0, world_size: int = 1):
+        if num_experts % world_size:
+            raise ValueError(f"{num_experts} experts do not divide evenly over {world_size} ranks")
+        self.num_experts = num_experts
+        self.rank = rank
+        self.world_size = world_size
+        self.num_local_experts = num_experts // world_size
+
+    def supports_async(self) -> bool:
+        """True when `prepare_async`/`finalize_async` return before the transfer completes,
+        so a DBO yield between send and receive hides it."""
+        return False
+
+    @abstractmethod
+    def prepare_async(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        use_fp8: bool,
+    ) -> tuple[RecvHook | None, Callable[[], ExpertTokens]]:
+        """Issue the dispatch of `hidden [T, H]` to the experts named by global `topk_ids`.
+
+        Returns `(hook, receiver)`: `hook()` completes the transfer (None when there is
+        nothing left to wait for); `receiver()`, called after the hook, returns the tokens.
+        """
+
+    @abstractmethod
+    def finalize_async(
+        self,
+        expert_output: torch.Tensor,
+        tokens: ExpertTokens,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> tuple[RecvHook | None, Callable[[], torch.Tensor]]:
+        """Issue the combine; the receiver returns `[T, H]`, the weighted sum over top-k."""
+
+
+class Experts(ABC):
+    """Grouped expert GEMMs on one rank's local experts."""
+
+    activation_format: ActivationFormat
+    name: str
+
+    @abstractmethod
+    def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """`w1 [E_local, 2I, H]` (gate rows then up rows), `w2 [E_local, H, I]`.
+
+        STANDARD: returns `[N, H]`, each row the top-k-weighted sum of its local experts.
+        MASKED: returns `[E_local, M, H]` unweighted per-expert outputs; rows past
+        `expert_num_tokens[e]` are zero.
+        """

@@ -1,0 +1,103 @@
+"""Dispatch/combine over `torch.distributed.all_to_all_single` with exchanged split sizes.
+
+Each token is sent once to every rank that holds at least one of its top-k experts, with
+its top-k ids made local there (-1 for experts elsewhere) and its weights; experts return
+one weighted partial sum per received row, and the source adds the partials up. Standard
+activation format; asynchronous on gloo (CPU) and NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tandem.modular_kernels.fabric import FabricModel
+from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.quant import FP8_DTYPE, quantize_fp8_per_token_group
+
+
+def _async_a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    # fp8 has no collective support on gloo: move its bytes.
+    if inp.dtype == FP8_DTYPE:
+        out, inp = out.view(torch.uint8), inp.view(torch.uint8)
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
+    activation_format = ActivationFormat.STANDARD
+    name = "torch_a2a"
+
+    def __init__(self, num_experts: int, group=None, fabric: FabricModel | None = None):
+        super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
+        self.group = group
+        self.fabric = fabric
+
+    def supports_async(self) -> bool:
+        return True
+
+    def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], out_splits, in_splits):
+        works = [_async_a2a(r, s, out_splits, in_splits, self.group) for s, r in zip(sends, recvs)]
+        deadline = None
+        if self.fabric is not None:
+            deadline = self.fabric.start(sum(s.numel() * s.element_size() for s in sends))
+
+        def hook() -> None:
+            for work in works:
+                work.wait()
+            if deadline is not None:
+                FabricModel.wait_until(deadline)
+
+        return hook
+
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
+        local = self.num_local_experts
+        dest = torch.where(topk_ids >= 0, topk_ids // local, -1)  # [T, K]
+        # Row order: grouped by destination rank, by token inside a rank.
+        sent_to = [(dest == r).any(dim=1).nonzero(as_tuple=True)[0] for r in range(self.world_size)]
+        token_index = torch.cat(sent_to)
+        rank_of_row = torch.cat([torch.full_like(idx, r) for r, idx in enumerate(sent_to)])
+        send_counts = [int(idx.numel()) for idx in sent_to]
+        recv_counts_t = torch.empty(self.world_size, dtype=torch.int64)
+        dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64), group=self.group)
+        recv_counts = [int(n) for n in recv_counts_t.tolist()]
+        num_recv = sum(recv_counts)
+
+        row_ids = topk_ids[token_index]
+        local_ids = torch.where(dest[token_index] == rank_of_row.unsqueeze(1), row_ids - rank_of_row.unsqueeze(1) * local, -1)
+        payload, scales = hidden[token_index], None
+        if use_fp8:
+            payload, scales = quantize_fp8_per_token_group(payload)
+        sends = [payload, local_ids, topk_weights[token_index].float()]
+        recvs = [
+            hidden.new_empty((num_recv, hidden.shape[1]), dtype=payload.dtype),
+            topk_ids.new_empty((num_recv, topk_ids.shape[1])),
+            torch.empty((num_recv, topk_ids.shape[1]), dtype=torch.float32),
+        ]
+        if scales is not None:
+            sends.append(scales)
+            recvs.append(torch.empty((num_recv, scales.shape[1]), dtype=torch.float32))
+        hook = self._exchange(sends, recvs, recv_counts, send_counts)
+
+        def receiver() -> ExpertTokens:
+            return ExpertTokens(
+                recvs[0],
+                recvs[3] if scales is not None else None,
+                hidden.dtype,
+                topk_ids=recvs[1],
+                topk_weights=recvs[2],
+                handle=(token_index, send_counts, recv_counts, hidden.shape[0]),
+            )
+
+        return hook, receiver
+
+    def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
+        token_index, send_counts, recv_counts, num_tokens = tokens.handle
+        back = expert_output.new_empty((sum(send_counts), expert_output.shape[1]))
+        hook = self._exchange([expert_output.contiguous()], [back], send_counts, recv_counts)
+
+        def receiver() -> torch.Tensor:
+            out = torch.zeros((num_tokens, back.shape[1]), dtype=torch.float32, device=back.device)
+            out.index_add_(0, token_index, back.float())
+            return out.to(expert_output.dtype)
+
+        return hook, receiver

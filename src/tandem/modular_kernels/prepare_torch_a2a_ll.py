@@ -1,0 +1,140 @@
+"""Low-latency dispatch/combine on torch.distributed: DeepEP low-latency semantics with
+static shapes.
+
+Every rank may send at most `max_tokens_per_rank` (T) tokens. The send buffer is always
+`[R, E_local, T, H]` (slot p of expert e on rank r), so every transfer has the same shape
+whatever the routing, and a graph capture can record it. The receiving rank packs what
+arrived into the masked layout `[E_local, R*T, H]`, expert e's rows first, with
+`expert_num_tokens[e]` of them valid. Built on functional collectives (dispatcher ops),
+which a `TorchDispatchMode` trace records and a replay re-issues.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from tandem.modular_kernels.fabric import FabricModel
+from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.quant import FP8_DTYPE, quantize_fp8_per_token_group
+
+
+class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
+    activation_format = ActivationFormat.MASKED
+    name = "torch_a2a_ll"
+
+    def __init__(self, num_experts: int, max_tokens_per_rank: int, group=None, fabric: FabricModel | None = None):
+        super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
+        if max_tokens_per_rank is None or max_tokens_per_rank < 1:
+            raise ValueError(f"torch_a2a_ll needs max_tokens_per_rank >= 1, got {max_tokens_per_rank}")
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.group = group if group is not None else dist.group.WORLD
+        self.fabric = fabric
+
+    def supports_async(self) -> bool:
+        return True
+
+    def _exchange(self, tensors: list[torch.Tensor]):
+        """Equal-split all-to-all of each `[R, ...]` tensor; returns the hook and the
+        (lazy) received tensors."""
+        world = self.world_size
+        issued = []
+        for t in tensors:
+            flat = t.reshape(world, -1)
+            as_bytes = flat.dtype == FP8_DTYPE
+            if as_bytes:
+                flat = flat.view(torch.uint8)
+            split = [flat.shape[1]] * world
+            issued.append((funcol.all_to_all_single(flat.reshape(-1), split, split, self.group), t, as_bytes))
+        deadline = None
+        if self.fabric is not None:
+            deadline = self.fabric.start(sum(t.numel() * t.element_size() for t in tensors))
+        received: list[torch.Tensor] = []
+
+        def hook() -> None:
+            for out, like, as_bytes in issued:
+                out = funcol.wait_tensor(out)
+                if as_bytes:
+                    out = out.view(FP8_DTYPE)
+                received.append(out.view(like.shape))
+            if deadline is not None:
+                FabricModel.wait_until(deadline)
+
+        return hook, received
+
+    def _slots(self, topk_ids: torch.Tensor):
+        """For every (token, k): destination rank, local expert and slot within that
+        expert's T rows from this rank; invalid pairs point past the buffer."""
+        num_tokens = topk_ids.shape[0]
+        if num_tokens > self.max_tokens_per_rank:
+            raise ValueError(
+                f"{num_tokens} tokens exceed torch_a2a_ll's max_tokens_per_rank={self.max_tokens_per_rank}"
+            )
+        local, T = self.num_local_experts, self.max_tokens_per_rank
+        valid = topk_ids >= 0
+        ids = topk_ids.clamp(min=0)
+        onehot = F.one_hot(ids.flatten(), self.num_experts) * valid.flatten().unsqueeze(1)
+        slot = ((onehot.cumsum(0) - onehot) * onehot).sum(1).view_as(ids)
+        flat_slot = torch.where(valid, ids * T + slot, self.num_experts * T)  # = ((r*local)+e)*T + p
+        counts = onehot.sum(0).view(self.world_size, local)
+        return valid, flat_slot, counts
+
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
+        world, local, T = self.world_size, self.num_local_experts, self.max_tokens_per_rank
+        H = hidden.shape[1]
+        valid, flat_slot, send_counts = self._slots(topk_ids)
+        payload, scales = hidden, None
+        if use_fp8:
+            payload, scales = quantize_fp8_per_token_group(hidden)
+        K = topk_ids.shape[1]
+        rows = torch.arange(hidden.shape[0]).repeat_interleave(K)
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            buf = values.new_zeros((self.num_experts * T + 1, values.shape[1]))
+            buf[flat_slot.flatten()] = values[rows]  # invalid pairs land on the spare last row
+            return buf[:-1].view(world, local, T, values.shape[1])
+
+        sends = [send_counts, scatter(payload)]
+        if scales is not None:
+            sends.append(scatter(scales))
+        hook, received = self._exchange(sends)
+
+        def receiver() -> ExpertTokens:
+            recv_counts = received[0]  # [R(src), E_local]
+            offsets = recv_counts.cumsum(0) - recv_counts  # where src r's rows start in expert e
+            p = torch.arange(T)
+            dest = offsets.unsqueeze(-1) + p  # [R, E_local, T]
+            keep = p < recv_counts.unsqueeze(-1)
+            packed_index = torch.where(keep, torch.arange(local).view(1, local, 1) * (world * T) + dest, local * world * T)
+
+            def pack(x: torch.Tensor) -> torch.Tensor:
+                buf = x.new_zeros((local * world * T + 1, x.shape[-1]))
+                buf[packed_index.flatten()] = x.reshape(-1, x.shape[-1])
+                return buf[:-1].view(local, world * T, x.shape[-1])
+
+            return ExpertTokens(
+                pack(received[1]),
+                pack(received[2]) if scales is not None else None,
+                hidden.dtype,
+                expert_num_tokens=recv_counts.sum(0),
+                handle=(valid, flat_slot, packed_index, H),
+            )
+
+        return hook, receiver
+
+    def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
+        world, local, T = self.world_size, self.num_local_experts, self.max_tokens_per_rank
+        valid, flat_slot, packed_index, H = tokens.handle
+        padded = torch.cat([expert_output.reshape(-1, H), expert_output.new_zeros((1, H))])
+        back = padded[packed_index.flatten()].view(world, local, T, H)  # unpack per source rank
+        hook, received = self._exchange([back])
+
+        def receiver() -> torch.Tensor:
+            rows = torch.cat([received[0].reshape(-1, H), received[0].new_zeros((1, H))])
+            per_pair = rows[flat_slot.flatten()].view(*topk_ids.shape, H).float()
+            weights = (topk_weights.float() * valid).unsqueeze(-1)
+            return (per_pair * weights).sum(1).to(expert_output.dtype)
+
+        return hook, receiver
