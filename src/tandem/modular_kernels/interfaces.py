@@ -16,7 +16,8 @@ import torch
 
 from tandem.modular_kernels.quant import dequantize_fp8
 
-#: A receive hook: completes an issued transfer (may block); run by the next ubatch under DBO.
+#: A receive hook: issues the receiving half of a transfer (on GPU, a kernel launch on the
+#: comm stream). Under DBO the next ubatch runs it after queueing its own compute.
 RecvHook = Callable[[], None]
 
 
@@ -84,8 +85,11 @@ class PrepareAndFinalize(ABC):
     ) -> tuple[RecvHook | None, Callable[[], ExpertTokens]]:
         """Issue the dispatch of `hidden [T, H]` to the experts named by global `topk_ids`.
 
-        Returns `(hook, receiver)`: `hook()` completes the transfer (None when there is
-        nothing left to wait for); `receiver()`, called after the hook, returns the tokens.
+        Returns `(hook, receiver)`: `hook()` issues the receive (None when the backend has
+        nothing to issue); `receiver()`, called after the hook by the ubatch that sent,
+        waits for the data and returns the tokens. On CPU a transfer is already in flight
+        once sent, so the torch backends have no hook and wait in the receiver, where the
+        data is needed: the next ubatch is never blocked on someone else's transfer.
         """
 
     @abstractmethod

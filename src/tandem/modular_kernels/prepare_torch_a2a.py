@@ -36,18 +36,19 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
         return True
 
     def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], out_splits, in_splits):
+        """Issue the transfers; return the function that waits for them."""
         works = [_async_a2a(r, s, out_splits, in_splits, self.group) for s, r in zip(sends, recvs)]
         deadline = None
         if self.fabric is not None:
             deadline = self.fabric.start(sum(s.numel() * s.element_size() for s in sends))
 
-        def hook() -> None:
+        def wait() -> None:
             for work in works:
                 work.wait()
             if deadline is not None:
                 FabricModel.wait_until(deadline)
 
-        return hook
+        return wait
 
     def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
         local = self.num_local_experts
@@ -76,9 +77,10 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
         if scales is not None:
             sends.append(scales)
             recvs.append(torch.empty((num_recv, scales.shape[1]), dtype=torch.float32))
-        hook = self._exchange(sends, recvs, recv_counts, send_counts)
+        wait = self._exchange(sends, recvs, recv_counts, send_counts)
 
         def receiver() -> ExpertTokens:
+            wait()
             return ExpertTokens(
                 recvs[0],
                 recvs[3] if scales is not None else None,
@@ -88,16 +90,17 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
                 handle=(token_index, send_counts, recv_counts, hidden.shape[0]),
             )
 
-        return hook, receiver
+        return None, receiver
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
         token_index, send_counts, recv_counts, num_tokens = tokens.handle
         back = expert_output.new_empty((sum(send_counts), expert_output.shape[1]))
-        hook = self._exchange([expert_output.contiguous()], [back], send_counts, recv_counts)
+        wait = self._exchange([expert_output.contiguous()], [back], send_counts, recv_counts)
 
         def receiver() -> torch.Tensor:
+            wait()
             out = torch.zeros((num_tokens, back.shape[1]), dtype=torch.float32, device=back.device)
             out.index_add_(0, token_index, back.float())
             return out.to(expert_output.dtype)
 
-        return hook, receiver
+        return None, receiver

@@ -37,8 +37,8 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
         return True
 
     def _exchange(self, tensors: list[torch.Tensor]):
-        """Equal-split all-to-all of each `[R, ...]` tensor; returns the hook and the
-        (lazy) received tensors."""
+        """Issue an equal-split all-to-all of each `[R, ...]` tensor; return the function
+        that waits for them and the list it fills with the received tensors."""
         world = self.world_size
         issued = []
         for t in tensors:
@@ -53,7 +53,7 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
             deadline = self.fabric.start(sum(t.numel() * t.element_size() for t in tensors))
         received: list[torch.Tensor] = []
 
-        def hook() -> None:
+        def wait() -> None:
             for out, like, as_bytes in issued:
                 out = funcol.wait_tensor(out)
                 if as_bytes:
@@ -62,7 +62,7 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
             if deadline is not None:
                 FabricModel.wait_until(deadline)
 
-        return hook, received
+        return wait, received
 
     def _slots(self, topk_ids: torch.Tensor):
         """For every (token, k): destination rank, local expert and slot within that
@@ -99,9 +99,10 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
         sends = [send_counts, scatter(payload)]
         if scales is not None:
             sends.append(scatter(scales))
-        hook, received = self._exchange(sends)
+        wait, received = self._exchange(sends)
 
         def receiver() -> ExpertTokens:
+            wait()
             recv_counts = received[0]  # [R(src), E_local]
             offsets = recv_counts.cumsum(0) - recv_counts  # where src r's rows start in expert e
             p = torch.arange(T)
@@ -122,19 +123,20 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
                 handle=(valid, flat_slot, packed_index, H),
             )
 
-        return hook, receiver
+        return None, receiver
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
         world, local, T = self.world_size, self.num_local_experts, self.max_tokens_per_rank
         valid, flat_slot, packed_index, H = tokens.handle
         padded = torch.cat([expert_output.reshape(-1, H), expert_output.new_zeros((1, H))])
         back = padded[packed_index.flatten()].view(world, local, T, H)  # unpack per source rank
-        hook, received = self._exchange([back])
+        wait, received = self._exchange([back])
 
         def receiver() -> torch.Tensor:
+            wait()
             rows = torch.cat([received[0].reshape(-1, H), received[0].new_zeros((1, H))])
             per_pair = rows[flat_slot.flatten()].view(*topk_ids.shape, H).float()
             weights = (topk_weights.float() * valid).unsqueeze(-1)
             return (per_pair * weights).sum(1).to(expert_output.dtype)
 
-        return hook, receiver
+        return None, receiver
