@@ -1,0 +1,273 @@
+"""Grouped expert GEMMs on DeepGEMM's FP8 kernels, in both activation formats.
+
+Both adapters run the same two-GEMM expert MLP as `experts_torch`, with DeepGEMM's recipe:
+activations in fp8 e4m3 with one float32 scale per token per 128 channels, weights in fp8
+with one scale per 128x128 block, bf16 GEMM outputs. `w1`/`w2` arrive in the model dtype;
+each weight tensor is quantized once and the result cached on the adapter until the tensor
+changes (another tensor, an in-place update, or new storage).
+
+- `DeepGemmExperts` (STANDARD): the (token, k) pairs routed to this rank are permuted into
+  DeepGEMM's contiguous layout (expert e's rows in one segment padded to the M alignment,
+  `m_indices` -1 on padding rows), run through `m_grouped_fp8_gemm_nt_contiguous`
+  (1.x: `m_grouped_gemm_fp8_fp8_bf16_nt_contiguous`), SiLU-and-mul, requantized, run through
+  the second GEMM, then weighted and summed back per token. The row budget is a static
+  upper bound (pairs + E * (alignment - 1)), so the permutation needs no host sync.
+- `DeepGemmBatchedExperts` (MASKED): `[E, M, H]` goes straight to
+  `m_grouped_fp8_gemm_nt_masked` (1.x: `m_grouped_gemm_fp8_fp8_bf16_nt_masked`) with
+  `masked_m = expert_num_tokens`; static shapes, no host sync, rows past the count zero.
+
+`deep_gemm` is imported when an adapter is built, never at module import. It is not on
+PyPI; on a CPU box `tandem.testing.fake_deep_gemm.install()` provides an emulation.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
+from tandem.modular_kernels.quant import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_per_token_group
+
+#: DeepGEMM's scaling block: 1x128 for activations, 128x128 for weights.
+BLOCK = 128
+
+_MISSING_MESSAGE = (
+    "the 'deep_gemm' moe backend needs DeepGEMM (the `deep_gemm` Python module), which is not "
+    "installed. DeepGEMM is not on PyPI: it is built from its own source "
+    "(https://github.com/deepseek-ai/DeepGEMM) against your CUDA toolkit, see README.md "
+    "'GPU extras'. On CPU, tandem.testing.fake_deep_gemm.install() provides an emulation for tests."
+)
+
+
+def import_deep_gemm() -> types.ModuleType:
+    """`import deep_gemm`, with an error that says how to get it."""
+    try:
+        import deep_gemm
+    except ImportError as err:
+        raise ImportError(_MISSING_MESSAGE) from err
+    return deep_gemm
+
+
+def _function(dg: types.ModuleType, *names: str):
+    for name in names:
+        fn = getattr(dg, name, None)
+        if fn is not None:
+            return fn
+    raise ImportError(f"the installed deep_gemm provides none of {', '.join(names)}; tandem needs DeepGEMM >= 1.0")
+
+
+def quantize_fp8_per_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [..., N, K]` → `(q fp8 [..., N, K], scales float32 [..., N/block, K/block])` with
+    `w ≈ q * scale` per `block x block` tile."""
+    n, k = w.shape[-2], w.shape[-1]
+    if n % block or k % block:
+        raise ValueError(f"block fp8 quantization needs both dims divisible by {block}, got {n}x{k}")
+    tiles = w.detach().float().unflatten(-1, (k // block, block)).unflatten(-3, (n // block, block))
+    # tiles: [..., N/b, b, K/b, b]
+    scales = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-10) / FP8_MAX  # [..., N/b, K/b]
+    q = (tiles / scales.unsqueeze(-1).unsqueeze(-3)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.flatten(-2).flatten(-3, -2).contiguous(), scales.contiguous()
+
+
+def _check_hidden_sizes(w1: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] % 2:
+        raise ValueError(f"w1 must be [E, 2*I, H] and w2 [E, H, I], got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    num_experts, two_i, hidden = w1.shape
+    inter = two_i // 2
+    if tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"w2 must be [E={num_experts}, H={hidden}, I={inter}], got {tuple(w2.shape)}")
+    if hidden % BLOCK or inter % BLOCK:
+        raise ValueError(
+            f"the deep_gemm moe backend needs hidden size H and intermediate size I to be multiples "
+            f"of {BLOCK} (DeepGEMM's fp8 scaling block), got H={hidden}, I={inter}; use the 'torch' "
+            "or 'triton' moe backend for this model"
+        )
+    return num_experts, hidden, inter
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+class _FP8WeightCache:
+    """Block-quantized copies of weight tensors, one entry per live tensor. An entry is
+    reused while the tensor is the same object with the same storage, shape and version
+    counter, and dropped when the tensor is freed."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(w)
+        stamp = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, _version(w))
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is w and entry[1] == stamp:
+            return entry[2]
+        quantized = quantize_fp8_per_block(w)
+        entries = self._entries
+
+        def forget(ref, key=key) -> None:
+            current = entries.get(key)
+            if current is not None and current[0] is ref:
+                del entries[key]
+
+        self._entries[key] = (weakref.ref(w, forget), stamp, quantized)
+        return quantized
+
+
+def _fp8_activations(tokens: ExpertTokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatched activations as fp8 + 1x128 float32 scales: reused when dispatch
+    already quantized them with 128-wide groups, else (re)quantized here."""
+    hidden, scales = tokens.hidden, tokens.scales
+    if scales is not None:
+        if (
+            hidden.dtype == FP8_DTYPE
+            and scales.dtype == torch.float32
+            and scales.shape[-1] * BLOCK == hidden.shape[-1]
+        ):
+            return hidden.contiguous(), scales.contiguous()
+        hidden = dequantize_fp8(hidden, scales, torch.float32)
+    q, s = quantize_fp8_per_token_group(hidden, BLOCK)
+    return q.contiguous(), s.contiguous()
+
+
+def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _DeepGemmBase(Experts):
+    name = "deep_gemm"
+
+    def __init__(self) -> None:
+        self._dg = import_deep_gemm()
+        self._weights = _FP8WeightCache()
+        self._tma_align = getattr(self._dg, "get_col_major_tma_aligned_tensor", None)
+
+    def _lhs_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """LHS scales in the column-major TMA-aligned layout the kernels read, so the
+        library does not transpose them on every call."""
+        return scales if self._tma_align is None else self._tma_align(scales)
+
+    def _quantized_weights(self, w1: torch.Tensor, w2: torch.Tensor):
+        return self._weights.get(w1), self._weights.get(w2)
+
+
+class DeepGemmExperts(_DeepGemmBase):
+    """STANDARD format on DeepGEMM's contiguous-layout grouped GEMM."""
+
+    activation_format = ActivationFormat.STANDARD
+
+    def __init__(self) -> None:
+        super().__init__()
+        dg = self._dg
+        self._gemm = _function(dg, "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous")
+        get_alignment = getattr(dg, "get_m_alignment_for_contiguous_layout", None) or getattr(
+            dg, "get_mk_alignment_for_contiguous_layout", None
+        )
+        self.alignment = int(get_alignment()) if get_alignment is not None else BLOCK
+
+    def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        num_experts, hidden, inter = _check_hidden_sizes(w1, w2)
+        ids, weights = tokens.topk_ids, tokens.topk_weights
+        num_tokens, top_k = ids.shape
+        device = tokens.hidden.device
+        if num_tokens == 0:
+            return torch.zeros((0, hidden), dtype=tokens.dtype, device=device)
+        xq, xs = _fp8_activations(tokens)
+        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2)
+
+        # Contiguous layout: pair p (token p // top_k) goes to row start[e] + its rank among
+        # expert e's pairs; every segment is padded to the alignment; rows past the last
+        # segment, padding rows and the spare row `m_sum` (invalid pairs) carry -1.
+        align = self.alignment
+        num_pairs = num_tokens * top_k
+        flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
+        valid = (flat >= 0) & (flat < num_experts)
+        expert = torch.where(valid, flat, torch.zeros_like(flat))
+        onehot = F.one_hot(expert, num_experts) * valid.unsqueeze(1)
+        rank = ((onehot.cumsum(0) - onehot) * onehot).sum(1)
+        padded = (onehot.sum(0) + align - 1) // align * align
+        start = padded.cumsum(0) - padded
+        m_sum = (num_pairs + num_experts * (align - 1) + align - 1) // align * align
+        row = torch.where(valid, start[expert] + rank, torch.full_like(flat, m_sum))
+
+        m_indices = torch.full((m_sum + 1,), -1, dtype=torch.int32, device=device)
+        m_indices[row] = torch.where(valid, expert, torch.full_like(expert, -1)).to(torch.int32)
+        m_indices = m_indices[:m_sum]
+        token = torch.arange(num_tokens, device=device).repeat_interleave(top_k)
+        lhs = torch.zeros((m_sum + 1, hidden), dtype=torch.uint8, device=device)
+        lhs[row] = xq.view(torch.uint8)[token]
+        lhs = lhs[:m_sum].view(FP8_DTYPE)
+        lhs_scales = torch.zeros((m_sum + 1, hidden // BLOCK), dtype=torch.float32, device=device)
+        lhs_scales[row] = xs[token]
+        lhs_scales = lhs_scales[:m_sum]
+
+        h = torch.empty((m_sum, 2 * inter), dtype=torch.bfloat16, device=device)
+        self._gemm((lhs, self._lhs_scales(lhs_scales)), (w1q, w1s), h, m_indices)
+        act = _silu_and_mul(h)
+        act = torch.where((m_indices >= 0).unsqueeze(1), act, torch.zeros_like(act))  # padding rows are unspecified
+        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK)
+        y = torch.empty((m_sum, hidden), dtype=torch.bfloat16, device=device)
+        self._gemm((aq.contiguous(), self._lhs_scales(a_scales)), (w2q, w2s), y, m_indices)
+
+        # Un-permute: invalid pairs read an appended zero row; weight and sum over top-k.
+        y = torch.cat([y, y.new_zeros((1, hidden))])[row].float()
+        pair_weights = weights.reshape(-1).to(device=device, dtype=torch.float32) * valid
+        out = (y * pair_weights.unsqueeze(1)).view(num_tokens, top_k, hidden).sum(1)
+        return out.to(tokens.dtype)
+
+
+class DeepGemmBatchedExperts(_DeepGemmBase):
+    """MASKED format on DeepGEMM's masked grouped GEMM; static shapes, no host sync."""
+
+    activation_format = ActivationFormat.MASKED
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gemm = _function(self._dg, "m_grouped_fp8_gemm_nt_masked", "m_grouped_gemm_fp8_fp8_bf16_nt_masked")
+
+    def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        num_experts, hidden, inter = _check_hidden_sizes(w1, w2)
+        if tokens.hidden.dim() != 3 or tokens.hidden.shape[0] != num_experts or tokens.hidden.shape[2] != hidden:
+            raise ValueError(
+                f"masked activations must be [E_local={num_experts}, M, H={hidden}], got {tuple(tokens.hidden.shape)}"
+            )
+        m = tokens.hidden.shape[1]
+        device = tokens.hidden.device
+        if m == 0:
+            return torch.zeros((num_experts, 0, hidden), dtype=tokens.dtype, device=device)
+        xq, xs = _fp8_activations(tokens)
+        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2)
+        counts = tokens.expert_num_tokens.to(device=device, dtype=torch.int32).contiguous()
+
+        # With several groups the kernel tiles M by its block M (64 or 128) and needs M to
+        # be a multiple of it once M exceeds one block: pad M up to 128 when that applies.
+        m_run = m
+        if num_experts > 1 and m > 64 and m % BLOCK:
+            m_run = (m + BLOCK - 1) // BLOCK * BLOCK
+            pad = m_run - m
+            xq = torch.cat([xq.view(torch.uint8), xq.new_zeros((num_experts, pad, hidden), dtype=torch.uint8)], 1)
+            xq = xq.view(FP8_DTYPE)
+            xs = torch.cat([xs, xs.new_zeros((num_experts, pad, xs.shape[-1]))], 1)
+        expected_m = m_run  # a static hint: the real count would need a host sync
+
+        valid = (torch.arange(m_run, device=device).unsqueeze(0) < counts.unsqueeze(1)).unsqueeze(-1)
+        h = torch.empty((num_experts, m_run, 2 * inter), dtype=torch.bfloat16, device=device)
+        self._gemm((xq, self._lhs_scales(xs)), (w1q, w1s), h, counts, expected_m)
+        act = _silu_and_mul(h)
+        act = torch.where(valid, act, torch.zeros_like(act))  # rows past the count are unspecified
+        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK)
+        y = torch.empty((num_experts, m_run, hidden), dtype=torch.bfloat16, device=device)
+        self._gemm((aq.contiguous(), self._lhs_scales(a_scales)), (w2q, w2s), y, counts, expected_m)
+        y = torch.where(valid, y, torch.zeros_like(y))[:, :m]
+        return y.to(tokens.dtype)

@@ -1,0 +1,421 @@
+"""A CPU stand-in for DeepGEMM's grouped FP8 GEMM API (the `deep_gemm` module).
+
+DeepGEMM (github.com/deepseek-ai/DeepGEMM) is CUDA-only and is built from its own source,
+so the `deep_gemm` experts adapters are tested against this emulation instead. It keeps
+the library's Python surface and data layout:
+
+- the grouped GEMMs under their 1.x names (`m_grouped_gemm_fp8_fp8_bf16_nt_contiguous`,
+  `m_grouped_gemm_fp8_fp8_bf16_nt_masked`, keywords `lhs, rhs, out, m_indices | masked_m,
+  expected_m`) and their 2.x names (`m_grouped_fp8_gemm_nt_contiguous`,
+  `m_grouped_fp8_gemm_nt_masked`, keywords `a, b, d, grouped_layout | masked_m, expected_m`
+  plus the recipe options, of which only the default 1x128 / 128x128 recipe is emulated);
+- the helpers `get_m_alignment_for_contiguous_layout` (and its 2.x spelling
+  `get_mk_alignment_for_contiguous_layout`), `get_tma_aligned_size`,
+  `get_col_major_tma_aligned_tensor`, `set_num_sms` / `get_num_sms`, `ceil_div`, `align`;
+- the contracts the library asserts on the host, raised here as `DeepGemmContractError`
+  (an `AssertionError`, as DeepGEMM 1.x raises): operand dtypes (fp8 e4m3 data, float32
+  scales, bf16 output, int32 layout), shapes, contiguity, scale shapes `[M, K/128]` and
+  `[G, N/128, K/128]`, `expected_m > 0`, and the masked-layout rule that with several
+  groups `M` is a multiple of the block M the heuristic picks (64 when
+  `expected_m <= 64`, else 128). It also checks, on the host, what the kernels silently
+  assume: `K` and `N` multiples of 128 (the block size of the scaling recipe; vLLM's
+  DeepGEMM path requires the same), and in the contiguous layout `M` a multiple of the
+  128-row alignment with every aligned block holding one group followed only by `-1`
+  padding rows.
+
+The math is what the kernels compute: dequantize the fp8 operands with their block scales,
+multiply in float32 and write bf16 into `out` in place. Rows the kernels leave unspecified
+(`m_indices == -1` rows; masked rows at or past `masked_m[g]`) are written as NaN, so a
+caller that reads them fails loudly instead of passing by luck. The masked GEMM reads
+`masked_m` on the device only (no host sync), like the real kernel.
+
+`install()` puts this module in `sys.modules["deep_gemm"]`; `uninstall()` restores what
+was there before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from typing import Iterator, Sequence
+
+import torch
+
+__version__ = "0.0.0+tandem.fake"
+#: lets callers tell the emulation from the real library.
+IS_FAKE = True
+
+FP8_DTYPE = torch.float8_e4m3fn
+#: block size of the 1x128 (activation) / 128x128 (weight) scaling recipe.
+BLOCK = 128
+#: M-axis group alignment of the contiguous layout.
+_M_ALIGNMENT = 128
+#: SM count of the emulated device (an H800 / H100 SXM has 132).
+DEVICE_NUM_SMS = 132
+#: what the kernels leave in rows they do not define.
+POISON = float("nan")
+
+_num_sms: int | None = None
+_previous_module: types.ModuleType | None = None
+_installed = False
+
+
+class DeepGemmContractError(AssertionError):
+    """A call broke a layout/dtype/shape contract that DeepGEMM asserts or assumes."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise DeepGemmContractError(f"deep_gemm (fake): {message}")
+
+
+# --------------------------------------------------------------------------- config utils
+
+
+def set_num_sms(num_sms: int) -> None:
+    """Cap the number of SMs the GEMM kernels may use (kept for `get_num_sms`)."""
+    global _num_sms
+    _require(isinstance(num_sms, int) and not isinstance(num_sms, bool), f"num_sms must be an int, got {num_sms!r}")
+    _require(0 < num_sms <= DEVICE_NUM_SMS, f"num_sms must lie in [1, {DEVICE_NUM_SMS}], got {num_sms}")
+    _num_sms = num_sms
+
+
+def get_num_sms() -> int:
+    """The SM cap set by `set_num_sms`, else the device's SM count."""
+    return DEVICE_NUM_SMS if _num_sms is None else _num_sms
+
+
+def ceil_div(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def align(x: int, y: int) -> int:
+    return ceil_div(x, y) * y
+
+
+def get_m_alignment_for_contiguous_layout() -> int:
+    """Every group's row segment in the contiguous layout starts at a multiple of this."""
+    return _M_ALIGNMENT
+
+
+#: DeepGEMM 2.x spelling of the same query.
+get_mk_alignment_for_contiguous_layout = get_m_alignment_for_contiguous_layout
+
+
+def get_tma_aligned_size(x: int, element_size: int) -> int:
+    """`x` rounded up so that `x * element_size` bytes is a multiple of 16 (TMA rule)."""
+    _require(16 % element_size == 0, f"element size {element_size} does not divide 16 bytes")
+    return align(x, 16 // element_size)
+
+
+def get_col_major_tma_aligned_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`x [..., m, n]` (2-D or 3-D) as a column-major view whose column stride is `m`
+    rounded up to 16 bytes: the layout the kernels read LHS scales in. Returns `x` itself
+    when it already has that layout, else a copy."""
+    _require(x.dim() in (2, 3), f"expected a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
+    m, n = x.shape[-2], x.shape[-1]
+    col = get_tma_aligned_size(m, x.element_size())
+    if x.dim() == 2:
+        wanted = (1, col)
+    else:
+        wanted = (col * n, 1, col)
+    if x.stride() == wanted:
+        return x
+    storage = torch.empty((*x.shape[:-2], n, col), dtype=x.dtype, device=x.device)
+    view = storage.transpose(-1, -2)[..., :m, :]
+    view.copy_(x)
+    return view
+
+
+# --------------------------------------------------------------------------- checks + math
+
+
+def _unpack(pair, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _require(
+        isinstance(pair, (tuple, list)) and len(pair) == 2,
+        f"{name} must be a (fp8 tensor, float32 scales) pair, got {type(pair).__name__}",
+    )
+    data, scales = pair
+    _require(isinstance(data, torch.Tensor) and isinstance(scales, torch.Tensor), f"{name} must hold two tensors")
+    return data, scales
+
+
+def _check_operands(data, scales, name, expected_scale_shape, *, scales_contiguous: bool) -> None:
+    _require(data.dtype == FP8_DTYPE, f"{name} must be torch.float8_e4m3fn, got {data.dtype}")
+    _require(data.is_contiguous(), f"{name} must be contiguous")
+    _require(scales.dtype == torch.float32, f"{name} scales must be torch.float32, got {scales.dtype}")
+    _require(
+        tuple(scales.shape) == tuple(expected_scale_shape),
+        f"{name} scales must have shape {tuple(expected_scale_shape)}, got {tuple(scales.shape)}",
+    )
+    if scales_contiguous:
+        _require(scales.is_contiguous(), f"{name} scales must be contiguous")
+
+
+def _check_nk(n: int, k: int) -> None:
+    _require(n > 0 and k > 0, f"N and K must be positive, got N={n}, K={k}")
+    _require(k % BLOCK == 0, f"K={k} must be a multiple of {BLOCK} (the scaling block)")
+    _require(n % BLOCK == 0, f"N={n} must be a multiple of {BLOCK} (the scaling block)")
+
+
+def _dequantize_lhs(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`[..., M, K]` fp8 with 1x128 scales `[..., M, K/128]` → float32."""
+    groups = data.float().unflatten(-1, (scales.shape[-1], BLOCK))
+    return (groups * scales.float().unsqueeze(-1)).flatten(-2)
+
+
+def _dequantize_rhs(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`[G, N, K]` fp8 with 128x128 scales `[G, N/128, K/128]` → float32."""
+    full = scales.float().repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
+    return data.float() * full
+
+
+def _check_recipe(recipe, recipe_a, recipe_b) -> None:
+    _require(
+        recipe is None or tuple(recipe) == (1, BLOCK, BLOCK),
+        f"only the default (1, 128, 128) recipe is emulated, got recipe={recipe!r}",
+    )
+    _require(recipe_a is None or tuple(recipe_a) == (1, BLOCK), f"only recipe_a=(1, 128) is emulated, got {recipe_a!r}")
+    _require(
+        recipe_b is None or tuple(recipe_b) == (BLOCK, BLOCK), f"only recipe_b=(128, 128) is emulated, got {recipe_b!r}"
+    )
+
+
+def _check_contiguous_layout(m_indices: torch.Tensor, num_groups: int) -> None:
+    """Values of `m_indices`: in [-1, G), and each aligned block of rows is one group
+    followed only by -1 padding (or all -1)."""
+    alignment = get_m_alignment_for_contiguous_layout()
+    m = m_indices.numel()
+    _require(
+        m % alignment == 0,
+        f"M={m} must be a multiple of the contiguous-layout alignment {alignment}: "
+        "pad each group's rows up to the alignment and mark the padding rows with -1",
+    )
+    values = m_indices.to(torch.int64)
+    low, high = int(values.min()), int(values.max())
+    _require(
+        low >= -1 and high < num_groups,
+        f"m_indices values must lie in [-1, {num_groups}), got min {low}, max {high}",
+    )
+    blocks = values.view(-1, alignment)
+    valid = blocks >= 0
+    same_group = (blocks == blocks[:, :1]) | ~valid
+    valid_is_prefix = (valid[:, 1:] <= valid[:, :-1]).all(dim=1)
+    good = same_group.all(dim=1) & valid_is_prefix
+    if not bool(good.all()):
+        bad = int((~good).nonzero()[0, 0])
+        row = bad * alignment
+        _require(
+            False,
+            f"rows [{row}, {row + alignment}) of m_indices mix groups or put -1 padding before valid rows: "
+            f"every group's segment must start at a multiple of {alignment} "
+            f"(get_m_alignment_for_contiguous_layout()), padded at its tail with -1",
+        )
+
+
+def _contiguous_impl(a, b, d, m_indices, *, api: str, scales_contiguous: bool) -> None:
+    lhs, lhs_scales = _unpack(a, "lhs")
+    rhs, rhs_scales = _unpack(b, "rhs")
+    _require(
+        isinstance(d, torch.Tensor) and isinstance(m_indices, torch.Tensor), f"{api}: out and m_indices must be tensors"
+    )
+    _require(lhs.dim() == 2, f"lhs must be [M, K], got shape {tuple(lhs.shape)}")
+    _require(rhs.dim() == 3, f"rhs must be [G, N, K], got shape {tuple(rhs.shape)}")
+    _require(d.dim() == 2, f"out must be [M, N], got shape {tuple(d.shape)}")
+    m, k = lhs.shape
+    num_groups, n, k_ = rhs.shape
+    _require(
+        (m, n, k) == (d.shape[0], d.shape[1], k_) and m_indices.dim() == 1 and m_indices.numel() == m,
+        f"shape mismatch: lhs {tuple(lhs.shape)}, rhs {tuple(rhs.shape)}, out {tuple(d.shape)}, "
+        f"m_indices {tuple(m_indices.shape)}",
+    )
+    _require(num_groups > 0, "rhs must hold at least one group")
+    _check_nk(n, k)
+    _check_operands(lhs, lhs_scales, "lhs", (m, k // BLOCK), scales_contiguous=False)
+    _check_operands(rhs, rhs_scales, "rhs", (num_groups, n // BLOCK, k // BLOCK), scales_contiguous=scales_contiguous)
+    _require(d.dtype == torch.bfloat16, f"out must be torch.bfloat16, got {d.dtype}")
+    _require(m_indices.dtype == torch.int32, f"m_indices must be torch.int32, got {m_indices.dtype}")
+    _require(d.is_contiguous() and m_indices.is_contiguous(), "out and m_indices must be contiguous")
+    if m == 0:
+        return
+    _check_contiguous_layout(m_indices, num_groups)
+
+    alignment = get_m_alignment_for_contiguous_layout()
+    block_group = m_indices.view(-1, alignment)[:, 0].to(torch.int64)
+    live = (block_group >= 0).nonzero().flatten()  # all--1 blocks are skipped, as the kernel does
+    result = torch.full((m // alignment, alignment, n), POISON, dtype=torch.float32, device=d.device)
+    if live.numel():
+        x = _dequantize_lhs(lhs, lhs_scales).view(-1, alignment, k)[live]
+        w = _dequantize_rhs(rhs, rhs_scales)[block_group[live]]
+        result[live] = torch.bmm(x, w.transpose(1, 2))
+    result = result.view(m, n)
+    result = torch.where((m_indices >= 0).unsqueeze(1), result, torch.full_like(result, POISON))
+    d.copy_(result.to(torch.bfloat16))
+
+
+def _masked_impl(a, b, d, masked_m, expected_m, *, api: str, scales_contiguous: bool) -> None:
+    lhs, lhs_scales = _unpack(a, "lhs")
+    rhs, rhs_scales = _unpack(b, "rhs")
+    _require(
+        isinstance(d, torch.Tensor) and isinstance(masked_m, torch.Tensor), f"{api}: out and masked_m must be tensors"
+    )
+    _require(lhs.dim() == 3, f"lhs must be [G, M, K], got shape {tuple(lhs.shape)}")
+    _require(rhs.dim() == 3, f"rhs must be [G, N, K], got shape {tuple(rhs.shape)}")
+    _require(d.dim() == 3, f"out must be [G, M, N], got shape {tuple(d.shape)}")
+    num_groups, m, k = lhs.shape
+    _, n, _ = rhs.shape
+    _require(
+        tuple(rhs.shape) == (num_groups, n, k)
+        and tuple(d.shape) == (num_groups, m, n)
+        and masked_m.numel() == num_groups,
+        f"shape mismatch: lhs {tuple(lhs.shape)}, rhs {tuple(rhs.shape)}, out {tuple(d.shape)}, "
+        f"masked_m {tuple(masked_m.shape)}",
+    )
+    _require(
+        isinstance(expected_m, int) and not isinstance(expected_m, bool),
+        f"expected_m is a host-side int hint, got {type(expected_m).__name__}",
+    )
+    _require(
+        expected_m > 0 and m > 0 and num_groups > 0,
+        f"expected_m, M and G must be positive, got expected_m={expected_m}, M={m}, G={num_groups}",
+    )
+    _check_nk(n, k)
+    _check_operands(lhs, lhs_scales, "lhs", (num_groups, m, k // BLOCK), scales_contiguous=False)
+    _check_operands(rhs, rhs_scales, "rhs", (num_groups, n // BLOCK, k // BLOCK), scales_contiguous=scales_contiguous)
+    _require(d.dtype == torch.bfloat16, f"out must be torch.bfloat16, got {d.dtype}")
+    _require(masked_m.dtype == torch.int32, f"masked_m must be torch.int32, got {masked_m.dtype}")
+    _require(d.is_contiguous() and masked_m.is_contiguous(), "out and masked_m must be contiguous")
+    block_m = 64 if expected_m <= 64 else 128
+    _require(
+        num_groups == 1 or m <= block_m or m % block_m == 0,
+        f"with several groups M={m} must be a multiple of the block M ({block_m} for expected_m={expected_m})",
+    )
+
+    x = _dequantize_lhs(lhs, lhs_scales)
+    w = _dequantize_rhs(rhs, rhs_scales)
+    result = torch.bmm(x, w.transpose(1, 2))
+    rows = torch.arange(m, device=d.device)
+    valid = rows.unsqueeze(0) < masked_m.to(device=d.device, dtype=torch.int64).unsqueeze(1)
+    result = torch.where(valid.unsqueeze(-1), result, torch.full_like(result, POISON))
+    d.copy_(result.to(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- public GEMMs
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
+    lhs: tuple[torch.Tensor, torch.Tensor],
+    rhs: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    m_indices: torch.Tensor,
+) -> None:
+    """Grouped GEMM, contiguous layout (DeepGEMM 1.x name).
+
+    `lhs = (fp8 [M, K], float32 [M, K/128])`, `rhs = (fp8 [G, N, K], float32
+    [G, N/128, K/128])`, `out` bf16 `[M, N]` written in place with
+    `out[i] = lhs[i] @ rhs[m_indices[i]].T`. `m_indices` int32 `[M]`: each group's rows
+    form a segment starting at a multiple of `get_m_alignment_for_contiguous_layout()`,
+    tail-padded with -1 rows whose output is unspecified.
+    """
+    _contiguous_impl(lhs, rhs, out, m_indices, api="m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", scales_contiguous=True)
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_masked(
+    lhs: tuple[torch.Tensor, torch.Tensor],
+    rhs: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+) -> None:
+    """Grouped GEMM, masked layout (DeepGEMM 1.x name).
+
+    `lhs = (fp8 [G, M, K], float32 [G, M, K/128])`, `rhs` as in the contiguous GEMM,
+    `out` bf16 `[G, M, N]`: for each group g only rows `< masked_m[g]` (int32 `[G]`) are
+    computed; the rest is unspecified. `expected_m` (a host int > 0) is a tuning hint.
+    """
+    _masked_impl(
+        lhs, rhs, out, masked_m, expected_m, api="m_grouped_gemm_fp8_fp8_bf16_nt_masked", scales_contiguous=True
+    )
+
+
+def m_grouped_fp8_gemm_nt_contiguous(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    d: torch.Tensor,
+    grouped_layout: torch.Tensor,
+    recipe: Sequence[int] | None = None,
+    recipe_a: Sequence[int] | None = None,
+    recipe_b: Sequence[int] | None = None,
+    compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False,
+    use_psum_layout: bool = False,
+    ensure_zero_padding: bool = True,
+    expected_m_for_psum_layout: int | None = None,
+) -> None:
+    """DeepGEMM 2.x name of the contiguous grouped GEMM (`grouped_layout` = `m_indices`).
+
+    Emulates the SM90 path: float32 scales with the default 1x128 / 128x128 recipe. The
+    prefix-sum layout (`use_psum_layout=True`) is not emulated.
+    """
+    _check_recipe(recipe, recipe_a, recipe_b)
+    if use_psum_layout:
+        raise NotImplementedError("deep_gemm (fake): use_psum_layout=True is not emulated; pass per-row m_indices")
+    _require(expected_m_for_psum_layout is None, "expected_m_for_psum_layout needs use_psum_layout=True")
+    _contiguous_impl(a, b, d, grouped_layout, api="m_grouped_fp8_gemm_nt_contiguous", scales_contiguous=False)
+
+
+def m_grouped_fp8_gemm_nt_masked(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    d: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+    recipe: Sequence[int] | None = None,
+    recipe_a: Sequence[int] | None = None,
+    recipe_b: Sequence[int] | None = None,
+    compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False,
+) -> None:
+    """DeepGEMM 2.x name of the masked grouped GEMM (SM90 path, default recipe)."""
+    _check_recipe(recipe, recipe_a, recipe_b)
+    _masked_impl(a, b, d, masked_m, expected_m, api="m_grouped_fp8_gemm_nt_masked", scales_contiguous=False)
+
+
+# --------------------------------------------------------------------------- install
+
+
+def install() -> types.ModuleType:
+    """Make `import deep_gemm` return this emulation (state reset); returns the module."""
+    global _previous_module, _installed, _num_sms
+    module = sys.modules[__name__]
+    if not _installed:
+        _previous_module = sys.modules.get("deep_gemm")
+        _installed = True
+    sys.modules["deep_gemm"] = module
+    _num_sms = None
+    return module
+
+
+def uninstall() -> None:
+    """Undo `install()`: restore whatever `sys.modules["deep_gemm"]` held before."""
+    global _previous_module, _installed
+    if not _installed:
+        return
+    if sys.modules.get("deep_gemm") is sys.modules[__name__]:
+        if _previous_module is None:
+            del sys.modules["deep_gemm"]
+        else:
+            sys.modules["deep_gemm"] = _previous_module
+    _previous_module = None
+    _installed = False
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[types.ModuleType]:
+    """`with installed() as deep_gemm: ...`"""
+    module = install()
+    try:
+        yield module
+    finally:
+        uninstall()
