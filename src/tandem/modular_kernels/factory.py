@@ -16,6 +16,8 @@ ALL2ALL_BACKENDS = {
     "local": "tandem.modular_kernels.prepare_local:LocalPrepareAndFinalize",
     "torch_a2a": "tandem.modular_kernels.prepare_torch_a2a:TorchAllToAllPrepareAndFinalize",
     "torch_a2a_ll": "tandem.modular_kernels.prepare_torch_a2a_ll:TorchLowLatencyPrepareAndFinalize",
+    "deepep_low_latency": "tandem.modular_kernels.prepare_deepep:DeepEPLowLatencyPrepareAndFinalize",
+    "deepep_high_throughput": "tandem.modular_kernels.prepare_deepep:DeepEPHighThroughputPrepareAndFinalize",
 }
 
 #: --moe-backend choices → the implementation per activation format.
@@ -23,6 +25,14 @@ MOE_BACKENDS = {
     "torch": {
         ActivationFormat.STANDARD: "tandem.modular_kernels.experts_torch:TorchExperts",
         ActivationFormat.MASKED: "tandem.modular_kernels.experts_torch:TorchBatchedExperts",
+    },
+    "triton": {
+        ActivationFormat.STANDARD: "tandem.modular_kernels.experts_triton:TritonExperts",
+        ActivationFormat.MASKED: "tandem.modular_kernels.experts_triton:TritonBatchedExperts",
+    },
+    "deep_gemm": {
+        ActivationFormat.STANDARD: "tandem.modular_kernels.experts_deep_gemm:DeepGemmExperts",
+        ActivationFormat.MASKED: "tandem.modular_kernels.experts_deep_gemm:DeepGemmBatchedExperts",
     },
 }
 
@@ -47,7 +57,7 @@ def _make_prepare_finalize(
     if group is None and not torch.distributed.is_initialized():
         raise ValueError(f"all2all backend {name!r} needs an initialised torch.distributed process group")
     kwargs = {"group": group, "fabric": fabric}
-    if name == "torch_a2a_ll":
+    if name in ("torch_a2a_ll", "deepep_low_latency"):
         kwargs["max_tokens_per_rank"] = max_tokens_per_rank
     return cls(num_experts, **kwargs)
 

@@ -1,0 +1,310 @@
+"""The DeepEP adapters against the oracle and the torch backends, on the CPU emulation of
+DeepEP's API (`tandem.testing.fake_deep_ep`) over real gloo process groups; and the
+emulation's own contract (layouts, hooks, the checks DeepEP makes)."""
+
+import sys
+
+import pytest
+import torch
+
+from tandem.modular_kernels import (
+    ALL2ALL_BACKENDS,
+    ActivationFormat,
+    FusedMoEModularKernel,
+    TorchBatchedExperts,
+    build_moe_kernel,
+    dequantize_fp8,
+    quantize_fp8_per_token_group,
+    torch_moe_reference,
+)
+from tandem.modular_kernels.prepare_deepep import (
+    DeepEPHighThroughputPrepareAndFinalize,
+    DeepEPLowLatencyPrepareAndFinalize,
+)
+from tandem.testing import fake_deep_ep, run_distributed
+from tests.modular_kernels.moe_cases import NUM_EXPERTS, TOP_K, RecordingPrepareFinalize, make_problem, run_kernel
+
+# DeepEP's low-latency kernels only exist for a few hidden sizes; 2048 is the smallest.
+HIDDEN = 2048
+MAX_TOKENS = 16
+LL, HT = "deepep_low_latency", "deepep_high_throughput"
+TWIN = {LL: "torch_a2a_ll", HT: "torch_a2a"}  # the torch backend with the same semantics
+
+
+def _build(all2all, **kwargs):
+    return build_moe_kernel(
+        all2all, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=MAX_TOKENS,
+        **kwargs,
+    )
+
+
+def _problem(rank, routing, **kwargs):
+    return make_problem(rank, routing, hidden=HIDDEN, intermediate=32, **kwargs)
+
+
+def _max_err(a, b):
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+# ------------------------------------------------------------------ float32 exactness + DBO
+
+
+def _exact_cases(rank, world):
+    fake_deep_ep.install(allow_float32=True)
+    kernels = {name: _build(name) for name in (LL, HT, *TWIN.values())}
+    report = {}
+    for routing in ("random", "one_expert", "masked", "rank1-empty"):
+        if routing == "rank1-empty":  # rank 1 has no tokens; rank 0 still routes to its experts
+            p = _problem(rank, "empty" if rank == 1 else "random")
+        else:
+            p = _problem(rank, routing)
+        out = {name: run_kernel(k, p, rank, world) for name, k in kernels.items()}
+        ref = p.reference()
+        for name in (LL, HT):
+            report[f"{name}/{routing}/oracle"] = _max_err(out[name], ref)
+            report[f"{name}/{routing}/equal-to-{TWIN[name]}"] = bool(torch.equal(out[name], out[TWIN[name]]))
+    p = _problem(rank, "random", num_tokens=MAX_TOKENS)
+    for name in (LL, HT):
+        plain = run_kernel(kernels[name], p, rank, world)
+        for executor in ("thread", "greenlet"):
+            dbo = run_kernel(kernels[name], p, rank, world, num_ubatches=2, executor=executor)
+            report[f"{name}/dbo2-{executor}-vs-plain"] = _max_err(dbo, plain)
+        sbo = _build(name, shared_experts=p.shared_experts, enable_sbo=True)
+        report[f"{name}/sbo+shared-oracle"] = _max_err(run_kernel(sbo, p, rank, world), p.reference(with_shared=True))
+        # Under DBO the receive hook of one ubatch is issued by the other one.
+        trace = []
+        kernel = _build(name)
+        kernel.prepare_finalize = RecordingPrepareFinalize(kernel.prepare_finalize, trace)
+        run_kernel(kernel, p, rank, world, num_ubatches=2)
+        report[f"{name}/dbo-schedule"] = trace == [
+            ("send_dispatch", 0), ("recv_dispatch", 0, "by", 1), ("send_dispatch", 1), ("recv_dispatch", 1, "by", 0),
+            ("send_combine", 0), ("recv_combine", 0, "by", 1), ("send_combine", 1), ("recv_combine", 1, "by", 0),
+        ]
+    return report
+
+
+def test_adapters_match_the_oracle_and_the_torch_backends_exactly():
+    per_rank = run_distributed(_exact_cases, 2, timeout_s=150)
+    for rank, report in enumerate(per_rank):
+        for case, value in report.items():
+            if isinstance(value, bool):
+                assert value, f"rank {rank}: {case}"
+            else:
+                assert value <= 1e-4, f"rank {rank}: {case} max error {value}"
+    assert len(per_rank[0]) == 2 * (4 * 2 + 4)
+
+
+# ------------------------------------------------------------------ strict emulation (bf16, fp8)
+
+
+def _raises(fn, exc, text):
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"{exc.__name__} without {text!r}: {e}"
+        return True
+    raise AssertionError(f"no {exc.__name__} ({text!r})")
+
+
+def _strict_cases(rank, world):
+    import torch.distributed as dist
+
+    deep_ep = fake_deep_ep.install()
+    group = dist.group.WORLD
+    E, El, T, H = NUM_EXPERTS, NUM_EXPERTS // world, MAX_TOKENS, HIDDEN
+    report = {}
+
+    # bf16 end to end, with and without fp8 dispatch.
+    p = _problem(rank, "masked")
+    p.hidden = p.hidden.to(torch.bfloat16)
+    for name in (LL, HT):
+        for fp8 in (False, True):
+            out = run_kernel(_build(name, use_fp8_dispatch=fp8), p, rank, world)
+            assert out.dtype == torch.bfloat16
+            x = dequantize_fp8(*quantize_fp8_per_token_group(p.hidden), torch.float32) if fp8 else p.hidden.float()
+            ref = torch_moe_reference(x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+            # bf16 tolerance (the output is rounded to bf16 on the expert rank and after combine);
+            # with fp8, DeepEP's own cast may differ from tandem's by one fp8 step on a few values.
+            close = torch.allclose(out.float(), ref, rtol=1.6e-2, atol=2e-2 if fp8 else 1e-2)
+            report[f"{name}/bf16/fp8={fp8}"] = bool(close)
+        # DeepEP's kernels take bf16 only.
+        report[f"{name}/float32-rejected"] = _raises(
+            lambda: run_kernel(_build(name), _problem(rank, "random"), rank, world), RuntimeError, "kBFloat16"
+        )
+
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    buf = deep_ep.Buffer(group, 0, hint, low_latency_mode=True, num_qps_per_rank=El)
+
+    # An adapter over a Buffer built by the caller (shareable between layers).
+    own = FusedMoEModularKernel(DeepEPLowLatencyPrepareAndFinalize(E, T, buffer=buf), TorchBatchedExperts())
+    report["caller-buffer"] = bool(torch.equal(run_kernel(own, p, rank, world), run_kernel(_build(LL), p, rank, world)))
+    ll = buf.low_latency_dispatch
+    ids = torch.tensor([[0, 5], [5, -1], [1, 4]], dtype=torch.int64)
+    x = (10 * rank + torch.arange(1, 4, dtype=torch.float32)).view(3, 1).expand(3, H).to(torch.bfloat16).contiguous()
+
+    # Constraints DeepEP asserts (all fail before any communication, on every rank alike).
+    report["too-many-tokens"] = _raises(
+        lambda: ll(torch.zeros(T + 1, H, dtype=torch.bfloat16), torch.zeros(T + 1, 2, dtype=torch.int64), T, E),
+        RuntimeError, "num_max_dispatch_tokens_per_rank",
+    )
+    report["int32-ids"] = _raises(lambda: ll(x, ids.int(), T, E), RuntimeError, "kInt64")
+    report["float32-x"] = _raises(lambda: ll(x.float(), ids, T, E), RuntimeError, "kBFloat16")
+    report["hidden-1024"] = _raises(
+        lambda: ll(x[:, :1024].contiguous(), ids, T, E), RuntimeError, "Unsupported hidden"
+    )
+    report["experts-not-divisible"] = _raises(lambda: ll(x, ids, T, E - 1), RuntimeError, "num_experts % num_ranks")
+    report["async-and-hook"] = _raises(
+        lambda: ll(x, ids, T, E, async_finish=True, return_recv_hook=True), RuntimeError, "return_recv_hook"
+    )
+    report["bad-expert-id"] = _raises(lambda: ll(x, ids + 10, T, E), ValueError, "top-k ids")
+    small = deep_ep.Buffer(group, 0, 128 * 64, low_latency_mode=True, num_qps_per_rank=El)
+    report["buffer-too-small"] = _raises(
+        lambda: small.low_latency_dispatch(x, ids, T, E), RuntimeError, "num_rdma_bytes"
+    )
+    report["unaligned-buffer"] = _raises(lambda: deep_ep.Buffer(group, 100), RuntimeError, "NUM_BUFFER_ALIGNMENT_BYTES")
+    layout = buf.get_dispatch_layout(ids, E)
+    report["ht-needs-nvl-bytes"] = _raises(
+        lambda: buf.dispatch(
+            x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1], num_tokens_per_expert=layout[2],
+            is_token_in_rank=layout[3], topk_idx=ids, topk_weights=torch.ones(3, 2),
+        ),
+        RuntimeError, "num_nvl_bytes",
+    )
+
+    # Low-latency layout: the data arrives only with the hook, packed per expert by source rank.
+    recv_x, recv_count, handle, event, hook = ll(x, ids, T, E, use_fp8=False, return_recv_hook=True)
+    assert event.event is None and tuple(recv_x.shape) == (El, world * T, H) and recv_x.dtype == torch.bfloat16
+    report["stale-before-hook"] = bool((recv_x.float() == fake_deep_ep._STALE).all())
+    hook()
+    report["hook-once"] = _raises(hook, RuntimeError, "once")
+    src_info, layout_range, *_ = handle
+    layout_ok = True
+    for e in range(El):
+        rows = [(src, t) for src in range(world) for t in range(3) if (ids[t] == rank * El + e).any()]
+        layout_ok &= int(recv_count[e]) == len(rows)
+        for i, (src, t) in enumerate(rows):
+            layout_ok &= float(recv_x[e, i, 0]) == 10 * src + t + 1 and int(src_info[e, i]) == t
+        for src in range(world):
+            count, begin = int(layout_range[e, src]) & 0xFFFFFFFF, int(layout_range[e, src]) >> 32
+            layout_ok &= count == sum(1 for s, _ in rows if s == src) and begin == sum(1 for s, _ in rows if s < src)
+    report["ll-layout"] = layout_ok
+    # Identity experts; rows past recv_count stay stale and must not be read by combine.
+    weights = torch.full((3, 2), 0.5)
+    combined, _, hook = buf.low_latency_combine(recv_x, ids, weights, handle, return_recv_hook=True)
+    hook()
+    expected = x.float() * 0.5 * (ids >= 0).sum(1, keepdim=True)
+    report["ll-combine"] = bool(torch.equal(combined.float(), expected))
+
+    # Without a hook the call itself delivers (synchronously, or by the event when async).
+    stats = torch.zeros(El, dtype=torch.int32)
+    sync_x, sync_count, _, event, no_hook = ll(
+        x, ids, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=False
+    )
+    async_x, _, _, async_event, _ = ll(x, ids, T, E, use_fp8=False, async_finish=True)
+    async_event.current_stream_wait()
+    report["ll-sync-and-async"] = (
+        no_hook is None and event.event is None and bool(torch.equal(stats, recv_count))
+        and all(torch.equal(y[e, :n], recv_x[e, :n]) for y in (sync_x, async_x) for e, n in enumerate(recv_count))
+    )
+    # zero_copy: the expert output is written straight into the next combine buffer.
+    buf.get_next_low_latency_combine_buffer(handle).copy_(recv_x)
+    zc, _, _ = buf.low_latency_combine(torch.empty_like(recv_x), ids, weights, handle, zero_copy=True)
+    report["ll-zero-copy"] = bool(torch.equal(zc, combined))
+
+    # fp8: scales are [E_local, R*T, H/128] float32, column-major in the last two dims.
+    (q, scales), recv_count, handle, _, hook = ll(x, ids, T, E, use_fp8=True, return_recv_hook=True)
+    hook()
+    report["fp8-scales-layout"] = (
+        q.dtype == torch.float8_e4m3fn
+        and tuple(scales.shape) == (El, world * T, H // 128)
+        and scales.stride()[1:] == (1, world * T)
+    )
+    n = int(recv_count[0])
+    back = dequantize_fp8(q[0, :n], scales[0, :n], torch.float32)
+    report["fp8-values"] = _max_err(back, recv_x[0, :n].float()) < 1e-4
+
+    # Two low-latency buffers: a third operation before the first one's receive is an error.
+    _, _, _, _, hook_a = ll(x, ids, T, E, use_fp8=False, return_recv_hook=True)
+    _, _, _, _, hook_b = ll(x, ids, T, E, use_fp8=False, return_recv_hook=True)
+    report["double-buffer"] = _raises(lambda: ll(x, ids, T, E, return_recv_hook=True), RuntimeError, "two")
+    hook_a()
+    hook_b()
+
+    # High-throughput layout: rows by source rank, local ids (-1 elsewhere, weight 0), async event.
+    ht = deep_ep.Buffer(group, deep_ep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(H * 2, world))
+    per_rank, per_rdma, per_expert, in_rank, _ = ht.get_dispatch_layout(ids, E)
+    tw = torch.rand(3, 2)
+    (recv_x, recv_ids, recv_w, per_local_expert, handle, event) = ht.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=tw, async_finish=True,
+    )
+    event.current_stream_wait()
+    sent = [(src, t) for src in range(world) for t in range(3) if ((ids[t] // El) == rank).any()]
+    report["ht-rows"] = [float(v) for v in recv_x[:, 0]] == [10 * s + t + 1 for s, t in sent]
+    local = torch.stack([torch.where(ids[t] // El == rank, ids[t] - rank * El, -1) for _, t in sent])
+    report["ht-local-ids"] = bool(torch.equal(recv_ids, local)) and bool((recv_w[local < 0] == 0).all())
+    report["ht-per-expert"] = per_local_expert == [int((local == e).sum()) for e in range(El)]
+    combined, combined_w, event = ht.combine(recv_x, handle, topk_weights=recv_w, async_finish=True)
+    event.current_stream_wait()
+    copies = in_rank.sum(1, keepdim=True)
+    report["ht-combine"] = bool(torch.equal(combined.float(), x.float() * copies)) and bool(
+        torch.allclose(combined_w, torch.where(ids >= 0, tw, 0.0))
+    )
+    (cached_x, *rest, event) = ht.dispatch(x, handle=handle, async_finish=True)
+    event.current_stream_wait()
+    report["ht-cached-dispatch"] = bool(torch.equal(cached_x, recv_x)) and rest == [None] * 4
+    report["ht-combine-float32"] = _raises(lambda: ht.combine(recv_x.float(), handle), RuntimeError, "kBFloat16")
+    return report
+
+
+def test_strict_emulation_bf16_fp8_layouts_and_constraints():
+    per_rank = run_distributed(_strict_cases, 2, timeout_s=150)
+    failed = [(rank, case) for rank, report in enumerate(per_rank) for case, ok in report.items() if ok is not True]
+    assert failed == []
+    assert len(per_rank[0]) == 32
+
+
+# ------------------------------------------------------------------ single process
+
+
+def test_missing_deep_ep_names_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # what a machine without DeepEP sees
+    with pytest.raises(ImportError, match="deepep_low_latency.*DeepEP.*own source"):
+        DeepEPLowLatencyPrepareAndFinalize(NUM_EXPERTS, MAX_TOKENS)
+    with pytest.raises(ImportError, match="deepep_high_throughput.*DeepEP.*own source"):
+        DeepEPHighThroughputPrepareAndFinalize(NUM_EXPERTS)
+
+
+def test_install_and_uninstall_restore_sys_modules():
+    before = sys.modules.get("deep_ep")
+    with fake_deep_ep.installed() as module:
+        import deep_ep
+        from deep_ep import Buffer, Config, EventOverlap
+
+        assert deep_ep is module and Buffer is module.Buffer and deep_ep.utils.EventOverlap is EventOverlap
+        assert isinstance(Config(), Config)
+        Buffer.set_num_sms(24)
+        assert Buffer.num_sms == 24 and fake_deep_ep.Buffer.num_sms == 20  # per-install state
+    assert sys.modules.get("deep_ep") is before
+
+
+def test_registry_and_formats():
+    assert ALL2ALL_BACKENDS[LL].endswith(":DeepEPLowLatencyPrepareAndFinalize")
+    assert ALL2ALL_BACKENDS[HT].endswith(":DeepEPHighThroughputPrepareAndFinalize")
+    assert DeepEPLowLatencyPrepareAndFinalize.activation_format is ActivationFormat.MASKED
+    assert DeepEPHighThroughputPrepareAndFinalize.activation_format is ActivationFormat.STANDARD
+
+
+def test_config_checks_and_size_hints():
+    Buffer, Config = fake_deep_ep.Buffer, fake_deep_ep.Config
+    with pytest.raises(RuntimeError, match="send_tokens < num_max_nvl_chunked_recv"):
+        Config(20, 8, 8)
+    with pytest.raises(AssertionError, match="even"):
+        Buffer.set_num_sms(3)
+    with pytest.raises(AssertionError, match="Unsupported number of EP ranks"):
+        Buffer.get_dispatch_config(3)
+    small = Buffer.get_low_latency_rdma_size_hint(16, 2048, 2, 8)
+    assert small % 128 == 0 and small > fake_deep_ep._low_latency_layout_bytes(16, 2048, 2, 8)
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) > small
+    config = Buffer.get_dispatch_config(2)
+    assert config.get_nvl_buffer_size_hint(4096, 2) % 128 == 0 and config.get_rdma_buffer_size_hint(4096, 2) == 0
