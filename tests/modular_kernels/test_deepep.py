@@ -94,6 +94,25 @@ def test_adapters_match_the_oracle_and_the_torch_backends_exactly():
     assert len(per_rank[0]) == 2 * (4 * 2 + 4)
 
 
+def _many_ubatches(rank, world):
+    fake_deep_ep.install(allow_float32=True)
+    p = _problem(rank, "random", num_tokens=MAX_TOKENS)
+    report = {}
+    for name in (LL, HT):
+        kernel = _build(name)
+        plain = run_kernel(kernel, p, rank, world)
+        for n in (3, 4):  # more operations in flight than DeepEP LL's two internal buffers
+            report[f"{name}/dbo{n}"] = _max_err(run_kernel(kernel, p, rank, world, num_ubatches=n), plain)
+        report[f"{name}/buffers"] = len(kernel.prepare_finalize._buffers)
+    return report
+
+
+def test_each_ubatch_gets_its_own_buffer():
+    for report in run_distributed(_many_ubatches, 2, timeout_s=240):
+        assert report[f"{LL}/buffers"] == report[f"{HT}/buffers"] == 4
+        assert max(v for k, v in report.items() if "/dbo" in k) <= 1e-5, report
+
+
 # ------------------------------------------------------------------ strict emulation (bf16, fp8)
 
 

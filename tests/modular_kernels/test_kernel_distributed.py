@@ -52,6 +52,11 @@ def _all_cases(rank, world, pairs):
         errors[f"{all2all}+{moe}/shared-vs-oracle"] = _max_err(with_shared, p.reference(with_shared=True))
         errors[f"{all2all}+{moe}/sbo-vs-no-sbo"] = _max_err(run_kernel(sbo, p, rank, world), with_shared)
         errors[f"{all2all}+{moe}/sbo+dbo-vs-no-sbo"] = _max_err(run_kernel(sbo, p, rank, world, num_ubatches=2), with_shared)
+        at_dispatch = _build(all2all, moe, shared_experts=p.shared_experts, enable_sbo=True, shared_experts_overlap="dispatch")
+        errors[f"{all2all}+{moe}/sbo@dispatch-vs-no-sbo"] = _max_err(run_kernel(at_dispatch, p, rank, world), with_shared)
+        errors[f"{all2all}+{moe}/dbo-shared@dispatch-vs-no-sbo"] = _max_err(
+            run_kernel(at_dispatch, p, rank, world, num_ubatches=2), with_shared
+        )
 
         fp8 = _build(all2all, moe, use_fp8_dispatch=True)
         roundtrip = dequantize_fp8(*quantize_fp8_per_token_group(p.hidden), torch.float32)
@@ -65,7 +70,7 @@ def test_every_pair_matches_the_oracle(world):
     per_rank = run_distributed(_all_cases, world, PAIRS, timeout_s=240)
     bad = {(rank, case): err for rank, errors in enumerate(per_rank) for case, err in errors.items() if err > 2e-5}
     assert bad == {}
-    assert len(per_rank[0]) == len(PAIRS) * 12
+    assert len(per_rank[0]) == len(PAIRS) * 14
 
 
 def _random_only(rank, world, pairs):

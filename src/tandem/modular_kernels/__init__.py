@@ -9,6 +9,7 @@ from tandem.modular_kernels.kernel import FusedMoEModularKernel
 from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
 from tandem.modular_kernels.quant import dequantize_fp8, quantize_fp8_per_token_group
 from tandem.modular_kernels.routing import expert_mlp, select_experts, torch_moe_reference
+from tandem.modular_kernels.sm_partition import comm_sm_partition
 
 __all__ = [
     "ALL2ALL_BACKENDS",
@@ -23,6 +24,7 @@ __all__ = [
     "TorchBatchedExperts",
     "TorchExperts",
     "build_moe_kernel",
+    "comm_sm_partition",
     "dequantize_fp8",
     "expert_mlp",
     "quantize_fp8_per_token_group",

@@ -86,6 +86,7 @@ def build_moe_kernel(
     shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
     use_fp8_dispatch: bool = False,
     enable_sbo: bool = False,
+    shared_experts_overlap: str = "combine",
     fabric: FabricModel | None = None,
 ) -> FusedMoEModularKernel:
     """Rank r of the R ranks in `group` holds experts `[r*E/R, (r+1)*E/R)`; `forward` takes
@@ -108,4 +109,5 @@ def build_moe_kernel(
         shared_experts,
         use_fp8_dispatch=use_fp8_dispatch,
         enable_sbo=enable_sbo,
+        shared_experts_overlap=shared_experts_overlap,
     )

@@ -18,7 +18,11 @@ class FusedMoEModularKernel:
     receive hook on the next ubatch and yields; that ubatch issues the receive after it
     has queued its own work, and the sender picks up the result when its turn returns.
     Without DBO the receive happens in place, unless `enable_sbo` asks to overlap the
-    shared experts with the combine in flight.
+    shared experts with a transfer in flight.
+
+    `shared_experts_overlap` picks that transfer: `"combine"` (vLLM's placement, between
+    the combine send and the yield) or `"dispatch"` (SGLang TBO's, between the dispatch
+    send and the yield), whichever balances the model's compute around its transfers.
     """
 
     def __init__(
@@ -29,7 +33,10 @@ class FusedMoEModularKernel:
         *,
         use_fp8_dispatch: bool = False,
         enable_sbo: bool = False,
+        shared_experts_overlap: str = "combine",
     ):
+        if shared_experts_overlap not in ("combine", "dispatch"):
+            raise ValueError(f"shared_experts_overlap must be 'combine' or 'dispatch', got {shared_experts_overlap!r}")
         if prepare_finalize.activation_format != experts.activation_format:
             raise ValueError(
                 f"{prepare_finalize.name!r} dispatch produces {prepare_finalize.activation_format.value} "
@@ -41,6 +48,7 @@ class FusedMoEModularKernel:
         self.shared_experts = shared_experts
         self.use_fp8_dispatch = use_fp8_dispatch
         self.enable_sbo = enable_sbo
+        self.shared_experts_overlap = shared_experts_overlap
 
     def __repr__(self) -> str:
         return (
@@ -99,16 +107,18 @@ class FusedMoEModularKernel:
         def run_shared() -> None:
             shared_out.append(self.shared_experts(hidden_states))
 
+        overlap_at = self.shared_experts_overlap if overlap_shared else None
+
         dbo_maybe_run_recv_hook()
         hook, receive_tokens = pf.prepare_async(hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch)
-        self._receive(hook)
+        self._receive(hook, overlap=run_shared if overlap_at == "dispatch" else None)
         tokens = receive_tokens()
 
         expert_out = self.experts.apply(tokens, w1, w2)
 
         dbo_maybe_run_recv_hook()
         hook, receive_output = pf.finalize_async(expert_out, tokens, topk_weights, topk_ids)
-        self._receive(hook, overlap=run_shared if overlap_shared else None)
+        self._receive(hook, overlap=run_shared if overlap_at == "combine" else None)
         out = receive_output()
 
         if self.shared_experts is not None:

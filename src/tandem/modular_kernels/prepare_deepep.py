@@ -7,6 +7,10 @@ build one from the process group with DeepEP's own size hints, on first use (the
 size is known then) or at construction when `hidden_size` is given. A Buffer can be shared
 by several adapters (e.g. every MoE layer of a model) as long as they run one at a time.
 
+Under DBO each ubatch has its own Buffer (made on its first use; every rank runs the same
+ubatches in the same order, so the collective set-up matches): DeepEP's low-latency mode
+double-buffers at most two operations in flight, and N ubatches may have N.
+
 On CPU, `tandem.testing.fake_deep_ep.install()` puts an emulation of DeepEP's API in place.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tandem.contexts import dbo_current_ubatch_id
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize, RecvHook
 from tandem.modular_kernels.quant import quantize_fp8_per_token_group
@@ -47,10 +52,15 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
         self.group = group
         self.fabric = fabric
-        self.buffer = None
+        self._buffers: dict[int, object] = {}
         if buffer is not None:
             self._check_buffer(buffer)
-            self.buffer = buffer
+            self._buffers[0] = buffer
+
+    @property
+    def buffer(self):
+        """The calling ubatch's Buffer (ubatch 0's outside DBO), or None before first use."""
+        return self._buffers.get(dbo_current_ubatch_id())
 
     def supports_async(self) -> bool:
         return True
@@ -66,13 +76,14 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         raise NotImplementedError
 
     def ensure_buffer(self, hidden_size: int, dtype: torch.dtype = torch.bfloat16):
-        """Build the Buffer now (a collective: every rank must call it), e.g. before a graph
-        capture; returns it. A no-op when the adapter already has one."""
-        if self.buffer is None:
+        """Build the calling ubatch's Buffer now (a collective: every rank must call it),
+        e.g. before a graph capture; returns it. A no-op when that ubatch already has one."""
+        ubatch = dbo_current_ubatch_id()
+        if ubatch not in self._buffers:
             buffer = self._make_buffer(hidden_size, dtype)
             self._check_buffer(buffer)
-            self.buffer = buffer
-        return self.buffer
+            self._buffers[ubatch] = buffer
+        return self._buffers[ubatch]
 
     def _with_fabric(self, hook: RecvHook, nbytes: int) -> RecvHook:
         if self.fabric is None:

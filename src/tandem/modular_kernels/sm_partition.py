@@ -1,0 +1,58 @@
+"""`--comm-sms N`: while ubatches overlap on a GPU, communication kernels (DeepEP) get N
+SMs and compute kernels (DeepGEMM) the rest, so neither starves the other; the previous
+settings come back afterwards. On CPU there are no SMs and the setting does nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from typing import Iterator
+
+import torch
+
+
+def _loaded_or_importable(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def device_sm_count() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+@contextlib.contextmanager
+def comm_sm_partition(comm_sms: int | None, *, total_sms: int | None = None) -> Iterator[None]:
+    """Reserve `comm_sms` SMs for communication inside the block.
+
+    `total_sms` defaults to the current CUDA device's SM count; without a device (and no
+    explicit count) this is a no-op. DeepEP requires an even SM count.
+    """
+    total = total_sms if total_sms is not None else device_sm_count()
+    if not comm_sms or total is None:
+        yield
+        return
+    if not 0 < comm_sms < total:
+        raise ValueError(f"--comm-sms must lie in [1, {total - 1}] on a device with {total} SMs, got {comm_sms}")
+    if comm_sms % 2:
+        raise ValueError(f"--comm-sms must be even (DeepEP splits SMs in pairs), got {comm_sms}")
+    deep_ep = _loaded_or_importable("deep_ep")
+    deep_gemm = _loaded_or_importable("deep_gemm")
+    restore = []
+    try:
+        if deep_ep is not None:
+            restore.append((deep_ep.Buffer.set_num_sms, deep_ep.Buffer.num_sms))
+            deep_ep.Buffer.set_num_sms(comm_sms)
+        if deep_gemm is not None:
+            restore.append((deep_gemm.set_num_sms, deep_gemm.get_num_sms()))
+            deep_gemm.set_num_sms(total - comm_sms)
+        yield
+    finally:
+        for setter, previous in reversed(restore):
+            setter(previous)

@@ -1,0 +1,63 @@
+"""Every --all2all-backend × --moe-backend pair of the same activation format, built by
+`build_moe_kernel` on 2 gloo ranks, against the oracle, with and without DBO.
+
+GPU-only pieces run on their CPU stand-ins: Triton under TRITON_INTERPRET=1, DeepEP and
+DeepGEMM through `tandem.testing`'s emulations of their Python APIs."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, here and in the spawned ranks
+
+import pytest
+import torch
+
+from tandem.modular_kernels import ALL2ALL_BACKENDS, MOE_BACKENDS, build_moe_kernel
+from tandem.testing import run_distributed
+from tests.modular_kernels.moe_cases import NUM_EXPERTS, TOP_K, make_problem, run_kernel
+
+pytest.importorskip("triton")
+
+HIDDEN, INTERMEDIATE, TOKENS = 2048, 128, 6  # DeepEP LL's smallest hidden size; DeepGEMM's 128 alignment
+#: Relative error of the single-rank kernel against the float32 oracle: DeepGEMM computes
+#: in fp8 (activations, weights and the intermediate), the others in float32.
+ORACLE_TOLERANCE = {"torch": 1e-5, "triton": 1e-5, "deep_gemm": 8e-2}
+#: Relative error of each expert-parallel pair against the same experts on one rank.
+PAIR_TOLERANCE = {"torch": 1e-5, "triton": 1e-5, "deep_gemm": 1e-2}
+COMMUNICATING = sorted(set(ALL2ALL_BACKENDS) - {"local"})
+
+
+def _relative_error(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _matrix(rank, world):
+    from tandem.testing import fake_deep_ep, fake_deep_gemm
+
+    fake_deep_ep.install(allow_float32=True)
+    fake_deep_gemm.install()
+    p = make_problem(rank, "masked", num_tokens=TOKENS, hidden=HIDDEN, intermediate=INTERMEDIATE)
+    oracle = p.reference()
+    report = {}
+    for moe in sorted(MOE_BACKENDS):
+        single = build_moe_kernel("local", moe, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN)
+        ref = run_kernel(single, p, 0, 1)
+        report[("local", moe, "oracle")] = _relative_error(ref, oracle)
+        for all2all in COMMUNICATING:
+            kernel = build_moe_kernel(
+                all2all, moe, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=TOKENS
+            )
+            report[(all2all, moe, "plain")] = _relative_error(run_kernel(kernel, p, rank, world), ref)
+            report[(all2all, moe, "dbo")] = _relative_error(run_kernel(kernel, p, rank, world, num_ubatches=2), ref)
+    return report
+
+
+def test_every_pair_on_two_ranks():
+    per_rank = run_distributed(_matrix, 2, timeout_s=600)
+    for report in per_rank:
+        assert len(report) == len(MOE_BACKENDS) * (1 + 2 * len(COMMUNICATING))
+        too_far = {
+            key: err
+            for key, err in report.items()
+            if err > (ORACLE_TOLERANCE if key[0] == "local" else PAIR_TOLERANCE)[key[1]]
+        }
+        assert too_far == {}

@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+from tandem.modular_kernels.sm_partition import comm_sm_partition
+from tandem.testing import fake_deep_ep, fake_deep_gemm
+
+
+@pytest.fixture
+def gpu_libraries():
+    with fake_deep_ep.installed() as deep_ep, fake_deep_gemm.installed() as deep_gemm:
+        yield deep_ep, deep_gemm
+
+
+def test_splits_sms_inside_and_restores_after(gpu_libraries):
+    deep_ep, deep_gemm = gpu_libraries
+    before_ep, before_gemm = deep_ep.Buffer.num_sms, deep_gemm.get_num_sms()
+    with comm_sm_partition(24, total_sms=132):
+        assert deep_ep.Buffer.num_sms == 24
+        assert deep_gemm.get_num_sms() == 108
+    assert (deep_ep.Buffer.num_sms, deep_gemm.get_num_sms()) == (before_ep, before_gemm)
+
+
+def test_restores_after_an_exception(gpu_libraries):
+    deep_ep, deep_gemm = gpu_libraries
+    before = deep_gemm.get_num_sms()
+    with pytest.raises(KeyError):
+        with comm_sm_partition(20, total_sms=132):
+            raise KeyError("ubatch failed")
+    assert deep_gemm.get_num_sms() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+def test_is_a_noop_without_a_device(gpu_libraries):
+    deep_ep, deep_gemm = gpu_libraries
+    before = (deep_ep.Buffer.num_sms, deep_gemm.get_num_sms())
+    with comm_sm_partition(24):
+        assert (deep_ep.Buffer.num_sms, deep_gemm.get_num_sms()) == before
+
+
+@pytest.mark.parametrize("comm_sms, message", [(132, "lie in"), (-2, "lie in"), (7, "even")])
+def test_bad_counts_are_named(comm_sms, message):
+    with pytest.raises(ValueError, match=message):
+        with comm_sm_partition(comm_sms, total_sms=132):
+            pass
