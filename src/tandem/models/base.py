@@ -1,0 +1,122 @@
+"""What every model family implements, and the options its MoE layers are built with."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from tandem.modular_kernels import FabricModel, FusedMoEModularKernel, build_moe_kernel
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Per attention layer: the cache tensors it needs, each `[num_blocks, block_size, *shape]`.
+
+    Standard attention: `{"key": (Hkv, Dk), "value": (Hkv, Dv)}`; MLA may cache its latent.
+    """
+
+    shapes: dict[str, tuple[int, ...]]
+    dtype: torch.dtype
+
+
+@dataclass
+class MoEOptions:
+    """How the MoE layers communicate and compute; one rank of `group` holds experts
+    `[rank * E / R, (rank + 1) * E / R)` (expert parallelism across the DP ranks)."""
+
+    all2all_backend: str = "local"
+    moe_backend: str = "torch"
+    group: object = None
+    max_tokens_per_rank: int | None = None
+    use_fp8_dispatch: bool = False
+    enable_sbo: bool = False
+    shared_experts_overlap: str = "combine"
+    fabric: FabricModel | None = None
+
+    @property
+    def ep_rank(self) -> int:
+        return torch.distributed.get_rank(self.group) if self._distributed else 0
+
+    @property
+    def ep_size(self) -> int:
+        return torch.distributed.get_world_size(self.group) if self._distributed else 1
+
+    @property
+    def _distributed(self) -> bool:
+        return self.all2all_backend != "local" and torch.distributed.is_initialized()
+
+    def local_experts(self, num_experts: int) -> range:
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts do not divide over {self.ep_size} expert-parallel ranks")
+        per_rank = num_experts // self.ep_size
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+    def build_kernel(
+        self,
+        *,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> FusedMoEModularKernel:
+        return build_moe_kernel(
+            self.all2all_backend,
+            self.moe_backend,
+            num_experts=num_experts,
+            top_k=top_k,
+            hidden_size=hidden_size,
+            group=self.group,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            shared_experts=shared_experts,
+            use_fp8_dispatch=self.use_fp8_dispatch,
+            enable_sbo=self.enable_sbo,
+            shared_experts_overlap=self.shared_experts_overlap,
+            fabric=self.fabric,
+        )
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only MoE language model on one expert-parallel rank.
+
+    `forward(input_ids [T], positions [T]) -> hidden [T, H]` reads its attention metadata
+    (`AttentionMetadata`) from `tandem.contexts.get_forward_context().attn_metadata`, so
+    the same call serves a whole batch or one ubatch. Its attention layers own the cache
+    tensors bound by `bind_kv_cache`.
+    """
+
+    #: HF `architectures` names this class loads.
+    architectures: tuple[str, ...] = ()
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """One spec per attention layer, in layer order."""
+
+    @abstractmethod
+    def bind_kv_cache(self, caches: list[dict[str, torch.Tensor]]) -> None:
+        """Give each attention layer its cache tensors (same order as `kv_cache_specs`)."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the model; tensors of experts this rank does not hold
+        are skipped. Returns the names of the parameters that were loaded."""
+
+
+@dataclass
+class ModelInfo:
+    """What the runner needs besides the module: tokenizer and stop tokens."""
+
+    model: CausalLM
+    tokenizer: object
+    eos_token_ids: set[int] = field(default_factory=set)
+    max_model_len: int = 4096
+    name: str = ""

@@ -1,0 +1,79 @@
+"""Turning the scheduled requests of one step into model inputs and attention metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tandem.models.paged_attention import AttentionMetadata
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: `token_ids` are its new tokens, appended after the
+    `num_computed` tokens whose K/V are already cached in `block_ids`."""
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_ids: Sequence[int]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T_padded] int64
+    positions: torch.Tensor  # [T_padded] int64
+    attn_metadata: AttentionMetadata
+    num_scheduled_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def uniform_decode(self) -> bool:
+        """Every request has the same query length of 1 (no speculation)."""
+        return bool(self.num_scheduled_tokens) and all(n == 1 for n in self.num_scheduled_tokens)
+
+
+def build_step_inputs(
+    chunks: Sequence[ScheduledChunk], block_size: int, num_tokens_padded: int | None = None
+) -> StepInputs:
+    counts = [len(c.token_ids) for c in chunks]
+    total = sum(counts)
+    padded = total if num_tokens_padded is None else num_tokens_padded
+    if padded < total:
+        raise ValueError(f"num_tokens_padded={padded} is smaller than the {total} scheduled tokens")
+    input_ids = torch.zeros(padded, dtype=torch.int64)
+    positions = torch.zeros(padded, dtype=torch.int64)
+    slot_mapping = torch.full((padded,), -1, dtype=torch.int64)
+    max_blocks = max((len(c.block_ids) for c in chunks), default=0)
+    block_table = torch.zeros((len(chunks), max(max_blocks, 1)), dtype=torch.int32)
+    seq_lens = []
+    start = 0
+    for r, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        seq_len = chunk.num_computed + n
+        if len(chunk.block_ids) * block_size < seq_len:
+            raise ValueError(
+                f"request {r} needs {seq_len} cached tokens but has {len(chunk.block_ids)} blocks of {block_size}"
+            )
+        pos = torch.arange(chunk.num_computed, seq_len)
+        blocks = torch.tensor(list(chunk.block_ids), dtype=torch.int64)
+        input_ids[start : start + n] = torch.tensor(list(chunk.token_ids), dtype=torch.int64)
+        positions[start : start + n] = pos
+        slot_mapping[start : start + n] = blocks[pos // block_size] * block_size + pos % block_size
+        block_table[r, : len(chunk.block_ids)] = blocks.to(torch.int32)
+        seq_lens.append(seq_len)
+        start += n
+    query_start_loc = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()] if counts else [0], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        max_query_len=max(counts, default=0),
+        slot_mapping=slot_mapping,
+        block_table=block_table,
+        block_size=block_size,
+    )
+    return StepInputs(input_ids, positions, metadata, counts)
