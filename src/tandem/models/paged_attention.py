@@ -6,6 +6,12 @@ A step's tokens are laid out request after request; request r owns query rows
 written to cache slot `slot_mapping[t]` (block * block_size + offset), and request r reads
 its whole sequence back through `block_table[r]`. Rows past `num_actual_tokens` are
 padding: they write nothing and attend to nothing.
+
+A *decode-only* batch (every request one query row, `decode_only=True`) takes a vectorised
+path with no host reads: the whole batch gathers its blocks at once and masks by
+`seq_lens`, so it can be captured in a graph. Under a graph capture, cache writes cannot
+drop padding rows by a boolean mask (a data-dependent shape); they write them into
+`NULL_BLOCK` instead, which the runner's block allocator never hands out.
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tandem.ubatch import AttentionSlice, UBatchSlice
+from tandem.platform.graph import graph_capture_active
+from tandem.ubatch import AttentionSlice, UBatchSlice, slice_attention_metadata
+
+#: The cache block padding rows write into during a graph capture / replay.
+NULL_BLOCK = 0
 
 
 @dataclass
@@ -25,6 +35,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
     block_table: torch.Tensor  # [R, max_blocks] int32
     block_size: int
+    #: Every request has exactly one query row (request r is row r; rows past the
+    #: requests are padding). Such batches use the graph-capturable decode path.
+    decode_only: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -33,6 +46,26 @@ class AttentionMetadata:
     @property
     def num_actual_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+    def split(self, slices: list[UBatchSlice]) -> list["AttentionMetadata"]:
+        """One metadata per ubatch. A decode-only batch whose requests cover every row (as
+        in a captured graph, where padding rows are requests of length 0) is split into
+        views with no host read; anything else goes through `slice_attention_metadata`."""
+        if self.decode_only and self.num_requests == self.slot_mapping.shape[0]:
+            return [self.decode_rows(ub.token_slice) for ub in slices]
+        attention = slice_attention_metadata(self.query_start_loc, self.seq_lens, slices)
+        return [self.for_ubatch(ub, att) for ub, att in zip(slices, attention)]
+
+    def decode_rows(self, rows: slice) -> "AttentionMetadata":
+        n = rows.stop - rows.start
+        return replace(
+            self,
+            query_start_loc=torch.arange(n + 1, dtype=self.query_start_loc.dtype, device=self.query_start_loc.device),
+            seq_lens=self.seq_lens[rows],
+            max_query_len=1,
+            slot_mapping=self.slot_mapping[rows],
+            block_table=self.block_table[rows],
+        )
 
     def for_ubatch(self, ubatch: UBatchSlice, attention: AttentionSlice) -> "AttentionMetadata":
         """This step's metadata restricted to one ubatch (see `slice_attention_metadata`)."""
@@ -47,10 +80,16 @@ class AttentionMetadata:
 
 
 def write_to_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """`cache [num_blocks, block_size, ...]`, `values [T, ...]`; rows with slot -1 are skipped."""
+    """`cache [num_blocks, block_size, ...]`, `values [T, ...]`; rows with slot -1 are skipped
+    (under a graph capture: written to `NULL_BLOCK`)."""
     flat = cache.view(-1, *cache.shape[2:])
+    values = values[: slot_mapping.shape[0]].to(cache.dtype)
+    if graph_capture_active():
+        null_slot = NULL_BLOCK * cache.shape[1]
+        flat.index_copy_(0, torch.where(slot_mapping >= 0, slot_mapping, null_slot), values)
+        return
     keep = slot_mapping >= 0
-    flat[slot_mapping[keep]] = values[: slot_mapping.shape[0]][keep].to(cache.dtype)
+    flat[slot_mapping[keep]] = values[keep]
 
 
 def read_from_cache(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -70,6 +109,8 @@ def paged_attention(
     """Causal attention of `query [T, Hq, Dk]` over each request's cached K `[.., Hkv, Dk]`
     and V `[.., Hkv, Dv]` (grouped-query when Hq > Hkv); returns `[T, Hq, Dv]`, zero on
     padding rows. The caller has already written this step's K/V to the cache."""
+    if metadata.decode_only:
+        return _decode_attention(query, key_cache, value_cache, metadata, scale)
     num_tokens, num_heads, _ = query.shape
     out = query.new_zeros((num_tokens, num_heads, value_cache.shape[-1]))
     qsl = metadata.query_start_loc.tolist()
@@ -89,3 +130,29 @@ def paged_attention(
         scores = scores.masked_fill(torch.arange(seq_len).unsqueeze(0) > q_pos, float("-inf"))
         out[start:stop] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
     return out
+
+
+def _decode_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One query row per request, all requests at once, no host read: gather every block of
+    the block table and mask positions at or past each request's `seq_len`."""
+    num_tokens, num_heads, _ = query.shape
+    requests, max_blocks = metadata.block_table.shape
+    blocks = metadata.block_table.long()
+    k = key_cache[blocks].flatten(1, 2)  # [R, max_blocks * block_size, Hkv, Dk]
+    v = value_cache[blocks].flatten(1, 2)
+    group = num_heads // k.shape[2]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("rhd,rkhd->rhk", query[:requests].float(), k.float()) * scale
+    seq_lens = metadata.seq_lens.long().unsqueeze(1)
+    positions = torch.arange(k.shape[1], device=query.device).unsqueeze(0)
+    # A padding request (seq_len 0) attends to its first slot, and its output is zeroed.
+    scores = scores.masked_fill((positions >= seq_lens.clamp(min=1)).unsqueeze(1), float("-inf"))
+    out = torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), v.float())
+    out = torch.where((seq_lens > 0).view(-1, 1, 1), out, 0.0).to(query.dtype)
+    if requests == num_tokens:
+        return out
+    return torch.cat((out, out.new_zeros((num_tokens - requests, *out.shape[1:]))))

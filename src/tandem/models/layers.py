@@ -1,0 +1,268 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, GQA attention
+over the paged KV cache, the gated MLP, and the MoE block that drives a modular kernel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.contexts import get_forward_context
+from tandem.models.base import KVCacheSpec, MoEOptions
+from tandem.models.paged_attention import AttentionMetadata, paged_attention, write_to_cache
+from tandem.modular_kernels import select_experts
+
+
+class RMSNorm(nn.Module):
+    """`weight * x / rms(x)`, normalised in float32 and cast back before the weight."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate the two halves of each head) at per-token positions."""
+
+    def __init__(self, head_dim: int, rope_theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[T, 1, D]` each, broadcasting over heads."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((-second, first), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`q [T, Hq, D]`, `k [T, Hkv, D]` at `positions [T]`."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+
+def current_attention_metadata() -> AttentionMetadata:
+    context = get_forward_context()
+    if context is None or context.attn_metadata is None:
+        raise RuntimeError(
+            "attention needs AttentionMetadata in the forward context: run the model inside "
+            "tandem.contexts.set_forward_context(ForwardContext(attn_metadata=...))"
+        )
+    return context.attn_metadata
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with q/k/v/o projections that writes this step's K/V into its
+    paged cache and attends over it. Options cover the families: `qkv_bias` (Qwen2-MoE),
+    `o_bias` and per-head `qk_norm_eps` (Qwen3-MoE)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        rope_theta: float = 10000.0,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} attention heads do not group over {num_kv_heads} KV heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.dtype = dtype
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias, dtype=dtype)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = RotaryEmbedding(head_dim, rope_theta)
+        self.kv_cache: dict[str, torch.Tensor] | None = None
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        shape = (self.num_kv_heads, self.head_dim)
+        return KVCacheSpec({"key": shape, "value": shape}, self.dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
+        metadata = current_attention_metadata()
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_to_cache(self.kv_cache["key"], k, metadata.slot_mapping)
+        write_to_cache(self.kv_cache["value"], v, metadata.slot_mapping)
+        out = paged_attention(q, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))`, with HF's `gate_proj` / `up_proj` / `down_proj` names."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class StackedExperts(nn.Module):
+    """This rank's routed experts as the kernel takes them: `w13 [E_local, 2I, H]` (gate rows,
+    then up rows) and `w2 [E_local, H, I]`.
+
+    Fills from per-expert checkpoint tensors (`experts.{e}.{proj}.weight`, with the family's
+    projection names for gate / up / down) or from fused 3-D ones (`experts.gate_up_proj
+    [E, 2I, H]`, `experts.down_proj [E, H, I]`, either all E experts or already this rank's
+    rows). Experts outside `local` are skipped.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        local: range,
+        *,
+        proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.num_experts, self.local, self.intermediate_size = num_experts, local, intermediate_size
+        self.roles = dict(zip(proj_names, ("gate", "up", "down")))
+        n = len(local)
+        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
+        self._filled: dict[str, set[int]] = {"gate": set(), "up": set(), "down": set()}
+
+    def is_local(self, expert: int) -> bool:
+        return expert in self.local
+
+    def _rows(self, role: str, local_index: int) -> torch.Tensor:
+        size = self.intermediate_size
+        if role == "gate":
+            return self.w13.data[local_index, :size]
+        if role == "up":
+            return self.w13.data[local_index, size:]
+        return self.w2.data[local_index]
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}")
+        dst.copy_(src)
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, name: str) -> None:
+        if proj not in self.roles:
+            raise KeyError(f"unknown expert projection {proj!r} in {name!r}: expected one of {sorted(self.roles)}")
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"{name!r}: expert {expert} is out of range for {self.num_experts} experts")
+        if expert not in self.local:
+            return
+        role = self.roles[proj]
+        index = expert - self.local.start
+        self._copy(self._rows(role, index), tensor, name)
+        self._filled[role].add(index)
+
+    def local_rows(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """A fused tensor's rows for this rank: all `E` experts are sliced, `E_local` are kept."""
+        if tensor.shape[0] == self.num_experts:
+            return tensor[self.local.start : self.local.stop]
+        if tensor.shape[0] == len(self.local):
+            return tensor
+        raise ValueError(
+            f"{name!r}: fused expert tensor has {tensor.shape[0]} rows, expected {self.num_experts} "
+            f"(all experts) or {len(self.local)} (this rank's)"
+        )
+
+    def load_fused(self, kind: str, tensor: torch.Tensor, name: str) -> None:
+        rows = self.local_rows(tensor, name)
+        everyone = range(len(self.local))
+        if kind == "gate_up_proj":
+            self._copy(self.w13.data, rows, name)
+            self._filled["gate"].update(everyone)
+            self._filled["up"].update(everyone)
+        elif kind == "down_proj":
+            self._copy(self.w2.data, rows, name)
+            self._filled["down"].update(everyone)
+        else:
+            raise KeyError(f"unknown fused expert tensor {name!r}: expected gate_up_proj or down_proj")
+
+    def loaded_parameters(self) -> list[str]:
+        """`w13` / `w2` once every local expert has all of its pieces."""
+        n = len(self.local)
+        done = []
+        if len(self._filled["gate"]) == n and len(self._filled["up"]) == n:
+            done.append("w13")
+        if len(self._filled["down"]) == n:
+            done.append("w2")
+        return done
+
+
+class MoEBlock(nn.Module):
+    """Router (`gate`, a bias-free linear to expert logits) + softmax top-k + this rank's
+    stacked experts, computed by a `FusedMoEModularKernel`. A subclass with shared experts
+    passes `with_shared_experts=True` and overrides `shared_experts_forward`; the kernel
+    calls it (so SBO/DBO can overlap it with communication) and adds its output."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        renormalize: bool,
+        moe: MoEOptions | None = None,
+        proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        with_shared_experts: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        moe = moe or MoEOptions()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.experts = StackedExperts(
+            num_experts, hidden_size, intermediate_size, moe.local_experts(num_experts), proj_names=proj_names, dtype=dtype
+        )
+        self.kernel = moe.build_kernel(
+            num_experts=num_experts,
+            top_k=top_k,
+            hidden_size=hidden_size,
+            shared_experts=self.shared_experts_forward if with_shared_experts else None,
+        )
+
+    def shared_experts_forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no shared experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, renormalize=self.renormalize)
+        return self.kernel(x, self.experts.w13, self.experts.w2, topk_weights, topk_ids)

@@ -1,0 +1,193 @@
+"""Loading a model from a Hugging Face model directory (or the built-in `tiny-moe` preset).
+
+A directory holds `config.json`, `model.safetensors` or a sharded
+`model.safetensors.index.json` + shards, `tokenizer.json` and optionally
+`generation_config.json`. Only the tensors this expert-parallel rank needs are read:
+experts other ranks hold are skipped by name before any of their bytes are loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from tandem.models.base import CausalLM, ModelInfo, MoEOptions
+from tandem.models.hf_config import HFConfig, config_value
+
+#: `config.json` `architectures[0]` → "module:class" (imported on use).
+MODEL_REGISTRY: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "tandem.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "tandem.models.deepseek:DeepseekV3ForCausalLM",
+    "MixtralForCausalLM": "tandem.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "tandem.models.qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "tandem.models.qwen_moe:Qwen3MoeForCausalLM",
+}
+
+#: `model_type` → architecture, for configs without an `architectures` list.
+_MODEL_TYPES = {
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+#: Names `load_model` accepts instead of a path.
+BUILTIN_MODELS: dict[str, str] = {"tiny-moe": "tandem.models.tiny_moe:build_tiny_moe"}
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _import(target: str) -> Any:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def model_class(architecture: str) -> type[CausalLM]:
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
+    return _import(MODEL_REGISTRY[architecture])
+
+
+def read_config(path: Path) -> HFConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face model directory")
+    try:
+        return HFConfig.from_file(config_file)
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
+
+
+def architecture_of(config: HFConfig, config_file: Path) -> str:
+    architectures = config.get("architectures")
+    if architectures:
+        return architectures[0]
+    model_type = config.get("model_type")
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(
+        f"{config_file} names no architecture ('architectures' is missing and model_type={model_type!r} "
+        f"is not known); supported: {', '.join(supported_architectures())}"
+    )
+
+
+def checkpoint_shards(path: Path) -> dict[Path, list[str] | None]:
+    """Each safetensors file → the tensor names to take from it (None: all of them)."""
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index_file} is not a safetensors index with a 'weight_map': {exc}") from exc
+        shards: dict[Path, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(path / shard, []).append(name)
+        missing = sorted(str(shard.name) for shard in shards if not shard.is_file())
+        if missing:
+            raise FileNotFoundError(f"{index_file} references shard(s) missing from {path}: {', '.join(missing)}")
+        return shards
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
+    hint = f" (found {', '.join(others)}; only {SINGLE_FILE} or a sharded {INDEX_FILE} are read)" if others else ""
+    raise FileNotFoundError(f"no weights in {path}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def iter_checkpoint(
+    shards: dict[Path, list[str] | None],
+    select: Callable[[str], bool | range] | None = None,
+    read: set[str] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for the tensors `select(name)` asks for: True whole, False
+    skipped unread, a range only those rows of dim 0. Names read are added to `read`."""
+    for shard, names in shards.items():
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys() if names is None else names:
+                choice = True if select is None else select(name)
+                if choice is False:
+                    continue
+                if isinstance(choice, range):
+                    tensor = f.get_slice(name)[choice.start : choice.stop]
+                else:
+                    tensor = f.get_tensor(name)
+                if read is not None:
+                    read.add(name)
+                yield name, tensor
+
+
+def _eos_token_ids(path: Path, config: HFConfig) -> set[int]:
+    value = None
+    generation_file = path / "generation_config.json"
+    if generation_file.is_file():
+        value = json.loads(generation_file.read_text(encoding="utf-8")).get("eos_token_id")
+    if value is None:
+        value = config.get("eos_token_id")
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype) -> ModelInfo:
+    build = _import(BUILTIN_MODELS[name])
+    if "dtype" in inspect.signature(build).parameters:
+        return build(moe, dtype=dtype)
+    return build(moe)
+
+
+def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32) -> ModelInfo:
+    """Build and fill the model for this rank, with its tokenizer and stop tokens."""
+    if str(path_or_name) in BUILTIN_MODELS:
+        return _load_builtin(str(path_or_name), moe, dtype)
+    path = Path(path_or_name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist (built-in models: {', '.join(sorted(BUILTIN_MODELS))})"
+        )
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {str(path)!r} is not a directory")
+    config = read_config(path)
+    cls = model_class(architecture_of(config, path / "config.json"))
+    shards = checkpoint_shards(path)
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}: tandem reads the fast-tokenizer file")
+
+    model = cls(config, moe=moe, dtype=dtype)
+    select = getattr(model, "checkpoint_selection", None)
+    read: set[str] = set()
+    loaded = model.load_weights(iter_checkpoint(shards, select, read))
+    unloaded = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if unloaded:
+        shown = ", ".join(unloaded[:20]) + (f", ... ({len(unloaded)} in all)" if len(unloaded) > 20 else "")
+        raise ValueError(f"the checkpoint in {path} left parameters of {cls.__name__} unloaded: {shown}")
+    model.checkpoint_tensors_read = frozenset(read)
+    model.eval()
+
+    from tokenizers import Tokenizer
+
+    max_model_len = int(config_value(config, "max_position_embeddings", default=4096))
+    window = model.sliding_window() if callable(getattr(model, "sliding_window", None)) else None
+    if window:
+        max_model_len = min(max_model_len, int(window))
+    return ModelInfo(
+        model=model,
+        tokenizer=Tokenizer.from_file(str(tokenizer_file)),
+        eos_token_ids=_eos_token_ids(path, config),
+        max_model_len=max_model_len,
+        name=path.name,
+    )
