@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from tandem.contexts.errors import UBatchAborted, UBatchTimeoutError
+from tandem.platform.graph import join_graph_capture
 from tandem.contexts.ubatch_context import (
     DEFAULT_TIMEOUT_S,
     UBatchContext,
@@ -24,7 +25,8 @@ from tandem.contexts.ubatch_context import (
 
 def _run_one(ctx: UBatchContext, fn: Callable[[], Any], results: list, index: int) -> None:
     try:
-        with ctx:
+        # Inside a graph capture, this ubatch's ops (on its worker thread) join the capture.
+        with join_graph_capture(), ctx:
             results[index] = fn()
     except BaseException:  # noqa: BLE001 - recorded in the run's handoff by ctx.__exit__
         pass
@@ -42,6 +44,9 @@ class UBatchExecutor:
     def __init__(self, timeout: float = DEFAULT_TIMEOUT_S):
         self.timeout = timeout
         self._busy = threading.Lock()
+        #: Runs driven and ubatch switches made, over the executor's life.
+        self.runs = 0
+        self.switches = 0
 
     def run(
         self,
@@ -77,6 +82,8 @@ class UBatchExecutor:
             results: list = [None] * len(fns)
             self._drive(contexts, fns, results)
         finally:
+            self.runs += 1
+            self.switches += handoff.switches
             self._busy.release()
         if handoff.error is not None:
             error = handoff.error

@@ -75,7 +75,9 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
         local, T = self.num_local_experts, self.max_tokens_per_rank
         valid = topk_ids >= 0
         ids = topk_ids.clamp(min=0)
-        onehot = F.one_hot(ids.flatten(), self.num_experts) * valid.flatten().unsqueeze(1)
+        # Not F.one_hot: on CPU it checks its ids on the host, which a graph capture refuses.
+        experts = torch.arange(self.num_experts, device=ids.device)
+        onehot = ((ids.flatten().unsqueeze(1) == experts) & valid.flatten().unsqueeze(1)).long()
         slot = ((onehot.cumsum(0) - onehot) * onehot).sum(1).view_as(ids)
         flat_slot = torch.where(valid, ids * T + slot, self.num_experts * T)  # = ((r*local)+e)*T + p
         counts = onehot.sum(0).view(self.world_size, local)

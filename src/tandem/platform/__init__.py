@@ -1,4 +1,4 @@
-"""Device abstraction: streams and events for CUDA and for CPU."""
+"""Device abstraction: streams, events and graphs for CUDA and for CPU."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from tandem.platform.base import Event, Platform
 from tandem.platform.cpu import CpuEvent, CpuPlatform, CpuStream
+from tandem.platform.graph import Graph, GraphCaptureError, graph_capture_active
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,4 +33,14 @@ def get_platform(device_type: str | None = None) -> Platform:
     return _platform_for(device_type)
 
 
-__all__ = ["CpuEvent", "CpuPlatform", "CpuStream", "Event", "Platform", "get_platform"]
+__all__ = [
+    "CpuEvent",
+    "CpuPlatform",
+    "CpuStream",
+    "Event",
+    "Graph",
+    "GraphCaptureError",
+    "Platform",
+    "get_platform",
+    "graph_capture_active",
+]

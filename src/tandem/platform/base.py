@@ -7,7 +7,10 @@ events, so the same handover protocol runs on CUDA and, as cheap ordering tokens
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.platform.graph import Graph
 
 
 class Event(ABC):
@@ -49,3 +52,8 @@ class Platform(ABC):
 
     @abstractmethod
     def new_event(self) -> Event: ...
+
+    @abstractmethod
+    def new_graph(self) -> "Graph":
+        """An empty `Graph` (see `tandem.platform.graph`) for this device; graphs made by one
+        platform share a memory pool where the device has one."""

@@ -73,6 +73,11 @@ class CpuPlatform(Platform):
     def new_event(self, name: str | None = None) -> CpuEvent:
         return CpuEvent(self, name or f"event{next(self._ids)}")
 
+    def new_graph(self):
+        from tandem.platform.cpu_graph import CpuGraph
+
+        return CpuGraph()
+
     def _log(self, *entry: str) -> None:
         if self.trace is not None:
             self.trace.append(entry)

@@ -40,3 +40,12 @@ class CudaPlatform(Platform):
 
     def new_event(self) -> CudaEvent:
         return CudaEvent()
+
+    def new_graph(self):
+        from tandem.platform.cuda_graph import CudaGraph
+
+        if not hasattr(self, "_pool"):
+            # One pool for every graph: they never replay at the same time, so they can
+            # share memory (as vLLM's graphs of different sizes do).
+            self._pool = torch.cuda.graph_pool_handle()
+        return CudaGraph(pool=self._pool)
