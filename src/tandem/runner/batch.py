@@ -75,5 +75,6 @@ def build_step_inputs(
         slot_mapping=slot_mapping,
         block_table=block_table,
         block_size=block_size,
+        decode_only=bool(counts) and all(n == 1 for n in counts),
     )
     return StepInputs(input_ids, positions, metadata, counts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandem.models.base import KVCacheSpec
+from tandem.models.paged_attention import NULL_BLOCK
 
 
 class OutOfBlocksError(RuntimeError):
@@ -13,12 +14,16 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
+    """Hands out cache blocks. With `reserve_null_block`, block `NULL_BLOCK` is never handed
+    out: graph replays write their padding rows there (see `paged_attention`)."""
+
+    def __init__(self, num_blocks: int, *, reserve_null_block: bool = False):
+        first = NULL_BLOCK + 1 if reserve_null_block else 0
+        if num_blocks - first < 1:
+            raise ValueError(f"the KV cache needs at least one usable block, got {num_blocks - first}")
+        self.num_blocks = num_blocks - first
         # Low ids first: pop() from the end of a reversed list.
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks - 1, first - 1, -1))
 
     @property
     def num_free(self) -> int:

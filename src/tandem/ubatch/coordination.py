@@ -28,8 +28,11 @@ def coordinate_ubatching(
     group: dist.ProcessGroup | None = None,
     num_ubatches: int = 2,
 ) -> UBatchDecision:
-    """Ubatch only if every rank wants to and, with every rank padded to the largest token
-    count, no rank's last ubatch would be pure padding (nor any ubatch have zero tokens).
+    """Ubatch only if every rank with tokens wants to and, with every rank padded to the
+    largest token count, no such rank's last ubatch would be pure padding (nor any ubatch
+    have zero tokens). An idle rank (0 tokens) runs an all-padding dummy batch whatever the
+    split, so it neither asks for ubatching nor vetoes it: a rank that ran out of work does
+    not switch DBO off for the ranks that still have some.
 
     Without an initialised process group this is the single-rank decision.
     """
@@ -45,10 +48,16 @@ def coordinate_ubatching(
         table[1, rank] = int(bool(wants_ubatch))
         dist.all_reduce(table, group=group)
         per_rank = [int(n) for n in table[0].tolist()]
-        all_want = bool(table[1].all())
+        wants = [bool(w) for w in table[1].tolist()]
     else:
-        per_rank, all_want = [int(num_tokens)], bool(wants_ubatch)
+        per_rank, wants = [int(num_tokens)], [bool(wants_ubatch)]
 
     padded = max(per_rank)
-    should = all_want and padded >= num_ubatches and not any(is_last_ubatch_empty(n, padded, num_ubatches) for n in per_rank)
+    busy = [r for r, n in enumerate(per_rank) if n > 0]
+    should = (
+        bool(busy)
+        and all(wants[r] for r in busy)
+        and padded >= num_ubatches
+        and not any(is_last_ubatch_empty(per_rank[r], padded, num_ubatches) for r in busy)
+    )
     return UBatchDecision(should, padded, per_rank)

@@ -1,0 +1,86 @@
+"""One configuration tree shared by the CLI and the library."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+EXECUTORS = ("thread", "greenlet")
+GRAPH_MODES = ("none", "full")
+
+
+@dataclass
+class OverlapConfig:
+    """When and how a step is split into ubatches (DBO)."""
+
+    enable_dbo: bool = False
+    num_ubatches: int = 2
+    executor: str = "thread"
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
+    graph_mode: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.num_ubatches < 2:
+            raise ValueError(f"--num-ubatches must be >= 2, got {self.num_ubatches}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"--ubatch-executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"--graph-mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}")
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+
+    def with_thresholds_file(self, path: str | Path | None) -> "OverlapConfig":
+        """Thresholds from a `tandem tune` file (JSON with `dbo_decode_token_threshold` and
+        `dbo_prefill_token_threshold`) override the flags."""
+        if path is None:
+            return self
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"thresholds file {path} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"thresholds file {path} is not valid JSON: {exc}") from None
+        keys = ("dbo_decode_token_threshold", "dbo_prefill_token_threshold")
+        missing = [k for k in keys if not isinstance(data.get(k), int)]
+        if missing:
+            raise ValueError(f"thresholds file {path} lacks integer {', '.join(missing)}")
+        return OverlapConfig(**{**asdict(self), **{k: data[k] for k in keys}})
+
+
+@dataclass
+class ParallelConfig:
+    """Data parallelism across ranks and expert parallelism of the MoE layers over them."""
+
+    data_parallel_size: int = 1
+    all2all_backend: str | None = None  # default: "local" on one rank, "torch_a2a" on several
+    moe_backend: str = "torch"
+    enable_sbo: bool = False
+    use_fp8_dispatch: bool = False
+    fabric_latency_us: float | None = None
+    fabric_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
+        if self.all2all_backend is None:
+            self.all2all_backend = "local" if self.data_parallel_size == 1 else "torch_a2a"
+        if self.all2all_backend == "local" and self.data_parallel_size > 1:
+            raise ValueError("--all2all-backend local runs one rank; pick torch_a2a or torch_a2a_ll for --data-parallel-size > 1")
+
+
+@dataclass
+class CacheConfig:
+    num_kv_blocks: int = 512
+    block_size: int = 16
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny-moe"
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    max_num_batched_tokens: int = 2048

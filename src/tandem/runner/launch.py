@@ -1,0 +1,94 @@
+"""Start data-parallel ranks as local processes joined in one torch.distributed group
+(env:// rendezvous, as `torchrun` sets it up), with every wait bounded: a rank that raises,
+dies or hangs fails the launch with its traceback instead of hanging the parent."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailedError(RuntimeError):
+    pass
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_rank(rank: int, world_size: int, *, backend: str | None = None, timeout_s: float = 120.0) -> None:
+    """Join the group described by MASTER_ADDR / MASTER_PORT (env:// rendezvous)."""
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method="env://", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def _rank_main(rank, world_size, env, fn, args, results, timeout_s) -> None:
+    try:
+        os.environ.update(env)
+        init_rank(rank, world_size, timeout_s=timeout_s)
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def launch_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list:
+    """Call `fn(rank, world_size, *args)` in `world_size` processes; return the results in
+    rank order. `fn` must be picklable (module level). Collectives get `timeout_s` too."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, world_size, env, fn, args, results, timeout_s), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    outcomes: dict[int, Any] = {}
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = sorted(set(range(world_size)) - set(outcomes))
+                raise RankFailedError(f"rank(s) {late} did not finish within {timeout_s:g} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if i not in outcomes and p.exitcode not in (None, 0)]
+                if dead:
+                    codes = [procs[i].exitcode for i in dead]
+                    raise RankFailedError(f"rank(s) {dead} died with exit codes {codes}") from None
+                continue
+            if not ok:
+                raise RankFailedError(f"rank {rank} failed:\n{value}")
+            outcomes[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [outcomes[r] for r in range(world_size)]

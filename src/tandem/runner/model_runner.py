@@ -1,0 +1,117 @@
+"""`ModelRunner`: one step of one rank — build the batch, decide (with the other DP ranks)
+whether and how to split it into ubatches, run the model through the `UBatchWrapper`,
+and sample.
+
+Every DP rank calls `execute` the same number of times in the same order: the MoE layers'
+all-to-alls span all ranks, so a rank with nothing scheduled still runs a dummy batch (all
+padding) whenever any other rank has work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tandem.config import OverlapConfig
+from tandem.contexts import ForwardContext, set_forward_context
+from tandem.models.base import ModelInfo
+from tandem.runner.batch import ScheduledChunk, StepInputs, build_step_inputs
+from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
+from tandem.runner.sampling import SamplingParams, sample
+from tandem.runner.ubatch_wrapper import UBatchWrapper
+from tandem.ubatch import check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
+
+
+@dataclass
+class StepResult:
+    #: Sampled token per request, None where the chunk did not finish the prompt.
+    tokens: list[int | None]
+    num_tokens: int
+    num_tokens_padded: int
+    ubatched: bool
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_info: ModelInfo,
+        *,
+        overlap: OverlapConfig | None = None,
+        num_kv_blocks: int = 512,
+        block_size: int = 16,
+        dp_group=None,
+    ):
+        self.info = model_info
+        self.model = model_info.model
+        self.overlap = overlap or OverlapConfig()
+        self.block_size = block_size
+        self.dp_group = dp_group
+        self.allocator = BlockAllocator(num_kv_blocks, reserve_null_block=True)
+        self.model.bind_kv_cache(allocate_kv_caches(self.model.kv_cache_specs(), num_kv_blocks, block_size))
+        self.wrapper = UBatchWrapper(
+            self.model,
+            num_ubatches=self.overlap.num_ubatches,
+            executor=self.overlap.executor,
+            graph_mode=self.overlap.graph_mode,
+            max_blocks_per_seq=-(-model_info.max_model_len // block_size),
+        )
+        self.steps = 0
+        self.ubatched_steps = 0
+
+    def _plan(self, num_scheduled_tokens: list[int]):
+        num_tokens = sum(num_scheduled_tokens)
+        uniform_decode = bool(num_scheduled_tokens) and all(n == 1 for n in num_scheduled_tokens)
+        wants = self.overlap.enable_dbo and check_ubatch_thresholds(
+            num_tokens,
+            uniform_decode,
+            self.overlap.dbo_decode_token_threshold,
+            self.overlap.dbo_prefill_token_threshold,
+        )
+        return coordinate_ubatching(num_tokens, wants, group=self.dp_group, num_ubatches=self.overlap.num_ubatches)
+
+    def prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[StepInputs, list | None]:
+        counts = [len(c.token_ids) for c in chunks]
+        decision = self._plan(counts)
+        slices = None
+        if decision.should_ubatch or self.overlap.graph_mode == "full":
+            # Same shape on every rank: one graph per size, and ubatches cut at the same points.
+            padded = decision.num_tokens_padded
+        elif decision.num_tokens_padded == 0:
+            padded = 0  # every rank is idle
+        else:
+            # Own tokens only; an idle rank runs one padding token to join the collectives.
+            padded = max(sum(counts), 1)
+        if decision.should_ubatch:
+            slices = split_by_tokens(counts, self.overlap.num_ubatches, num_tokens_padded=padded)
+        return build_step_inputs(chunks, self.block_size, padded), slices
+
+    @torch.no_grad()
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        sampling: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        finishes_prompt: Sequence[bool] | None = None,
+    ) -> StepResult:
+        """Run one step. `finishes_prompt[r]` says whether request r's chunk ends at the
+        last known token (so a new token is sampled); default: every request samples."""
+        inputs, slices = self.prepare(chunks)
+        self.steps += 1
+        if inputs.input_ids.shape[0] == 0:  # every DP rank is idle
+            return StepResult([], 0, 0, False)
+        self.ubatched_steps += slices is not None
+        with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices)):
+            hidden = self.wrapper(inputs.input_ids, inputs.positions)
+        if not chunks:
+            return StepResult([], 0, inputs.input_ids.shape[0], slices is not None)
+        last_rows = (inputs.attn_metadata.query_start_loc[1:] - 1).long()
+        logits = self.model.compute_logits(hidden[last_rows])
+        wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
+        rows = [r for r, w in enumerate(wanted) if w]
+        sampled = sample(logits[rows], [sampling[r] for r in rows], [generators[r] for r in rows])
+        tokens: list[int | None] = [None] * len(chunks)
+        for r, token in zip(rows, sampled):
+            tokens[r] = token
+        return StepResult(tokens, inputs.num_tokens, inputs.input_ids.shape[0], slices is not None)

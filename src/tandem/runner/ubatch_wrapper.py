@@ -1,0 +1,225 @@
+"""`UBatchWrapper`: run any model as DBO ubatches, eagerly or from captured graphs.
+
+The wrapper is a drop-in callable `wrapper(*token_tensors, **kwargs)` around a model whose
+MoE layers use `FusedMoEModularKernel`. It reads the forward context:
+
+- no `ubatch_slices`: one plain forward;
+- `ubatch_slices`: each positional tensor is cut along dim 0 by the slices' token ranges,
+  the attention metadata is split per ubatch (`AttentionMetadata.split`), every ubatch runs
+  the model on its own executor worker (thread or greenlet) under its own forward context,
+  and the outputs (tensors, or tuples / lists of tensors) are concatenated back.
+
+`graph_mode="full"` captures one graph per (padded token count, ubatch count) for
+decode-only batches (`AttentionMetadata.decode_only`) of up to `max_graph_tokens` tokens,
+as vLLM's full decode graphs do; other batches run eagerly. A capture runs the step once
+with the ubatch workers live (their ops join the capture, see `tandem.platform.graph`); a
+replay copies the new inputs and metadata into the graph's static buffers and re-runs the
+recorded work with no worker, no `dbo_yield` and no model Python. Inside a graph every row
+is a request (padding rows are requests of length 0, written to the null cache block), so
+the shapes depend only on the token count and the block-table width: `max_blocks_per_seq`
+(the runner passes `ceil(max_model_len / block_size)`), or, when not given, a width that
+doubles, with a recapture, whenever a sequence outgrows it. The returned tensors
+of a replay are the graph's static outputs: read them before the next step of that size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+
+from tandem.contexts import (
+    DEFAULT_TIMEOUT_S,
+    ForwardContext,
+    UBatchExecutor,
+    get_forward_context,
+    make_executor,
+    make_ubatch_contexts,
+    set_forward_context,
+)
+from tandem.models.paged_attention import AttentionMetadata
+from tandem.platform import Graph, Platform, get_platform
+from tandem.ubatch import UBatchSlice, split_by_tokens
+
+GRAPH_MODES = ("none", "full")
+
+
+def merge_outputs(outputs: Sequence[Any]) -> Any:
+    """Concatenate per-ubatch outputs along dim 0, element by element for tuples/lists."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(outputs), dim=0)
+    if isinstance(first, (tuple, list)):
+        merged = [merge_outputs([out[i] for out in outputs]) for i in range(len(first))]
+        return type(first)(merged)
+    if first is None and all(out is None for out in outputs):
+        return None
+    raise TypeError(f"cannot merge ubatch outputs of type {type(first).__name__}: return tensors or tuples of tensors")
+
+
+@dataclass
+class _StepGraph:
+    """A captured step and the static buffers its replay reads and writes."""
+
+    graph: Graph
+    inputs: list[torch.Tensor]
+    metadata: AttentionMetadata
+    outputs: Any
+
+
+class UBatchWrapper:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_ubatches: int = 2,
+        executor: str | UBatchExecutor = "thread",
+        graph_mode: str = "none",
+        max_graph_tokens: int = 512,
+        max_blocks_per_seq: int | None = None,
+        platform: Platform | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ):
+        if num_ubatches < 2:
+            raise ValueError(f"num_ubatches must be at least 2, got {num_ubatches}")
+        if graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+        self.model = model
+        self.num_ubatches = num_ubatches
+        self.executor = make_executor(executor, timeout) if isinstance(executor, str) else executor
+        self.graph_mode = graph_mode
+        self.max_graph_tokens = max_graph_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.platform = platform or get_platform()
+        self.timeout = timeout
+        self.graphs: dict[tuple[int, int], _StepGraph] = {}
+        #: Forwards run, by how: plain eager, eager as ubatches, graph captures, graph replays.
+        self.eager_runs = 0
+        self.ubatched_runs = 0
+        self.graph_captures = 0
+        self.graph_replays = 0
+
+    def __call__(self, *inputs: torch.Tensor, **kwargs: Any) -> Any:
+        ctx = get_forward_context()
+        if self.graph_mode == "full" and self._graphable(ctx, inputs):
+            return self._run_graph(ctx, inputs, kwargs)
+        return self._run_eager(ctx, inputs, kwargs)
+
+    # -- eager ---------------------------------------------------------------------------
+
+    def _run_eager(self, ctx: ForwardContext | None, inputs: Sequence[torch.Tensor], kwargs: dict) -> Any:
+        slices = ctx.ubatch_slices if ctx is not None else None
+        if not slices:
+            self.eager_runs += 1
+            return self.model(*inputs, **kwargs)
+        num_tokens = inputs[0].shape[0] if inputs else 0
+        if slices[-1].token_slice.stop != num_tokens:
+            raise ValueError(
+                f"ubatch slices cover {slices[-1].token_slice.stop} tokens but the inputs have {num_tokens}"
+            )
+        metadata = ctx.attn_metadata
+        if metadata is None:
+            per_ubatch = [None] * len(slices)
+        elif isinstance(metadata, AttentionMetadata):
+            per_ubatch = metadata.split(list(slices))
+        else:
+            raise TypeError(f"UBatchWrapper cannot split attention metadata of type {type(metadata).__name__}")
+
+        def ubatch(index: int, ub: UBatchSlice):
+            sub_context = ForwardContext(
+                attn_metadata=per_ubatch[index], ubatch_slices=None, extras={**ctx.extras, "ubatch_index": index}
+            )
+            with set_forward_context(sub_context):
+                return self.model(*(x[ub.token_slice] for x in inputs), **kwargs)
+
+        fns = [lambda i=i, ub=ub: ubatch(i, ub) for i, ub in enumerate(slices)]
+        contexts = make_ubatch_contexts(
+            len(fns), executor=self.executor.kind, platform=self.platform, timeout=self.timeout
+        )
+        self.ubatched_runs += 1
+        return merge_outputs(self.executor.run(fns, contexts))
+
+    # -- graphs --------------------------------------------------------------------------
+
+    def _graphable(self, ctx: ForwardContext | None, inputs: Sequence[torch.Tensor]) -> bool:
+        if ctx is None or not isinstance(ctx.attn_metadata, AttentionMetadata) or not inputs:
+            return False
+        num_tokens = inputs[0].shape[0]
+        return ctx.attn_metadata.decode_only and 0 < num_tokens <= self.max_graph_tokens
+
+    def _run_graph(self, ctx: ForwardContext, inputs: Sequence[torch.Tensor], kwargs: dict) -> Any:
+        metadata: AttentionMetadata = ctx.attn_metadata
+        num_tokens = inputs[0].shape[0]
+        num_ubatches = len(ctx.ubatch_slices) if ctx.ubatch_slices else 0
+        key = (num_tokens, num_ubatches)
+        step = self.graphs.get(key)
+        if step is not None and step.metadata.block_table.shape[1] < metadata.block_table.shape[1]:
+            step.graph.reset()  # sequences outgrew the captured block table: capture wider
+            step = None
+        if step is None:
+            step = self._capture(ctx, inputs, kwargs, num_ubatches)
+            self.graphs[key] = step
+            return step.outputs
+        self._fill(step, inputs, metadata)
+        self.graph_replays += 1
+        return step.graph.replay()
+
+    def _capture(self, ctx: ForwardContext, inputs: Sequence[torch.Tensor], kwargs: dict, num_ubatches: int) -> _StepGraph:
+        metadata: AttentionMetadata = ctx.attn_metadata
+        num_tokens = inputs[0].shape[0]
+        static_inputs = [x.clone() for x in inputs]
+        static_metadata = replace(
+            metadata,
+            query_start_loc=torch.arange(num_tokens + 1, dtype=metadata.query_start_loc.dtype),
+            seq_lens=torch.zeros(num_tokens, dtype=metadata.seq_lens.dtype),
+            max_query_len=1,
+            slot_mapping=torch.empty_like(metadata.slot_mapping),
+            block_table=torch.zeros((num_tokens, self._block_table_width(metadata)), dtype=metadata.block_table.dtype),
+            decode_only=True,
+        )
+        step = _StepGraph(self.platform.new_graph(), static_inputs, static_metadata, None)
+        self._fill(step, inputs, metadata)
+        # Inside the graph every row is a request, so the ubatch split depends on the size only.
+        slices = split_by_tokens([1] * num_tokens, num_ubatches) if num_ubatches else None
+        static_context = ForwardContext(attn_metadata=static_metadata, ubatch_slices=slices, extras=dict(ctx.extras))
+
+        def forward() -> Any:
+            with set_forward_context(static_context):
+                return self._run_eager(static_context, static_inputs, kwargs)
+
+        outputs = step.graph.capture(forward)
+        if not step.graph.capture_computes_outputs:
+            outputs = step.graph.replay()
+        step.outputs = outputs
+        self.graph_captures += 1
+        return step
+
+    def _block_table_width(self, metadata: AttentionMetadata) -> int:
+        width = metadata.block_table.shape[1]
+        if self.max_blocks_per_seq is not None:
+            if width > self.max_blocks_per_seq:
+                raise ValueError(f"block table is {width} blocks wide, over max_blocks_per_seq={self.max_blocks_per_seq}")
+            return self.max_blocks_per_seq
+        # Unknown bound: leave room to grow, so a long decode recaptures O(log n) times.
+        return max(8, 1 << (width - 1).bit_length())
+
+    @staticmethod
+    def _fill(step: _StepGraph, inputs: Sequence[torch.Tensor], metadata: AttentionMetadata) -> None:
+        for static, x in zip(step.inputs, inputs):
+            static.copy_(x)
+        static = step.metadata
+        requests, width = metadata.block_table.shape
+        static.seq_lens.zero_()
+        static.seq_lens[:requests].copy_(metadata.seq_lens)
+        static.block_table.zero_()
+        static.block_table[:requests, :width].copy_(metadata.block_table)
+        static.slot_mapping.copy_(metadata.slot_mapping)
+
+    def reset_graphs(self) -> None:
+        for step in self.graphs.values():
+            step.graph.reset()
+        self.graphs.clear()
+
+
+__all__ = ["GRAPH_MODES", "UBatchWrapper", "merge_outputs"]

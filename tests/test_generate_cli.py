@@ -1,0 +1,53 @@
+"""`tandem generate` end to end, in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+PROMPTS = ["Experts everywhere", "Hi", "Dual batch overlap hides the all-to-all"]
+
+
+def _generate(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_generate_with_dbo_on_two_ranks_matches_single_rank_greedy():
+    common = [*PROMPTS, "--max-tokens", "6", "--ignore-eos", "--temperature", "0", "--json"]
+    single = _generate(*common)
+    assert single.returncode == 0, single.stderr
+    dbo = _generate(
+        *common,
+        "--data-parallel-size", "2",
+        "--enable-dbo",
+        "--dbo-decode-token-threshold", "0",
+        "--dbo-prefill-token-threshold", "0",
+    )
+    assert dbo.returncode == 0, dbo.stderr
+    rows = [json.loads(line) for line in dbo.stdout.splitlines()]
+    assert [row["token_ids"] for row in rows] == [json.loads(line)["token_ids"] for line in single.stdout.splitlines()]
+    assert [len(row["token_ids"]) for row in rows] == [6, 6, 6]
+    assert all(isinstance(row["text"], str) for row in rows)
+    # Logs go to stderr and say what ran; stdout holds only the completions.
+    assert "dp=2" in dbo.stderr and "dbo=on" in dbo.stderr
+
+
+def test_generate_prints_one_line_per_prompt_in_order():
+    result = _generate(*PROMPTS, "--max-tokens", "4", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split("\n")
+    assert len(lines) == len(PROMPTS) + 1 and lines[-1] == ""
+
+
+def test_generate_rejects_a_missing_model_directory(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = _generate("hello", "--model", str(missing), timeout=60)
+    assert result.returncode != 0
+    assert str(missing) in result.stderr and "does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
