@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -190,4 +191,54 @@ def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dt
         eos_token_ids=_eos_token_ids(path, config),
         max_model_len=max_model_len,
         name=path.name,
+    )
+
+
+@dataclass
+class TokenizerInfo:
+    """What a front end needs of a model without loading its weights."""
+
+    tokenizer: Any
+    eos_token_ids: set[int]
+    max_model_len: int
+    chat_template: str | None
+    name: str
+
+
+def load_tokenizer_info(path_or_name: str) -> TokenizerInfo:
+    """Tokenizer, stop tokens, context length and chat template of a model directory (or
+    a built-in model), with the same errors `load_model` gives for a bad directory."""
+    if str(path_or_name) == "tiny-moe":
+        from tandem.models import tiny_moe
+
+        return TokenizerInfo(
+            tiny_moe.build_tokenizer(), {tiny_moe.EOS_ID}, tiny_moe.CONFIG["max_position_embeddings"], None, "tiny-moe"
+        )
+    path = Path(path_or_name).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist or is not a directory (built-in models: {', '.join(sorted(BUILTIN_MODELS))})"
+        )
+    config = read_config(path)
+    architecture_of(config, path / "config.json")
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}: tandem reads the fast-tokenizer file")
+    from tokenizers import Tokenizer
+
+    chat_template = None
+    tokenizer_config = path / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        try:
+            chat_template = json.loads(tokenizer_config.read_text(encoding="utf-8")).get("chat_template")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{tokenizer_config} is not valid JSON: {exc}") from exc
+        if isinstance(chat_template, list):  # named templates: take the default one
+            chat_template = next((t.get("template") for t in chat_template if t.get("name") == "default"), None)
+    return TokenizerInfo(
+        Tokenizer.from_file(str(tokenizer_file)),
+        _eos_token_ids(path, config),
+        int(config_value(config, "max_position_embeddings", default=4096)),
+        chat_template,
+        path.name,
     )

@@ -9,6 +9,7 @@ padding) whenever any other rank has work.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -18,6 +19,7 @@ from tandem.config import OverlapConfig
 from tandem.contexts import ForwardContext, set_forward_context
 from tandem.models.base import ModelInfo
 from tandem.runner.batch import ScheduledChunk, StepInputs, build_step_inputs
+from tandem.runner.future_map import FutureMap
 from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.runner.sampling import SamplingParams, sample
 from tandem.runner.ubatch_wrapper import UBatchWrapper
@@ -42,6 +44,7 @@ class ModelRunner:
         num_kv_blocks: int = 512,
         block_size: int = 16,
         dp_group=None,
+        future_map: FutureMap | None = None,
     ):
         self.info = model_info
         self.model = model_info.model
@@ -57,8 +60,15 @@ class ModelRunner:
             graph_mode=self.overlap.graph_mode,
             max_blocks_per_seq=-(-model_info.max_model_len // block_size),
         )
+        self.future_map = future_map
         self.steps = 0
         self.ubatched_steps = 0
+        #: Wall time spent inside `execute`, over the runner's life.
+        self.step_time_s = 0.0
+
+    @property
+    def ubatch_yields(self) -> int:
+        return self.wrapper.executor.switches
 
     def _plan(self, num_scheduled_tokens: list[int]):
         num_tokens = sum(num_scheduled_tokens)
@@ -94,10 +104,24 @@ class ModelRunner:
         sampling: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         finishes_prompt: Sequence[bool] | None = None,
+        future_slots: Sequence[int | None] | None = None,
     ) -> StepResult:
         """Run one step. `finishes_prompt[r]` says whether request r's chunk ends at the
-        last known token (so a new token is sampled); default: every request samples."""
+        last known token (so a new token is sampled); default: every request samples.
+        Negative input ids are `FutureMap` placeholders, resolved here; `future_slots[r]`
+        is where request r's sampled token is published for the next step's placeholders."""
+        start = time.perf_counter()
+        try:
+            return self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
+        finally:
+            self.step_time_s += time.perf_counter() - start
+
+    def _execute(self, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
         inputs, slices = self.prepare(chunks)
+        if self.future_map is not None:
+            inputs.input_ids = self.future_map.resolve(inputs.input_ids)
+        elif bool((inputs.input_ids < 0).any()):
+            raise ValueError("input ids hold FutureMap placeholders but this ModelRunner has no future_map")
         self.steps += 1
         if inputs.input_ids.shape[0] == 0:  # every DP rank is idle
             return StepResult([], 0, 0, False)
@@ -114,4 +138,7 @@ class ModelRunner:
         tokens: list[int | None] = [None] * len(chunks)
         for r, token in zip(rows, sampled):
             tokens[r] = token
+        if self.future_map is not None and future_slots is not None:
+            published = [(future_slots[r], tokens[r]) for r in rows if future_slots[r] is not None]
+            self.future_map.store([slot for slot, _ in published], [token for _, token in published])
         return StepResult(tokens, inputs.num_tokens, inputs.input_ids.shape[0], slices is not None)

@@ -1,0 +1,213 @@
+"""`Engine`: one rank's serving loop, scheduler + model runner, in one of two shapes.
+
+- normal: schedule step N → run its forward → apply its tokens.
+- overlap (default): schedule step N and hand it to the forward worker thread, then apply
+  step N-1's tokens (stop checks, detokenization, freeing KV) while N runs. Step N's inputs
+  name N-1's not-yet-known tokens by `FutureMap` placeholders. The worker runs steps one
+  at a time in order, so the pipeline is exactly one step deep.
+
+Both shapes give the same tokens for the same seeds: a request's sampling stream is its own
+generator, and a request that finished at step N-1 but was already planned into step N
+only has its late token dropped.
+
+With `lockstep=True` (several DP ranks) every `step()` runs one forward even when this
+rank has nothing scheduled: the MoE all-to-alls span all ranks, so an idle rank joins with
+a dummy batch. The caller must call `step()` on every rank or on none: the rank loop steps
+all ranks while any rank `has_work`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tandem.runner.future_map import FutureMap
+from tandem.runner.model_runner import ModelRunner, StepResult
+from tandem.runner.sampling import SamplingParams
+from tandem.runner.scheduler import Request, Scheduler, SchedulerStep
+from tandem.serving.outputs import RequestOutput
+
+#: How long the scheduler waits for a forward before declaring the step failed.
+DEFAULT_STEP_TIMEOUT_S = 300.0
+
+
+@dataclass
+class EngineStats:
+    waiting: int
+    running: int
+    kv_usage: float
+    steps: int
+    ubatched_steps: int
+    ubatch_yields: int
+    step_time_s: float
+    forward_busy_s: float
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        overlap_schedule: bool = True,
+        lockstep: bool = False,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    ):
+        self.runner = runner
+        info = runner.info
+        self.future_map = FutureMap(max_num_seqs)
+        runner.future_map = self.future_map
+        self.scheduler = Scheduler(
+            runner.allocator,
+            runner.block_size,
+            self.future_map,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=info.max_model_len,
+            eos_token_ids=info.eos_token_ids,
+            decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        self.overlap_schedule = overlap_schedule
+        self.lockstep = lockstep
+        self.step_timeout_s = step_timeout_s
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if overlap_schedule else None
+        self._pending: tuple[SchedulerStep, Future] | None = None
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.forward_busy_s = 0.0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
+        """Queue a request; a request that can never run comes back at once as an error output."""
+        try:
+            self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
+        except ValueError as exc:
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=str(exc))
+        self.prompt_tokens += len(prompt_ids)
+        return None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to run, or a step in flight whose tokens are still to be applied. (A
+        dummy step in flight is not work: in lockstep, every rank runs one more step only
+        when some rank has work.)"""
+        return self.scheduler.has_unfinished or (self._pending is not None and bool(self._pending[0].scheduled))
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration of the loop; returns the output deltas it produced."""
+        return self._step_overlap() if self.overlap_schedule else self._step_normal()
+
+    def _step_normal(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if not step.scheduled and not self.lockstep:
+            return []
+        return self._apply(step, self._forward(step))
+
+    def _step_overlap(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        running = None
+        if step.scheduled or self.lockstep:
+            running = (step, self._worker.submit(self._forward, step))
+        outputs = []
+        if self._pending is not None:
+            previous, future = self._pending
+            outputs = self._apply(previous, self._result(future))
+        self._pending = running
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step in flight (overlap loop) and apply it."""
+        if self._pending is None:
+            return []
+        previous, future = self._pending
+        self._pending = None
+        return self._apply(previous, self._result(future))
+
+    def _forward(self, step: SchedulerStep) -> StepResult | BaseException:
+        start = time.perf_counter()
+        try:
+            return self.runner.execute(
+                [entry.chunk for entry in step.scheduled],
+                [entry.request.params for entry in step.scheduled],
+                [entry.request.generator for entry in step.scheduled],
+                finishes_prompt=[entry.slot is not None for entry in step.scheduled],
+                future_slots=[entry.slot for entry in step.scheduled],
+            )
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            return exc
+        finally:
+            self.forward_busy_s += time.perf_counter() - start
+
+    def _result(self, future: Future) -> StepResult | BaseException:
+        try:
+            return future.result(timeout=self.step_timeout_s)
+        except TimeoutError:
+            return TimeoutError(f"a model step did not finish within {self.step_timeout_s:g} s")
+
+    def _apply(self, step: SchedulerStep, result: StepResult | BaseException) -> list[RequestOutput]:
+        if isinstance(result, BaseException):
+            return self._fail(step, result)
+        outputs = self.scheduler.apply(step, result.tokens)
+        self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs
+
+    def _fail(self, step: SchedulerStep, error: BaseException) -> list[RequestOutput]:
+        message = f"model step failed: {type(error).__name__}: {error}"
+        outputs = []
+        for entry in step.scheduled:
+            request = entry.request
+            if entry.slot is not None:
+                request.in_flight -= 1
+            if request.finished:
+                continue
+            self.scheduler._finish(request, "error")
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    [],
+                    "",
+                    finished=True,
+                    finish_reason="error",
+                    num_prompt_tokens=len(request.prompt_ids),
+                    num_output_tokens=len(request.output_ids),
+                    error=message,
+                )
+            )
+        return outputs
+
+    # -- state ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        runner = self.runner
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_usage=self.scheduler.kv_usage,
+            steps=runner.steps,
+            ubatched_steps=runner.ubatched_steps,
+            ubatch_yields=runner.ubatch_yields,
+            step_time_s=runner.step_time_s,
+            forward_busy_s=self.forward_busy_s,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    def close(self) -> None:
+        self.drain()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+
+__all__ = ["Engine", "EngineStats"]

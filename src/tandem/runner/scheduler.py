@@ -1,0 +1,318 @@
+"""Continuous batching: which requests run in the next step, with how many tokens.
+
+Per step the scheduler fills a token budget (`max_num_batched_tokens`): first the running
+requests in admission order (one decode token each, or the next chunk of a prompt being
+prefilled in pieces), then waiting requests first come first served while fewer than
+`max_num_seqs` run. Every chunk gets the KV blocks it needs; when the cache is full, the
+most recently admitted running request is preempted (its blocks freed, to be recomputed
+from its prompt and output so far when it is readmitted).
+
+The overlapped loop plans step N+1 before step N's tokens are known: a request that
+samples in step N has one token *in flight*, and its next chunk is that token's
+`FutureMap` placeholder. Results are applied in step order; a request that finished or was
+aborted meanwhile just drops its late token. A chunk handed to the forward carries copies
+of the request's lists, so nothing the running forward reads is modified in place.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+import torch
+
+from tandem.runner.batch import ScheduledChunk
+from tandem.runner.future_map import FutureMap, placeholder
+from tandem.runner.kv_cache import BlockAllocator, blocks_needed
+from tandem.runner.sampling import SamplingParams
+from tandem.serving.outputs import RequestOutput
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    #: Tokens whose K/V are in the cache or being written by a scheduled step.
+    num_computed: int = 0
+    #: Tokens sampled by steps whose results have not been applied yet; the newest one's
+    #: FutureMap slot is `pending_slot`.
+    in_flight: int = 0
+    pending_slot: int = -1
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    text: str = ""
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+    @property
+    def known_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    chunk: ScheduledChunk
+    #: FutureMap slot of the token this chunk samples, or None (a prompt chunk that does
+    #: not reach the end of the known tokens samples nothing).
+    slot: int | None
+
+
+@dataclass
+class SchedulerStep:
+    scheduled: list[ScheduledRequest]
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.chunk.token_ids) for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        future_map: FutureMap,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 4096,
+        eos_token_ids: set[int] | None = None,
+        decode: Callable[[list[int]], str] = lambda ids: "",
+    ):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.future_map = future_map
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids or set()
+        self.decode = decode
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        total = len(request.prompt_ids) + request.params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: {len(request.prompt_ids)} prompt tokens + max_tokens "
+                f"{request.params.max_tokens} exceed the context length {self.max_model_len}"
+            )
+        if blocks_needed(total, self.block_size) > self.allocator.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs {total} tokens of KV cache, more than the whole cache "
+                f"({self.allocator.num_blocks * self.block_size} tokens)"
+            )
+        if request.generator is None:
+            request.generator = request.params.make_generator()
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now (its blocks freed at once); None if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return None
+        self._finish(request, "abort")
+        return self._output(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.allocator.usage
+
+    # -- scheduling -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerStep:
+        budget = self.max_num_batched_tokens
+        step = SchedulerStep([])
+        scheduled_ids: set[str] = set()
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            entry = self._plan(request, budget, step, scheduled_ids)
+            if entry is None:
+                if request.status is RequestStatus.RUNNING:
+                    index += 1  # nothing to run this step (e.g. a preempted victim's slot)
+                continue  # it preempted itself: the list shrank under `index`
+            step.scheduled.append(entry)
+            scheduled_ids.add(request.request_id)
+            budget -= len(entry.chunk.token_ids)
+            index += 1
+        waiting_index = 0
+        while waiting_index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[waiting_index]
+            if request.in_flight:
+                waiting_index += 1  # preempted with a token still in flight: wait for it
+                continue
+            entry = self._plan(request, budget, step, scheduled_ids, admitting=True)
+            if entry is None:
+                break  # no room in the cache: first come, first served
+            self.waiting.pop(waiting_index)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.scheduled.append(entry)
+            scheduled_ids.add(request.request_id)
+            budget -= len(entry.chunk.token_ids)
+        slots = self.future_map.reserve(sum(1 for e in step.scheduled if e.slot is not None))
+        for entry, slot in zip((e for e in step.scheduled if e.slot is not None), slots):
+            entry.slot = slot
+            entry.request.in_flight += 1
+            entry.request.pending_slot = slot
+        return step
+
+    def _plan(self, request: Request, budget: int, step: SchedulerStep, scheduled: set[str], admitting: bool = False):
+        known = request.known_ids
+        if request.in_flight:
+            # Decode on the token the running step is sampling.
+            token_ids = [placeholder(request.pending_slot)]
+            start = request.num_computed
+            samples = True
+        else:
+            remaining = len(known) - request.num_computed
+            if remaining <= 0:
+                return None
+            n = min(remaining, budget)
+            token_ids = known[request.num_computed : request.num_computed + n]
+            start = request.num_computed
+            samples = start + n == len(known)
+        need = blocks_needed(start + len(token_ids), self.block_size) - len(request.blocks)
+        while need > 0 and self.allocator.num_free < need:
+            if admitting:
+                return None
+            victim = self._pick_victim(request, scheduled)
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+        if need > 0:
+            request.blocks += self.allocator.allocate(need)
+        chunk = ScheduledChunk(list(token_ids), start, list(request.blocks))
+        # Counted as computed once scheduled: the next plan starts after this chunk, even
+        # when (overlapped loop) this step has not run yet.
+        request.num_computed = start + len(token_ids)
+        return ScheduledRequest(request, chunk, -1 if samples else None)
+
+    def _pick_victim(self, request: Request, scheduled: set[str]) -> Request:
+        for candidate in reversed(self.running):
+            if candidate.request_id not in scheduled and candidate is not request:
+                return candidate
+        return request
+
+    def _preempt(self, request: Request, step: SchedulerStep) -> None:
+        self.allocator.free(request.blocks)
+        request.blocks = []
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.insert(0, request)
+        step.preempted.append(request.request_id)
+
+    # -- results --------------------------------------------------------------------------
+
+    def apply(self, step: SchedulerStep, tokens: list[int | None]) -> list[RequestOutput]:
+        """Apply a finished step's sampled tokens (in step order); return output deltas."""
+        outputs = []
+        for entry, token in zip(step.scheduled, tokens):
+            request = entry.request
+            if entry.slot is not None:
+                request.in_flight -= 1
+            if request.finished:
+                continue  # finished or aborted while this step ran: drop its late token
+            if entry.slot is None or token is None:
+                continue
+            request.output_ids.append(int(token))
+            self._check_stop(request, int(token))
+            outputs.append(self._output(request))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        reason = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            request.output_ids.pop()  # the stop token is not part of the completion
+            reason = "stop"
+        request.text = self.decode(request.output_ids)
+        for stop in params.stop:
+            at = request.text.find(stop)
+            if at >= 0:
+                request.text = request.text[:at]
+                reason = "stop"
+        if reason is None and (
+            len(request.output_ids) >= params.max_tokens
+            or len(request.prompt_ids) + len(request.output_ids) >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.allocator.free(request.blocks)
+        request.blocks = []
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.requests.pop(request.request_id, None)
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The delta since the last output. Unfinished text holds back a trailing partial
+        UTF-8 character and anything that could be the start of a stop string."""
+        text = request.text
+        if not request.finished:
+            hold = max((len(s) - 1 for s in request.params.stop), default=0)
+            visible = len(text) - hold
+            while visible > 0 and text[visible - 1] == "\ufffd":
+                visible -= 1
+            text = text[: max(visible, request.sent_text)]
+        new_text = text[request.sent_text :]
+        request.sent_text = len(text)
+        new_tokens = request.output_ids[request.sent_tokens :]
+        request.sent_tokens = len(request.output_ids)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=list(new_tokens),
+            new_text=new_text,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_output_tokens=len(request.output_ids),
+        )
+
+
+__all__ = ["Request", "RequestStatus", "ScheduledRequest", "Scheduler", "SchedulerStep"]

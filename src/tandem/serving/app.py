@@ -1,0 +1,689 @@
+"""The OpenAI-compatible HTTP app of `tandem serve`.
+
+`create_app(client)` builds a FastAPI app over an `EngineClient`:
+
+  POST /v1/completions, POST /v1/chat/completions   (JSON or `stream: true` Server-Sent Events)
+  GET  /v1/models, GET /v1/models/{id}
+  GET  /health                                      (open even with an API key)
+  GET  /metrics                                     (Prometheus text; open)
+
+Request bodies are read and validated here rather than by FastAPI, so that every problem is
+an OpenAI-shaped error (`protocol.APIError`): 400 for malformed/invalid requests, 401 for a
+missing or wrong API key, 404 for an unknown model, 413 for a body over `max_request_bytes`,
+429/503 for `EngineOverloadedError`/`EngineUnavailableError`, 500 for a failed generation or
+an unexpected exception (whose message is not sent, and not logged unless `log_requests`).
+
+A request with `n > 1` fans out to `n` engine requests `<id>-0 ... <id>-<n-1>` (with seeds
+`seed + i` when a seed is given). When the client goes away (mid-stream, or while waiting for
+a non-streamed answer) the engine generators are closed at once, which aborts the requests in
+the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tandem.runner.sampling import SamplingParams
+from tandem.serving import protocol as P
+from tandem.serving.chat import ChatTemplateError, compile_template, render_chat
+from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
+from tandem.serving.metrics import ServingMetrics, endpoint_label
+from tandem.serving.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+#: How long closing a request's engine generators may take before we log and move on.
+ABORT_TIMEOUT_S = 10.0
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+def _error_response(err: P.APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _exception_summary(exc: BaseException) -> str:
+    """Exception type and stack, without the message (which may quote request content)."""
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    return f"{type(exc).__name__}\n{frames}"
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel_and_wait(tasks: list[asyncio.Future], timeout: float, what: str) -> None:
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        _, still = await asyncio.wait(pending, timeout=timeout)
+        if still:
+            logger.warning("%d %s did not stop within %.0f s of being cancelled", len(still), what, timeout)
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
+    """`await work`, unless the client disconnects first: then cancel it and raise `_ClientGone`."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await _cancel_and_wait([watch_task], 1.0, "disconnect watcher")
+        if not work_task.done():
+            await _cancel_and_wait([work_task], ABORT_TIMEOUT_S, "request handler(s)")
+    if work_task.done() and not work_task.cancelled():
+        return work_task.result()
+    raise _ClientGone()
+
+
+class _Fanout:
+    """The `n` engine requests of one HTTP request, merged into one stream of (index, output)."""
+
+    def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], params: list[SamplingParams]):
+        self.n = len(params)
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+        self._buffer: list[tuple[int, RequestOutput]] = []
+        self._finished = 0
+        self._tasks = [
+            asyncio.ensure_future(self._pump(client, i, f"{request_id}-{i}", prompt_ids, p))
+            for i, p in enumerate(params)
+        ]
+
+    async def _pump(self, client: EngineClient, i: int, rid: str, prompt_ids: list[int], params: SamplingParams):
+        gen = None
+        try:
+            gen = client.generate(rid, list(prompt_ids), params)
+            async for out in gen:
+                self._queue.put_nowait((i, out, None))
+                if out.finished:
+                    return
+            self._queue.put_nowait((i, None, RuntimeError(f"the engine ended request {rid} without a final output")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._queue.put_nowait((i, None, exc))
+        finally:
+            aclose = getattr(gen, "aclose", None)
+            if aclose is not None:
+                await aclose()  # aborts the request in the engine unless it finished
+
+    async def _next(self) -> tuple[int, RequestOutput]:
+        i, out, err = await self._queue.get()
+        if err is not None:
+            raise err
+        assert out is not None
+        if out.finished:
+            self._finished += 1
+        return i, out
+
+    async def prime(self) -> None:
+        """Wait until every engine request produced its first output (so was admitted); an
+        engine error raised before that propagates here."""
+        seen: set[int] = set()
+        while len(seen) < self.n:
+            i, out = await self._next()
+            if out.finished and out.finish_reason == "error":
+                raise P.APIError(500, f"generation failed: {out.error or 'engine error'}", type="server_error",
+                                 code="generation_error")
+            self._buffer.append((i, out))
+            seen.add(i)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._buffer:
+            yield self._buffer.pop(0)
+        while self._finished < self.n:
+            yield await self._next()
+
+    async def aclose(self) -> None:
+        await _cancel_and_wait(self._tasks, ABORT_TIMEOUT_S, "engine request(s)")
+
+
+@dataclass
+class _Job:
+    chat: bool
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    params: list[SamplingParams]
+    include_usage: bool
+    start: float
+    prompt_text: str | None = None  # only kept when logging requests
+    # Progress
+    first_token_at: float | None = None
+    output_tokens: list[int] = field(default_factory=list)
+    admitted: set[int] = field(default_factory=set)
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    @property
+    def n(self) -> int:
+        return len(self.params)
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-Sent Events whose producer is cancelled as soon as the client disconnects (we do
+    not rely on a failed `send`: servers may drop writes to a closed connection silently)."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self._on_close = on_close
+
+    async def _produce(self, send: Send) -> None:
+        events = self.body_iterator
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        producer = asyncio.ensure_future(self._produce(send))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await _cancel_and_wait([watcher], 1.0, "disconnect watcher")
+            await _cancel_and_wait([producer], ABORT_TIMEOUT_S, "stream producer")
+            await self._on_close()
+        if producer.done() and not producer.cancelled() and producer.exception() is not None:
+            logger.error("stream failed: %s", _exception_summary(producer.exception()))
+
+
+class _Server:
+    def __init__(
+        self,
+        client: EngineClient,
+        *,
+        served_model_name: str,
+        max_request_bytes: int,
+        log_requests: bool,
+        metrics: ServingMetrics,
+    ) -> None:
+        self.client = client
+        self.served = served_model_name
+        self.max_request_bytes = max_request_bytes
+        self.log_requests = log_requests
+        self.metrics = metrics
+        self.created = P.now()
+        self.chat_template = getattr(client, "chat_template", None)
+        if self.chat_template is not None:
+            try:
+                compile_template(self.chat_template)
+            except Exception as exc:
+                raise ValueError(f"the model's chat template does not compile: {exc}") from exc
+        self.template_context = self._template_context()
+        try:
+            self.vocab_size: int | None = int(client.tokenizer.get_vocab_size(with_added_tokens=True))
+        except Exception:
+            self.vocab_size = None
+
+    def _template_context(self) -> dict[str, str]:
+        """`bos_token`/`eos_token` for chat templates: from the client when it has them,
+        else the eos token's text from the tokenizer."""
+        context = {"bos_token": getattr(self.client, "bos_token", None) or "", "eos_token": ""}
+        eos = getattr(self.client, "eos_token", None)
+        if not eos and self.client.eos_token_ids:
+            try:
+                eos = self.client.tokenizer.id_to_token(min(self.client.eos_token_ids))
+            except Exception:
+                eos = None
+        context["eos_token"] = eos or ""
+        return context
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def guard(self, request: Request, handler: Callable[[Request], Awaitable[Response]]) -> Response:
+        """Run `handler`, turning every failure into an OpenAI-shaped error response."""
+        try:
+            return await handler(request)
+        except P.APIError as err:
+            return _error_response(err)
+        except ChatTemplateError as exc:
+            return _error_response(P.invalid_request(str(exc), param="messages"))
+        except EngineOverloadedError as exc:
+            err = P.APIError(429, f"the engine is overloaded: {exc}" if str(exc) else "the engine is overloaded",
+                             type="rate_limit_error", code="engine_overloaded")
+            return _error_response(err, headers={"Retry-After": "1"})
+        except EngineUnavailableError as exc:
+            err = P.APIError(503, f"the engine is unavailable: {exc}" if str(exc) else "the engine is unavailable",
+                             type="server_error", code="engine_unavailable")
+            return _error_response(err)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody is listening; recorded in the metrics as such
+        except Exception as exc:
+            if self.log_requests:
+                logger.exception("internal error on %s", request.url.path)
+            else:
+                logger.error("internal error on %s: %s", request.url.path, _exception_summary(exc))
+            return _error_response(P.APIError(500, "internal server error", type="server_error", code="internal_error"))
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.max_request_bytes
+        too_large = P.APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                if int(length) > limit:
+                    raise too_large
+            except ValueError:
+                raise P.invalid_request("invalid Content-Length header") from None
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return P.decode_json(bytes(body))
+
+    def check_model(self, model: str) -> None:
+        if model != self.served:
+            raise P.APIError(404, f"The model '{model}' does not exist; this server serves '{self.served}'",
+                             param="model", code="model_not_found")
+
+    def sampling_params(self, req: P._SamplingRequest, max_tokens: int, max_tokens_param: str) -> list[SamplingParams]:
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= P.MAX_N:
+            raise P.invalid_request(f"'n' must be between 1 and {P.MAX_N}, got {n}", param="n")
+        if max_tokens < 1:
+            raise P.invalid_request(f"'{max_tokens_param}' must be at least 1, got {max_tokens}", param=max_tokens_param)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(s == "" for s in stop):
+            raise P.invalid_request("'stop' strings must be non-empty", param="stop")
+        stop_token_ids = list(req.stop_token_ids or [])
+        if any(t < 0 for t in stop_token_ids):
+            raise P.invalid_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+        top_k = 0 if req.top_k in (None, -1) else req.top_k
+        params = []
+        for i in range(n):
+            try:
+                params.append(
+                    SamplingParams(
+                        max_tokens=max_tokens,
+                        temperature=1.0 if req.temperature is None else req.temperature,
+                        top_p=1.0 if req.top_p is None else req.top_p,
+                        top_k=top_k,
+                        seed=None if req.seed is None else req.seed + i,
+                        stop=list(stop),
+                        stop_token_ids=list(stop_token_ids),
+                        ignore_eos=bool(req.ignore_eos),
+                    )
+                )
+            except ValueError as exc:
+                name = str(exc).split()[0] if str(exc) else None
+                raise P.invalid_request(f"invalid sampling parameter: {exc}", param=name) from None
+        return params
+
+    def check_context(self, num_prompt: int, max_tokens: int, prompt_param: str, max_tokens_param: str) -> None:
+        limit = self.client.max_model_len
+        if num_prompt + max_tokens > limit:
+            raise P.invalid_request(
+                f"This model's maximum context length is {limit} tokens, but the request needs "
+                f"{num_prompt + max_tokens} ({num_prompt} in the prompt + {max_tokens} for '{max_tokens_param}'). "
+                f"Shorten the prompt or lower '{max_tokens_param}'.",
+                param=prompt_param if num_prompt >= limit else max_tokens_param,
+                code="context_length_exceeded",
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.client.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def completion_prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            raise P.invalid_request("batched prompts are not supported; send one prompt per request", param="prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise P.invalid_request("the prompt is empty", param="prompt")
+            ids = self.encode(prompt)
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+            bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+            if bad:
+                raise P.invalid_request(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt")
+        if not ids:
+            raise P.invalid_request("the prompt is empty", param="prompt")
+        return ids, text
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, request: Request) -> Response:
+        start = time.perf_counter()
+        req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await self.read_json(request))
+        self.check_model(req.model)
+        req.check_unsupported()
+        prompt_ids, prompt_text = self.completion_prompt_ids(req.prompt)
+        max_tokens = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, "max_tokens")
+        self.check_context(len(prompt_ids), max_tokens, "prompt", "max_tokens")
+        job = self.new_job(False, req, prompt_ids, params, start, prompt_text)
+        return await self.run(request, job, bool(req.stream))
+
+    async def chat_completions(self, request: Request) -> Response:
+        start = time.perf_counter()
+        req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest, await self.read_json(request))
+        self.check_model(req.model)
+        req.check_unsupported()
+        if not req.messages:
+            raise P.invalid_request("'messages' must contain at least one message", param="messages")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        text = render_chat(messages, self.chat_template, **self.template_context)
+        # A model's template writes its special tokens itself; the default format does not.
+        prompt_ids = self.encode(text, add_special_tokens=self.chat_template is None)
+        if not prompt_ids:
+            raise P.invalid_request("the rendered chat prompt is empty", param="messages")
+        if req.max_completion_tokens is not None:
+            max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+        elif req.max_tokens is not None:
+            max_tokens, name = req.max_tokens, "max_tokens"
+        else:
+            max_tokens, name = self.client.max_model_len - len(prompt_ids), "max_tokens"
+            if max_tokens < 1:
+                self.check_context(len(prompt_ids), 1, "messages", name)
+        params = self.sampling_params(req, max_tokens, name)
+        self.check_context(len(prompt_ids), max_tokens, "messages", name)
+        job = self.new_job(True, req, prompt_ids, params, start, text)
+        return await self.run(request, job, bool(req.stream))
+
+    def new_job(self, chat: bool, req: P._SamplingRequest, prompt_ids: list[int], params: list[SamplingParams],
+                start: float, prompt_text: str | None) -> _Job:
+        job = _Job(
+            chat=chat,
+            request_id=P.new_id("chatcmpl" if chat else "cmpl"),
+            created=P.now(),
+            model=self.served,
+            prompt_ids=prompt_ids,
+            params=params,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            start=start,
+            prompt_text=prompt_text if self.log_requests else None,
+            output_tokens=[0] * len(params),
+        )
+        if self.log_requests:
+            logger.info("request %s: prompt=%r (%d tokens), params=%s", job.request_id, prompt_text,
+                        len(prompt_ids), params[0])
+        else:
+            logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d", job.request_id, len(prompt_ids),
+                         len(params), params[0].max_tokens)
+        return job
+
+    def account(self, job: _Job, i: int, out: RequestOutput) -> None:
+        if i not in job.admitted:
+            job.admitted.add(i)
+            self.metrics.add_prompt_tokens(len(job.prompt_ids))
+        n = len(out.new_token_ids)
+        if n:
+            if job.first_token_at is None:
+                job.first_token_at = time.perf_counter()
+                self.metrics.observe_ttft(job.endpoint, job.first_token_at - job.start)
+            job.output_tokens[i] += n
+            self.metrics.add_generated_tokens(n)
+        if out.finished and out.num_output_tokens > job.output_tokens[i]:
+            extra = out.num_output_tokens - job.output_tokens[i]
+            job.output_tokens[i] = out.num_output_tokens
+            self.metrics.add_generated_tokens(extra)
+
+    def log_done(self, job: _Job, reasons: list[str | None], texts: list[str] | None) -> None:
+        if self.log_requests:
+            logger.info("request %s done: finish=%s, %s output tokens, outputs=%r", job.request_id, reasons,
+                        job.output_tokens, texts)
+        else:
+            logger.debug("request %s done: finish=%s, %s output tokens", job.request_id, reasons, job.output_tokens)
+
+    async def run(self, request: Request, job: _Job, stream: bool) -> Response:
+        fanout = _Fanout(self.client, job.request_id, job.prompt_ids, job.params)
+        if not stream:
+            try:
+                body = await _until_disconnect(request.receive, self.collect(job, fanout))
+            finally:
+                await fanout.aclose()
+            return JSONResponse(body)
+        try:
+            await _until_disconnect(request.receive, fanout.prime())
+        except BaseException:
+            await fanout.aclose()
+            raise
+        return _SSEResponse(self.stream_events(job, fanout), on_close=fanout.aclose)
+
+    async def collect(self, job: _Job, fanout: _Fanout) -> dict[str, Any]:
+        texts = [""] * job.n
+        reasons: list[str | None] = [None] * job.n
+        async for i, out in fanout.events():
+            self.account(job, i, out)
+            texts[i] += out.new_text
+            if out.finished:
+                if out.finish_reason == "error":
+                    raise P.APIError(500, f"generation failed: {out.error or 'engine error'}", type="server_error",
+                                     code="generation_error")
+                reasons[i] = out.finish_reason
+        self.log_done(job, reasons, texts)
+        usage = P.usage(len(job.prompt_ids), sum(job.output_tokens))
+        choices = list(zip(texts, reasons))
+        build = P.chat_response if job.chat else P.completion_response
+        return build(job.request_id, job.created, job.model, choices, usage)
+
+    async def stream_events(self, job: _Job, fanout: _Fanout) -> AsyncIterator[bytes]:
+        build = P.chat_chunk if job.chat else P.completion_chunk
+        with_usage = job.include_usage
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+            return P.sse(build(job.request_id, job.created, job.model, choices, usage, with_usage_field=with_usage))
+
+        reasons: list[str | None] = [None] * job.n
+        texts = [""] * job.n if self.log_requests else None
+        try:
+            if job.chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                             for i in range(job.n)])
+            async for i, out in fanout.events():
+                self.account(job, i, out)
+                if texts is not None:
+                    texts[i] += out.new_text
+                if out.finished and out.finish_reason == "error":
+                    self.log_done(job, reasons, texts)
+                    yield P.sse(P.error_body(f"generation failed: {out.error or 'engine error'}", type="server_error",
+                                             code="generation_error"))
+                    return
+                reason = out.finish_reason if out.finished else None
+                if out.finished:
+                    reasons[i] = reason
+                if job.chat:
+                    if out.new_text:
+                        yield chunk([{"index": i, "delta": {"content": out.new_text}, "finish_reason": None}])
+                    if out.finished:
+                        yield chunk([{"index": i, "delta": {}, "finish_reason": reason}])
+                elif out.new_text or out.finished:
+                    yield chunk([{"index": i, "text": out.new_text, "finish_reason": reason}])
+            self.log_done(job, reasons, texts)
+            if with_usage:
+                yield chunk([], P.usage(len(job.prompt_ids), sum(job.output_tokens)))
+            yield P.sse("[DONE]")
+        except EngineOverloadedError as exc:
+            yield P.sse(P.error_body(f"the engine is overloaded: {exc}", type="rate_limit_error",
+                                     code="engine_overloaded"))
+        except EngineUnavailableError as exc:
+            yield P.sse(P.error_body(f"the engine is unavailable: {exc}", type="server_error",
+                                     code="engine_unavailable"))
+        except Exception as exc:
+            if self.log_requests:
+                logger.exception("stream %s failed", job.request_id)
+            else:
+                logger.error("stream %s failed: %s", job.request_id, _exception_summary(exc))
+            yield P.sse(P.error_body("internal server error", type="server_error", code="internal_error"))
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        self.check_model(model_id)
+        return JSONResponse(self.model_card())
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.served,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "max_model_len": self.client.max_model_len,
+        }
+
+    async def health(self, request: Request) -> Response:
+        try:
+            ok, reason = self.client.health()
+        except Exception as exc:
+            ok, reason = False, f"health check failed: {type(exc).__name__}"
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        content, content_type = self.metrics.render()
+        return Response(content, headers={"Content-Type": content_type})
+
+
+class _MetricsMiddleware:
+    """Counts every HTTP request by endpoint and status, and times it (streams until the end)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServingMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_and_record(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.observe_request(endpoint_label(scope["path"]), status[0], time.perf_counter() - start)
+
+
+class _AuthMiddleware:
+    """`Authorization: Bearer <key>` on every /v1 route."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            header = dict(scope["headers"]).get(b"authorization")
+            message = None
+            if header is None:
+                message = "missing API key: send 'Authorization: Bearer <key>'"
+            else:
+                scheme, _, token = header.partition(b" ")
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                    message = "invalid API key"
+            if message is not None:
+                err = P.APIError(401, message, code="invalid_api_key")
+                await _error_response(err, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(
+    client: EngineClient,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_request_bytes: int = 1_000_000,
+    log_requests: bool = False,
+) -> FastAPI:
+    """The OpenAI-compatible app over `client` (see the module docstring)."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must be a non-empty string (or None for no authentication)")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    metrics = ServingMetrics(client)
+    server = _Server(
+        client,
+        served_model_name=served_model_name or client.model_name,
+        max_request_bytes=max_request_bytes,
+        log_requests=log_requests,
+        metrics=metrics,
+    )
+    app = FastAPI(title="tandem", summary="OpenAI-compatible MoE inference server")
+    app.state.tandem = server
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(P.validation_error_to_api_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        err = P.APIError(exc.status_code, str(exc.detail), type=kind)
+        return _error_response(err, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        logger.error("internal error on %s: %s", request.url.path, _exception_summary(exc))
+        return _error_response(P.APIError(500, "internal server error", type="server_error", code="internal_error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.guard(request, server.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.guard(request, server.chat_completions)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await server.guard(request, server.models)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request) -> Response:
+        return await server.guard(request, server.model)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        return await server.health(request)
+
+    @app.get("/metrics")
+    async def metrics_route(request: Request) -> Response:
+        return await server.metrics_endpoint(request)
+
+    if api_key is not None:
+        app.add_middleware(_AuthMiddleware, api_key=api_key)
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: also counts 401s
+    return app

@@ -1,0 +1,124 @@
+"""Chat messages to a prompt string.
+
+With a Jinja chat template from the model directory (`EngineClient.chat_template`), the
+template is rendered in a sandboxed Jinja environment with `messages` and
+`add_generation_prompt=True` (plus `bos_token` / `eos_token` when known), as Hugging Face
+chat templates expect. Without one, the default format is::
+
+    <|system|>
+    You are terse.
+    <|user|>
+    Hi!
+    <|assistant|>
+
+that is, every message as `<|role|>\\n{content}\\n`, then `<|assistant|>\\n` for the reply.
+
+Message content is a string, null (empty) or a list of `{"type": "text", "text": ...}` parts,
+joined with newlines; any other part type is refused with `ChatTemplateError` (a 400).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any, Mapping, Sequence
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (bad content part, or the template refused them)."""
+
+
+def message_text(content: Any, where: str = "content") -> str:
+    """A message's content as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise ChatTemplateError(f"'{where}' must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise ChatTemplateError(f"'{where}[{i}]' must be an object like {{\"type\": \"text\", \"text\": ...}}")
+        kind = part.get("type")
+        if kind != "text":
+            raise ChatTemplateError(
+                f"'{where}[{i}]' has type {kind!r}: only 'text' content parts are supported by this server"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"'{where}[{i}].text' must be a string")
+        extra = set(part) - {"type", "text"}
+        if extra:
+            raise ChatTemplateError(f"'{where}[{i}]' has unknown field(s): {', '.join(sorted(extra))}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as plain dicts with string content (what chat templates expect)."""
+    out = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"'messages[{i}].role' must be a non-empty string")
+        item = {k: v for k, v in message.items() if v is not None}
+        item["content"] = message_text(message.get("content"), where=f"messages[{i}].content")
+        out.append(item)
+    return out
+
+
+def default_chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(str(message))
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    # Jinja's own `tojson` HTML-escapes; chat templates want plain JSON.
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(template: str):
+    """A compiled Jinja template in a sandboxed environment (cached per template text).
+    Raises `jinja2.TemplateSyntaxError` for a broken template."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:  # pragma: no cover - jinja2 is a dependency
+        raise RuntimeError("rendering a model's chat template needs jinja2: pip install jinja2") from exc
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], autoescape=False
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], template: str | None, **context: Any) -> str:
+    """The prompt for `messages`: `template` (Jinja) rendered with `add_generation_prompt=True`
+    and `context` (e.g. `bos_token`, `eos_token`), or the default format when `template` is
+    None. Raises `ChatTemplateError` for content it cannot render."""
+    if not messages:
+        raise ChatTemplateError("'messages' must contain at least one message")
+    normalized = normalize_messages(messages)
+    if template is None:
+        return default_chat_prompt(normalized)
+    from jinja2 import TemplateError
+
+    compiled = compile_template(template)
+    try:
+        return compiled.render(messages=normalized, add_generation_prompt=True, **context)
+    except ChatTemplateError:
+        raise
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from None

@@ -1,0 +1,22 @@
+"""What an engine rank reports about a request, as the front end receives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's output. Deltas only: `new_token_ids` and `new_text` are
+    what was produced since the previous output of the same request. `finished` is set on
+    the last one, with `finish_reason` "stop" (eos, stop token or stop string), "length"
+    (max_tokens or the context length), "abort" (cancelled) or "error" (`error` says why)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,273 @@
+"""`ProcessEngineClient`: the front end's handle on the engine rank processes.
+
+It starts the DP ranks (or, under `torchrun`, attaches to the head rank that started it),
+assigns each request to the rank with the fewest requests in flight, and turns the head's
+output stream into one asyncio queue per request. A pump thread reads the head's queue and
+watches the rank processes: a rank that dies fails every request in flight with an error
+and makes `health()` report it; new requests then get `EngineUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import sys
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+import torch.multiprocessing as mp
+
+from tandem.models.loader import load_tokenizer_info
+from tandem.runner.launch import find_free_port
+from tandem.runner.sampling import SamplingParams
+from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
+from tandem.serving.outputs import RequestOutput
+from tandem.serving.rank import ServeOptions, local_rank_main
+
+
+def _stderr(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)
+
+
+class ProcessEngineClient(EngineClient):
+    def __init__(
+        self,
+        config,
+        options: ServeOptions | None = None,
+        *,
+        max_queue_len: int | None = None,
+        startup_timeout_s: float = 600.0,
+        log: Callable[[str], None] = _stderr,
+        queues: tuple | None = None,
+        world_size: int | None = None,
+    ):
+        """`queues=(inbox, outbox)` attaches to a head rank started elsewhere (torchrun)
+        instead of starting the ranks here."""
+        self.config = config
+        self.options = options or ServeOptions()
+        self.max_queue_len = max_queue_len
+        self.startup_timeout_s = startup_timeout_s
+        self.log = log
+        info = load_tokenizer_info(config.model)
+        self.tokenizer = info.tokenizer
+        self.eos_token_ids = info.eos_token_ids
+        self.max_model_len = info.max_model_len
+        self.chat_template = info.chat_template
+        self.model_name = info.name
+        self.world_size = world_size or config.parallel.data_parallel_size
+        self._attached = queues is not None
+        self._ctx = mp.get_context("spawn")
+        self._inbox, self._outbox = queues if queues is not None else (self._ctx.Queue(), self._ctx.Queue())
+        self._procs: list = []
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, int]] = {}
+        self._in_flight = [0] * self.world_size
+        self._lock = threading.Lock()
+        self._rank_stats: list[dict] = []
+        self._last_heard = time.monotonic()
+        self._failure: str | None = None
+        self._stopping = False
+        self._pump: threading.Thread | None = None
+        self.ready = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the ranks (unless attached) and block until the head reports ready."""
+        if not self._attached:
+            env = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(find_free_port()),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            }
+            for rank in range(self.world_size):
+                proc = self._ctx.Process(
+                    target=local_rank_main,
+                    args=(rank, self.world_size, env, self.config, self.options, self._inbox, self._outbox),
+                    name=f"tandem-rank-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                self._procs.append(proc)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if time.monotonic() > deadline:
+                self._kill_ranks()
+                raise RuntimeError(f"the engine ranks did not become ready within {self.startup_timeout_s:g} s")
+            dead = self._dead_rank()
+            try:
+                message = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                if dead:
+                    self._kill_ranks()
+                    raise RuntimeError(f"engine start failed: {dead}") from None
+                continue
+            kind = message[0]
+            if kind == "progress":
+                self.log(message[1])
+            elif kind == "fatal":
+                self._kill_ranks()
+                raise RuntimeError(f"engine start failed: {message[1]}")
+            elif kind == "ready":
+                break
+        self.ready = True
+        self._last_heard = time.monotonic()
+        self._pump = threading.Thread(target=self._pump_outputs, name="tandem-output-pump", daemon=True)
+        self._pump.start()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask the ranks to stop, wait for them, kill what is left."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._inbox.put(("shutdown",))
+        except (OSError, ValueError):
+            pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._kill_ranks()
+        self._fail_all("the server is shutting down")
+
+    def _kill_ranks(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5)
+
+    def _dead_rank(self) -> str | None:
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                return f"rank {rank} exited with code {proc.exitcode}"
+        return None
+
+    # -- output pump ----------------------------------------------------------------------
+
+    def _pump_outputs(self) -> None:
+        while not self._stopping:
+            try:
+                message = self._outbox.get(timeout=0.1)
+            except queue.Empty:
+                message = None
+            except (OSError, EOFError, ValueError):
+                message = ("fatal", "the head rank's output queue closed")
+            if message is not None:
+                self._last_heard = time.monotonic()
+                kind = message[0]
+                if kind == "outputs":
+                    for output in message[1]:
+                        self._deliver(output)
+                elif kind == "stats":
+                    self._rank_stats = message[1]
+                elif kind == "fatal":
+                    self._set_failure(message[1].splitlines()[0])
+            dead = self._dead_rank()
+            if dead and not self._stopping:
+                self._set_failure(dead)
+
+    def _set_failure(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+            self.log(f"engine failure: {reason}")
+            self._fail_all(f"engine failure: {reason}")
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            entry = self._streams.get(output.request_id)
+            if entry is None:
+                return  # the client already left
+            stream, loop, rank = entry
+            if output.finished:
+                del self._streams[output.request_id]
+                self._in_flight[rank] -= 1
+        loop.call_soon_threadsafe(stream.put_nowait, output)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            entries = list(self._streams.items())
+            self._streams.clear()
+            self._in_flight = [0] * self.world_size
+        for request_id, (stream, loop, _) in entries:
+            output = RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, output)
+            except RuntimeError:
+                pass  # that request's event loop is gone
+
+    # -- EngineClient ---------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self._failure is not None:
+            raise EngineUnavailableError(f"the engine is unavailable: {self._failure}")
+        if self._stopping or not self.ready:
+            raise EngineUnavailableError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self.max_queue_len is not None and sum(self._in_flight) >= self.max_queue_len:
+                raise EngineOverloadedError(
+                    f"the server is at capacity ({self.max_queue_len} requests in flight); retry later"
+                )
+            rank = min(range(self.world_size), key=lambda r: self._in_flight[r])
+            self._in_flight[rank] += 1
+            self._streams[request_id] = (stream, loop, rank)
+        self._inbox.put(("add", rank, request_id, list(prompt_ids), params))
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._streams.pop(request_id, None)
+            if entry is None:
+                return
+            self._in_flight[entry[2]] -= 1
+        if not self._stopping:
+            self._inbox.put(("abort", entry[2], request_id))
+
+    def health(self) -> tuple[bool, str]:
+        if self._failure is not None:
+            return False, self._failure
+        if not self.ready:
+            return False, "starting"
+        if self._stopping:
+            return False, "shutting down"
+        return True, "ok"
+
+    def stats(self) -> EngineStats:
+        per_rank = [s for s in self._rank_stats if s]
+        total = lambda key: sum(s.get(key, 0) for s in per_rank)  # noqa: E731
+        return EngineStats(
+            num_ranks=self.world_size,
+            waiting=total("waiting"),
+            running=total("running"),
+            kv_usage=max((s.get("kv_usage", 0.0) for s in per_rank), default=0.0),
+            steps=total("steps"),
+            ubatched_steps=total("ubatched_steps"),
+            ubatch_yields=total("ubatch_yields"),
+            step_time_s=total("step_time_s"),
+            generated_tokens=total("generated_tokens"),
+            prompt_tokens=total("prompt_tokens"),
+            per_rank=per_rank,
+        )
+
+    @property
+    def in_flight(self) -> list[int]:
+        return list(self._in_flight)
+
+
+__all__ = ["ProcessEngineClient"]

@@ -1,0 +1,316 @@
+"""OpenAI-compatible request and response shapes for `tandem serve`.
+
+Requests are pydantic v2 models in strict mode with unknown fields forbidden: a field this
+server does not know is a 400 naming it, never silently ignored. A few fields the OpenAI SDK
+and common tools send are accepted as long as they ask for the default behaviour
+(`user`, `presence_penalty`/`frequency_penalty` of 0, an empty `logit_bias`, `echo` false,
+`suffix` null, `best_of` 1); asking for anything else from them is a 400 saying it is not
+supported. `logprobs` is not implemented: requesting log-probabilities is a 400.
+
+Extensions beyond the OpenAI API: `top_k` (0 or -1: no cut), `stop_token_ids`, `ignore_eos`.
+
+Responses are plain dicts built by the `*_response` / `*_chunk` helpers here, in the
+layout the OpenAI SDK parses. Errors are `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: Most choices one request may fan out to (`n`).
+MAX_N = 16
+#: `max_tokens` default of `/v1/completions` (as in the OpenAI API).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI-shaped JSON body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# Fields whose pydantic union errors are unreadable; say what is expected instead.
+_EXPECTED = {
+    "prompt": "a string, a list of one string, or a list of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> list[str]:
+    """Drop pydantic's union-member tags (`str`, `list[int]`, ...) from an error location."""
+    out = []
+    for part in loc:
+        if isinstance(part, int):
+            out.append(f"[{part}]")
+        elif isinstance(part, str) and ("[" in part or part.lower() in _TYPE_TAGS):
+            continue
+        else:
+            out.append(str(part))
+    return out
+
+
+def _join_loc(parts: list[str]) -> str:
+    text = ""
+    for part in parts:
+        text += part if part.startswith("[") or not text else "." + part
+    return text
+
+
+def validation_error_to_api_error(errors: list[dict[str, Any]]) -> APIError:
+    """The first problem of a pydantic/FastAPI validation error as a 400 naming the field."""
+    if not errors:
+        return invalid_request("invalid request")
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header"):  # FastAPI's RequestValidationError
+        loc = loc[1:]
+    parts = _clean_loc(loc)
+    name = _join_loc(parts) or None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        return invalid_request(f"unknown field '{name}': this server does not accept it", param=name)
+    if kind == "missing":
+        return invalid_request(f"missing required field '{name}'", param=name)
+    if kind == "json_invalid":
+        return invalid_request(f"malformed JSON body: {first.get('msg', '')}")
+    field = parts[-1] if parts else None
+    # A union field fails once per member; name what is expected instead of listing them.
+    if field in _EXPECTED and sum(1 for e in errors if _clean_loc(tuple(e.get("loc", ()))) == parts) > 1:
+        return invalid_request(f"'{name}' must be {_EXPECTED[field]}", param=name)
+    return invalid_request(f"'{name}': {first.get('msg', 'invalid value')}", param=name)
+
+
+def parse_request(model: type[BaseModel], data: Any) -> Any:
+    """Validate a decoded JSON body; any problem is a 400 `APIError`."""
+    if not isinstance(data, dict):
+        raise invalid_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error_to_api_error(exc.errors(include_url=False, include_input=False)) from None
+
+
+def decode_json(body: bytes) -> Any:
+    if not body.strip():
+        raise invalid_request("the request body is empty; send a JSON object")
+    try:
+        return json.loads(body)
+    except UnicodeDecodeError:
+        raise invalid_request("malformed JSON body: not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise invalid_request(f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool | None = None  # extension
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # Accepted only when asking for the default behaviour (see `check_unsupported`).
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise invalid_request(f"'{name}' is not supported by this server (only 0)", param=name)
+        if self.logit_bias:
+            raise invalid_request("'logit_bias' is not supported by this server", param="logit_bias")
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.logprobs is not None:
+            raise invalid_request("'logprobs' is not supported by this server", param="logprobs")
+        if self.echo:
+            raise invalid_request("'echo' is not supported by this server", param="echo")
+        if self.suffix is not None:
+            raise invalid_request("'suffix' is not supported by this server", param="suffix")
+        if self.best_of not in (None, 1):
+            raise invalid_request("'best_of' is not supported by this server (only 1)", param="best_of")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # A string or a list of {"type": "text", "text": ...} parts (checked by `render_chat`).
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(default_factory=list)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.logprobs:
+            raise invalid_request("'logprobs' is not supported by this server", param="logprobs")
+        if self.top_logprobs:
+            raise invalid_request("'top_logprobs' is not supported by this server", param="top_logprobs")
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(
+    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    """`choices`: (text, finish_reason) per index."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            for i, (text, reason) in enumerate(choices)
+        ],
+        "usage": usage_,
+        "system_fingerprint": None,
+    }
+
+
+def chat_response(
+    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            for i, (text, reason) in enumerate(choices)
+        ],
+        "usage": usage_,
+        "system_fingerprint": None,
+    }
+
+
+def completion_chunk(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None,
+    with_usage_field: bool = False,
+) -> dict[str, Any]:
+    """`choices`: dicts with `index`, `text`, `finish_reason`."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"logprobs": None, **c} for c in choices],
+    }
+    if with_usage_field or usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_chunk(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None,
+    with_usage_field: bool = False,
+) -> dict[str, Any]:
+    """`choices`: dicts with `index`, `delta`, `finish_reason`."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"logprobs": None, **c} for c in choices],
+    }
+    if with_usage_field or usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One Server-Sent Event carrying `data` (a dict is sent as JSON)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()

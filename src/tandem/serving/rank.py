@@ -1,0 +1,199 @@
+"""The engine rank process: one `Engine` per DP rank, all ranks stepping in lockstep.
+
+Rank 0 (the head) is the only one the front end talks to, through two queues. Each loop
+iteration the head takes the front end's messages (new requests, each already assigned to
+a rank; aborts; shutdown) and broadcasts them to every rank over a gloo control group;
+every rank applies its share and runs one engine step (a dummy forward when idle, so the
+MoE collectives match); the ranks' output deltas and stats are gathered back to the head,
+which forwards them. The control plane is torch.distributed itself, so ranks started by
+`torchrun` on other nodes work the same way as local ones.
+
+When no rank has work the head waits for the front end (briefly, so it still reports
+stats as a heartbeat) instead of spinning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+#: Head → front end: ("ready", info) once warm, ("progress", text), ("outputs", [RequestOutput]),
+#: ("stats", [per-rank dict]), ("fatal", message) before exiting on an error.
+#: Front end → head: ("add", rank, request_id, prompt_ids, params), ("abort", rank, request_id),
+#: ("shutdown",).
+
+
+@dataclass
+class ServeOptions:
+    max_num_seqs: int = 64
+    overlap_schedule: bool = True
+    #: Longest wait of an idle head for the front end before it reports stats again.
+    idle_wait_s: float = 0.02
+    stats_interval_s: float = 0.25
+    warmup: bool = True
+    collective_timeout_s: float = 600.0
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent process dies, so no rank outlives the server."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except Exception:  # noqa: BLE001 - not Linux: the front end's shutdown still reaps ranks
+        pass
+
+
+def _drain(inbox, block_s: float) -> list[tuple]:
+    messages = []
+    try:
+        messages.append(inbox.get(timeout=block_s) if block_s > 0 else inbox.get_nowait())
+        while True:
+            messages.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return messages
+
+
+def _warm_up(engine) -> None:
+    """Every rank runs the same tiny request to completion, so lazy initialisation (and
+    the first collectives) happen before the first user request."""
+    from tandem.runner.sampling import SamplingParams
+
+    engine.add_request("__warmup__", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+
+
+def serve_rank(
+    rank: int,
+    world_size: int,
+    config,
+    options: ServeOptions,
+    inbox=None,
+    outbox=None,
+    *,
+    frontend_alive: Callable[[], bool] | None = None,
+) -> None:
+    """Body of one engine rank, after the default process group (if any) is initialised.
+    `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
+    from tandem.runner.engine import Engine
+    from tandem.runner.offline import build_runner
+
+    def report(*message: Any) -> None:
+        if rank == 0 and outbox is not None:
+            outbox.put(message)
+
+    distributed = world_size > 1
+    try:
+        control = dist.new_group(backend="gloo") if distributed else None
+        report("progress", f"loading {config.model} on {world_size} rank(s)")
+        runner = build_runner(config, group=dist.group.WORLD if distributed else None)
+        engine = Engine(
+            runner,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            overlap_schedule=options.overlap_schedule,
+            lockstep=distributed,
+        )
+        if options.warmup:
+            report("progress", "warming up")
+            _warm_up(engine)
+        info = runner.info
+        report("ready", {"name": info.name, "max_model_len": info.max_model_len, "world_size": world_size})
+        _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive)
+        engine.close()
+    except BaseException as exc:  # noqa: BLE001 - tell the front end before dying
+        report("fatal", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        raise
+
+
+def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbox, frontend_alive=None) -> None:
+    busy_anywhere = False
+    last_stats = 0.0
+    while True:
+        messages: list[tuple] = []
+        run_step = False
+        now = time.monotonic()
+        due = now - last_stats >= options.stats_interval_s  # the head's clock decides for all
+        if rank == 0:
+            idle = not busy_anywhere and not engine.has_work
+            messages = _drain(inbox, options.idle_wait_s if idle else 0.0)
+            if due and frontend_alive is not None and not frontend_alive():
+                messages.append(("shutdown",))
+            # One decision for all ranks: step while any rank has work or a request arrives.
+            run_step = busy_anywhere or engine.has_work or any(m[0] == "add" for m in messages)
+        if control is not None:
+            box = [(messages, run_step, due)]
+            dist.broadcast_object_list(box, src=0, group=control)
+            messages, run_step, due = box[0]
+        outputs = []
+        stop = False
+        for message in messages:
+            kind = message[0]
+            if kind == "add":
+                _, target, request_id, prompt_ids, params = message
+                if target == rank:
+                    rejected = engine.add_request(request_id, prompt_ids, params)
+                    if rejected is not None:
+                        outputs.append(rejected)
+            elif kind == "abort":
+                _, target, request_id = message
+                if target == rank:
+                    aborted = engine.abort(request_id)
+                    if aborted is not None:
+                        outputs.append(aborted)
+            elif kind == "shutdown":
+                stop = True
+        if stop:
+            return
+        if run_step if control is not None else engine.has_work:
+            outputs += engine.step()
+        stats = dataclasses.asdict(engine.stats()) if due else None
+        per_rank: list = []
+        if control is not None:
+            gathered = [None] * world_size if rank == 0 else None
+            dist.gather_object((outputs, stats, engine.has_work), gathered, dst=0, group=control)
+            if rank == 0:
+                outputs = [out for rank_outputs, _, _ in gathered for out in rank_outputs]
+                busy_anywhere = any(has_work for _, _, has_work in gathered)
+                per_rank = [rank_stats for _, rank_stats, _ in gathered]
+        else:
+            busy_anywhere = engine.has_work
+            per_rank = [stats]
+        if rank == 0 and outbox is not None:
+            if outputs:
+                outbox.put(("outputs", outputs))
+            if due:
+                outbox.put(("stats", per_rank))
+        if due:
+            last_stats = now
+
+
+def local_rank_main(rank: int, world_size: int, env: dict, config, options: ServeOptions, inbox, outbox) -> None:
+    """Entry point of a rank process started by the local front end."""
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; the front end shuts ranks down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(env)
+    if world_size > 1:
+        from tandem.runner.launch import init_rank
+
+        init_rank(rank, world_size, timeout_s=options.collective_timeout_s)
+    try:
+        serve_rank(rank, world_size, config, options, inbox if rank == 0 else None, outbox if rank == 0 else None)
+    finally:
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["ServeOptions", "local_rank_main", "serve_rank"]

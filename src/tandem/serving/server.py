@@ -1,0 +1,154 @@
+"""`tandem serve`: the engine ranks, the front end and the HTTP server, started and stopped
+as one unit.
+
+Local (`--data-parallel-size N`): this process is the front end (HTTP + `ProcessEngineClient`)
+and starts N rank processes. Under `torchrun` (one process per rank, env:// rendezvous,
+any number of nodes): every process is a rank, and rank 0 also starts the front end as a
+child process attached to it by two queues. Either way, Ctrl-C or SIGTERM stops the HTTP
+server, then the ranks, and no rank process outlives the server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from tandem.serving.rank import ServeOptions
+
+
+@dataclass
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queue_len: int | None = None
+    log_requests: bool = False
+
+
+def _log(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)
+
+
+def describe(config, options: ServeOptions, http: HttpOptions, world_size: int) -> str:
+    o, p = config.overlap, config.parallel
+    dbo = (
+        f"on (ubatches={o.num_ubatches}, executor={o.executor}, thresholds decode={o.dbo_decode_token_threshold} "
+        f"prefill={o.dbo_prefill_token_threshold})"
+        if o.enable_dbo
+        else "off"
+    )
+    return (
+        f"serving {config.model} on http://{http.host}:{http.port} | ranks={world_size} "
+        f"all2all={p.all2all_backend} moe={p.moe_backend} dbo={dbo} sbo={'on' if p.enable_sbo else 'off'} "
+        f"graph={o.graph_mode} schedule={'overlap' if options.overlap_schedule else 'normal'} "
+        f"max_num_seqs={options.max_num_seqs} max_num_batched_tokens={config.max_num_batched_tokens} "
+        f"kv_cache={(config.cache.num_kv_blocks - 1) * config.cache.block_size} tokens/rank "
+        f"auth={'on' if http.api_key else 'off'}"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _serve_http(client, http: HttpOptions) -> None:
+    import uvicorn
+
+    from tandem.serving.app import create_app
+
+    if not _is_loopback(http.host) and not http.api_key:
+        _log(f"warning: binding {http.host} without --api-key: anyone who can reach this port can use the server")
+    app = create_app(
+        client, api_key=http.api_key, served_model_name=http.served_model_name, log_requests=http.log_requests
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=http.host, port=http.port, log_level="warning", timeout_graceful_shutdown=5)
+    )
+    server.run()
+
+
+def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
+    """Local mode: start the ranks, serve until interrupted, stop everything."""
+    from tandem.serving.process_client import ProcessEngineClient
+
+    client = ProcessEngineClient(config, options, max_queue_len=http.max_queue_len, log=_log)
+    _log(describe(config, options, http, client.world_size))
+    try:
+        client.start()
+        _log(f"ready: http://{http.host}:{http.port}/v1 (model {http.served_model_name or client.model_name})")
+        _serve_http(client, http)
+    finally:
+        _log("shutting down")
+        client.stop()
+
+
+def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, world_size: int) -> None:
+    from tandem.serving.process_client import ProcessEngineClient
+
+    client = ProcessEngineClient(
+        config, options, max_queue_len=http.max_queue_len, log=_log, queues=queues, world_size=world_size
+    )
+    try:
+        client.start()
+        _log(f"ready: http://{http.host}:{http.port}/v1 (model {http.served_model_name or client.model_name})")
+        _serve_http(client, http)
+    finally:
+        client.stop()
+
+
+def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
+    """One rank started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from tandem.runner.launch import init_rank
+    from tandem.serving.rank import serve_rank
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_size=world_size))
+    if config.parallel.all2all_backend == "local" and world_size > 1:
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, all2all_backend="torch_a2a"))
+    init_rank(rank, world_size, timeout_s=options.collective_timeout_s)
+    frontend = None
+    try:
+        if rank == 0:
+            _log(describe(config, options, http, world_size))
+            ctx = mp.get_context("spawn")
+            queues = (ctx.Queue(), ctx.Queue())
+            frontend = ctx.Process(
+                target=_frontend_main, args=(config, options, http, queues, world_size), name="tandem-frontend"
+            )
+            frontend.start()
+            # The front end handles Ctrl-C and tells the ranks to stop.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            serve_rank(0, world_size, config, options, *queues, frontend_alive=frontend.is_alive)
+        else:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            serve_rank(rank, world_size, config, options)
+    finally:
+        if frontend is not None:
+            frontend.join(timeout=10)
+            if frontend.is_alive():
+                frontend.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and (
+        "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    )
+
+
+__all__ = ["HttpOptions", "describe", "run_server", "run_torchrun_rank", "under_torchrun"]

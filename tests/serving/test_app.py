@@ -1,0 +1,557 @@
+"""The OpenAI-compatible HTTP app, served by a real uvicorn server over an in-memory engine
+and driven by the official `openai` client (and httpx for raw cases)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from typing import AsyncIterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from tandem.models.tiny_moe import EOS_ID, build_tokenizer
+from tandem.runner.sampling import SamplingParams
+from tandem.serving.app import create_app
+from tandem.serving.chat import ChatTemplateError, render_chat
+from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
+from tandem.serving.outputs import RequestOutput
+
+MODEL = "tiny-fake"
+API_KEY = "sk-test-key"
+MAX_MODEL_LEN = 128
+MAX_REQUEST_BYTES = 20_000
+PHRASE = "the quick brown fox jumps over the lazy dog. "
+
+
+class FakeEngine(EngineClient):
+    """A faithful in-memory `EngineClient`: the output is `PHRASE` cycled from an offset derived
+    from the prompt and seed, one byte token at a time; honours max_tokens, stop strings (held
+    back until they cannot start a match), stop_token_ids; records starts and aborts."""
+
+    def __init__(self) -> None:
+        self.model_name = MODEL
+        self.max_model_len = MAX_MODEL_LEN
+        self.tokenizer = build_tokenizer()
+        self.eos_token_ids = {EOS_ID}
+        self.chat_template = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.raise_on_generate: type[Exception] | Exception | None = None
+        self.error_after: int | None = None
+        self.token_delay = 0.0
+        self.healthy = (True, "ok")
+        self.started: list[str] = []
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.steps = 0
+
+    @staticmethod
+    def reference_text(prompt_ids: list[int], seed: int | None, num_tokens: int) -> str:
+        offset = (sum(prompt_ids) + (seed or 0)) % len(PHRASE)
+        return "".join(PHRASE[(offset + k) % len(PHRASE)] for k in range(num_tokens))
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self.raise_on_generate is not None:
+            raise self.raise_on_generate
+        self.started.append(request_id)
+        self.requests[request_id] = (list(prompt_ids), params)
+        full = self.reference_text(prompt_ids, params.seed, params.max_tokens)
+        longest_stop = max((len(s) for s in params.stop), default=0)
+        text, emitted, count, done = "", 0, 0, False
+
+        def out(ids: list[int], new_text: str, reason: str | None = None, error: str | None = None) -> RequestOutput:
+            return RequestOutput(request_id, ids, new_text, finished=reason is not None, finish_reason=reason,
+                                 num_prompt_tokens=len(prompt_ids), num_output_tokens=count, error=error)
+
+        try:
+            for k, char in enumerate(full):
+                await asyncio.sleep(self.token_delay)
+                self.steps += 1
+                if self.error_after is not None and k >= self.error_after:
+                    done = True
+                    yield out([], "", "error", error="simulated engine failure")
+                    return
+                token = ord(char)
+                count += 1
+                if token in params.stop_token_ids:
+                    done = True
+                    yield out([token], "", "stop")
+                    return
+                text += char
+                hits = [text.find(s) for s in params.stop if s in text]
+                if hits:
+                    done = True
+                    yield out([token], text[emitted:min(hits)], "stop")
+                    return
+                safe = len(text) - max(longest_stop - 1, 0)
+                if k == len(full) - 1:
+                    done = True
+                    yield out([token], text[emitted:], "length")
+                    return
+                new_text = text[emitted:safe] if safe > emitted else ""
+                emitted = max(emitted, safe)
+                yield out([token], new_text)
+        finally:
+            (self.finished if done else self.aborted).append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def health(self) -> tuple[bool, str]:
+        return self.healthy
+
+    def stats(self) -> EngineStats:
+        running = len(set(self.started) - set(self.finished) - set(self.aborted))
+        return EngineStats(waiting=0, running=running, kv_usage=0.25, steps=self.steps, ubatched_steps=self.steps // 2,
+                           ubatch_yields=self.steps, step_time_s=0.001 * self.steps)
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class LiveServer:
+    """`app` served by uvicorn on 127.0.0.1 (a free port) in a background thread."""
+
+    def __init__(self, app) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 15
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start within 15 s")
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "uvicorn did not stop within 10 s"
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    live = LiveServer(create_app(engine, api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine(engine):
+    engine.reset()
+    yield
+    engine.reset()
+
+
+@pytest.fixture
+def oai(server) -> openai.OpenAI:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=10)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def http(server) -> httpx.Client:
+    with httpx.Client(base_url=server.url, timeout=10, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+def ids(text: str) -> list[int]:
+    return build_tokenizer().encode(text).ids
+
+
+def assert_openai_error(response: httpx.Response, status: int, *, param: str | None = None, contains: str = "") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param, error
+    assert contains.lower() in error["message"].lower(), error
+    return error
+
+
+# ------------------------------------------------------------------ completions and chat
+
+
+def test_completion(oai, engine):
+    r = oai.completions.create(model=MODEL, prompt="hello", max_tokens=7, temperature=0)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].text == FakeEngine.reference_text(ids("hello"), None, 7)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].index == 0
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 7, 12)
+    ((prompt, params),) = engine.requests.values()
+    assert prompt == ids("hello") and params.max_tokens == 7 and params.temperature == 0
+
+
+def test_completion_defaults_and_token_prompt(oai, engine):
+    r = oai.completions.create(model=MODEL, prompt=[104, 105])  # token ids, default max_tokens 16
+    assert r.choices[0].text == FakeEngine.reference_text([104, 105], None, 16)
+    assert r.usage.completion_tokens == 16
+    r = oai.completions.create(model=MODEL, prompt=["hi"], max_tokens=3)  # a batch of one
+    assert r.choices[0].text == FakeEngine.reference_text(ids("hi"), None, 3)
+
+
+def test_completion_stream(oai):
+    stream = oai.completions.create(model=MODEL, prompt="stream me", max_tokens=9, stream=True,
+                                    stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == FakeEngine.reference_text(ids("stream me"), None, 9)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    assert chunks[-1].usage.prompt_tokens == len(ids("stream me"))
+
+
+def test_chat(oai, engine):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    prompt = ids("<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n")
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == FakeEngine.reference_text(prompt, None, 6)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 6)
+    # Without max_tokens, the reply may fill the rest of the context.
+    r = oai.chat.completions.create(model=MODEL, messages=messages)
+    assert r.usage.completion_tokens == MAX_MODEL_LEN - len(prompt)
+    # max_completion_tokens and text content parts
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
+                                    max_completion_tokens=2)
+    assert r.usage.completion_tokens == 2
+    assert list(engine.requests.values())[-1][0] == ids("<|user|>\nh\ni\n<|assistant|>\n")
+
+
+def test_chat_stream(oai):
+    messages = [{"role": "user", "content": "tell me"}]
+    stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    prompt = ids("<|user|>\ntell me\n<|assistant|>\n")
+    assert content == FakeEngine.reference_text(prompt, None, 8)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_n_fans_out_with_seeds(oai, engine):
+    r = oai.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=2, seed=10, temperature=0.7)
+    assert [c.index for c in r.choices] == [0, 1]
+    for i, choice in enumerate(r.choices):
+        assert choice.text == FakeEngine.reference_text(ids("abc"), 10 + i, 5)
+    assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens == 3
+    assert sorted(rid.rsplit("-", 1)[1] for rid in engine.started) == ["0", "1"]
+    assert sorted(p.seed for _, p in engine.requests.values()) == [10, 11]
+    # streamed chat with n=2
+    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                         n=2, seed=3, stream=True)
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    prompt = ids("<|user|>\nx\n<|assistant|>\n")
+    assert texts == [FakeEngine.reference_text(prompt, 3, 4), FakeEngine.reference_text(prompt, 4, 4)]
+
+
+def test_stop_strings_and_stop_tokens(oai):
+    full = FakeEngine.reference_text(ids("q"), None, 40)
+    stop = full[10:13]
+    expected = full[: full.index(stop)]
+    r = oai.completions.create(model=MODEL, prompt="q", max_tokens=40, stop=[stop, "zzz"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    stream = oai.completions.create(model=MODEL, prompt="q", max_tokens=40, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == expected
+    r = oai.completions.create(model=MODEL, prompt="q", max_tokens=40, extra_body={"stop_token_ids": [ord(full[4])]})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (full[:4], "stop")
+
+
+def test_models_endpoint(oai):
+    (card,) = oai.models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert oai.models.retrieve(MODEL).id == MODEL
+
+
+# ------------------------------------------------------------------ validation
+
+
+def test_unknown_model_is_404(oai, http):
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.completions.create(model="gpt-nope", prompt="hi")
+    assert info.value.code == "model_not_found"
+    r = http.post("/v1/chat/completions", json={"model": "gpt-nope", "messages": [{"role": "user", "content": "x"}]})
+    assert assert_openai_error(r, 404, param="model")["code"] == "model_not_found"
+
+
+def test_malformed_json_and_wrong_types_are_400(http):
+    r = http.post("/v1/completions", content=b'{"model": "tiny-fake", "prompt": ', headers={"Content-Type": "application/json"})
+    assert assert_openai_error(r, 400, contains="malformed JSON")["type"] == "invalid_request_error"
+    assert_openai_error(http.post("/v1/completions", content=b"[1, 2]"), 400, contains="JSON object")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": "abc"})
+    assert_openai_error(r, 400, param="max_tokens")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": 12.5})
+    assert_openai_error(r, 400, param="prompt", contains="list of token ids")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "hi"}), 400, param="model", contains="missing")
+
+
+def test_unknown_field_is_400_but_common_sdk_fields_are_tolerated(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "frobnicate": True})
+    assert_openai_error(r, 400, param="frobnicate", contains="unknown field 'frobnicate'")
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x", "mood": 1}]})
+    assert_openai_error(r, 400, param="messages[0].mood", contains="unknown field")
+    tolerated = {"user": "u1", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False,
+                 "suffix": None, "best_of": 1, "max_tokens": 2}
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **tolerated}).status_code == 200
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "presence_penalty": 0.5})
+    assert_openai_error(r, 400, param="presence_penalty", contains="not supported")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 2})
+    assert_openai_error(r, 400, param="logprobs", contains="not supported")
+    r = http.post("/v1/chat/completions",
+                  json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True})
+    assert_openai_error(r, 400, param="logprobs", contains="not supported")
+
+
+def test_bad_values_are_400(oai, http, engine):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt="hi", max_tokens=-3)
+    assert "max_tokens" in str(info.value)
+    assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 0}), 400,
+                        param="max_tokens")
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt="x" * 120, max_tokens=20)
+    assert "context length" in str(info.value)
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "y" * 200}]})
+    assert_openai_error(r, 400, contains="context length")
+    assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": ""}), 400, contains="empty")
+    assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": []}), 400, contains="empty")
+    for n in (0, 1000):
+        assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "n": n}), 400, param="n")
+    assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "temperature": -1}), 400,
+                        contains="temperature")
+    assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [1, -5]}), 400, param="prompt")
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400,
+                        param="messages")
+    image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": image}]})
+    assert_openai_error(r, 400, contains="only 'text' content parts")
+    assert engine.started == []  # nothing invalid reached the engine
+
+
+def test_oversized_body_is_413(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (MAX_REQUEST_BYTES + 10)})
+    assert assert_openai_error(r, 413)["code"] == "request_too_large"
+    chunked = iter([b'{"model": "tiny-fake", "prompt": "', b"x" * MAX_REQUEST_BYTES, b'"}'])  # no Content-Length
+    assert_openai_error(http.post("/v1/completions", content=chunked), 413)
+
+
+def test_fastapi_validation_errors_become_400():
+    app = create_app(FakeEngine())
+
+    @app.get("/v1/echo-int")
+    async def echo_int(x: int) -> dict:
+        return {"x": x}
+
+    with TestClient(app) as client:
+        assert client.get("/v1/echo-int", params={"x": 3}).json() == {"x": 3}
+        assert_openai_error(client.get("/v1/echo-int", params={"x": "abc"}), 400, param="x")
+        assert_openai_error(client.get("/v1/nothing-here"), 404)
+
+
+# ------------------------------------------------------------------ auth, engine errors, health, metrics
+
+
+def test_api_key(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    with httpx.Client(base_url=server.url, timeout=10) as raw:
+        assert assert_openai_error(raw.post("/v1/completions", json=body), 401)["code"] == "invalid_api_key"
+        r = raw.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert_openai_error(r, 401, contains="invalid API key")
+        assert_openai_error(raw.get("/v1/models"), 401)
+        assert raw.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+        assert raw.get("/health").status_code == 200
+        assert raw.get("/metrics").status_code == 200
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi")
+
+
+def test_engine_errors_map_to_503_and_429(oai, engine):
+    engine.raise_on_generate = EngineUnavailableError("rank 1 died")
+    with pytest.raises(openai.InternalServerError) as info:
+        oai.completions.create(model=MODEL, prompt="hi")
+    assert info.value.status_code == 503 and "rank 1 died" in str(info.value)
+    with pytest.raises(openai.InternalServerError) as info:  # a stream is refused before it starts
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True)
+    assert info.value.status_code == 503
+    engine.raise_on_generate = EngineOverloadedError("queue full")
+    with pytest.raises(openai.RateLimitError) as info:
+        oai.completions.create(model=MODEL, prompt="hi")
+    assert info.value.status_code == 429
+
+
+def test_error_output(oai, engine):
+    engine.error_after = 3
+    with pytest.raises(openai.InternalServerError) as info:
+        oai.completions.create(model=MODEL, prompt="hi", max_tokens=10)
+    assert info.value.status_code == 500 and "simulated engine failure" in str(info.value)
+    stream = oai.completions.create(model=MODEL, prompt="hi", max_tokens=10, stream=True)
+    received = []
+    with pytest.raises(openai.APIError, match="simulated engine failure"):
+        for chunk in stream:
+            received.append(chunk.choices[0].text)
+    assert "".join(received) == FakeEngine.reference_text(ids("hi"), None, 3)
+
+
+def test_unexpected_exception_is_500_without_leaking(http, engine, caplog):
+    engine.raise_on_generate = RuntimeError("SECRET-PROMPT-CONTENT")
+    with caplog.at_level(logging.DEBUG, logger="tandem.serving"):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "SECRET-PROMPT-CONTENT"})
+    assert assert_openai_error(r, 500)["type"] == "server_error"
+    assert "SECRET" not in r.text
+    assert "SECRET" not in caplog.text and "RuntimeError" in caplog.text
+
+
+def test_health(http, engine):
+    r = http.get("/health")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    engine.healthy = (False, "rank 2 stopped stepping")
+    r = http.get("/health")
+    assert r.status_code == 503 and r.json()["reason"] == "rank 2 stopped stepping"
+
+
+def test_metrics(oai, http):
+    oai.completions.create(model=MODEL, prompt="count me", max_tokens=4)
+    list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                     stream=True))
+    http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    text = http.get("/metrics").text
+    for needle in [
+        'tandem_http_requests_total{endpoint="/v1/completions",status="200"}',
+        'tandem_http_requests_total{endpoint="/v1/chat/completions",status="200"}',
+        'tandem_http_requests_total{endpoint="/v1/completions",status="404"}',
+        "tandem_http_request_duration_seconds_bucket",
+        'tandem_time_to_first_token_seconds_count{endpoint="/v1/chat/completions"}',
+        "tandem_prompt_tokens_total",
+        "tandem_generation_tokens_total",
+        "tandem_generation_tokens_per_second",
+        "tandem_engine_healthy 1.0",
+        "tandem_engine_requests_waiting",
+        "tandem_engine_requests_running",
+        "tandem_engine_kv_usage_ratio 0.25",
+        "tandem_engine_steps_total",
+        "tandem_engine_ubatched_steps_total",
+        "tandem_engine_ubatch_yields_total",
+        "tandem_engine_step_time_seconds_total",
+    ]:
+        assert needle in text, needle
+    generated = [line for line in text.splitlines() if line.startswith("tandem_generation_tokens_total")]
+    assert float(generated[0].split()[-1]) >= 7
+
+
+def test_two_apps_in_one_process_have_their_own_metrics():
+    a, b = create_app(FakeEngine()), create_app(FakeEngine())
+    with TestClient(a) as ca, TestClient(b) as cb:
+        ca.get("/health")
+        assert 'tandem_http_requests_total{endpoint="/health",status="200"} 1.0' in ca.get("/metrics").text
+        assert 'endpoint="/health"' not in cb.get("/metrics").text
+
+
+# ------------------------------------------------------------------ disconnects
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(server, engine):
+    engine.token_delay = 0.05  # 100 tokens: 5 s if nobody aborts it
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=10, headers={"Authorization": f"Bearer {API_KEY}"}) as raw:
+        with raw.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            (rid,) = engine.started
+    t0 = time.monotonic()
+    wait_until(lambda: rid in engine.aborted, 3.0, "the engine to see the abort")
+    assert time.monotonic() - t0 < 3.0 and rid not in engine.finished
+
+
+def test_client_disconnect_while_waiting_aborts_the_request(server, engine):
+    engine.token_delay = 0.05
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 100}
+    with httpx.Client(base_url=server.url, timeout=0.5, headers={"Authorization": f"Bearer {API_KEY}"}) as raw:
+        with pytest.raises(httpx.ReadTimeout):
+            raw.post("/v1/completions", json=body)
+    wait_until(lambda: len(engine.aborted) == 1, 3.0, "the engine to see the abort")
+
+
+# ------------------------------------------------------------------ chat templates
+
+
+def test_render_chat_default_and_jinja():
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "u"}]}]
+    assert render_chat(messages, None) == "<|system|>\ns\n<|user|>\nu\n<|assistant|>\n"
+    template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    assert render_chat(messages, template, bos_token="<s>", eos_token="</s>") == "<s>[system]s</s>[user]u</s>[assistant]"
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}"
+    with pytest.raises(ChatTemplateError, match="first message must be from the user"):
+        render_chat(messages, strict)
+    with pytest.raises(ChatTemplateError):  # the sandbox refuses attribute escapes
+        render_chat(messages, "{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}")
+    with pytest.raises(ChatTemplateError, match="image_url"):
+        render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], None)
+
+
+def test_model_chat_template_is_used():
+    engine = FakeEngine()
+    engine.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    with TestClient(create_app(engine, served_model_name="served-name")) as client:
+        r = client.post("/v1/chat/completions", json={"model": "served-name", "max_tokens": 3,
+                                                       "messages": [{"role": "user", "content": "yo"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "served-name"
+        ((prompt, _),) = engine.requests.values()
+        assert prompt == ids("user: yo\nassistant:")  # the model's template writes its own special tokens
+    # A template that does not compile is refused when the app is built.
+    engine.chat_template = "{% for %}"
+    with pytest.raises(ValueError, match="chat template"):
+        create_app(engine)
+
+
+def test_request_content_is_logged_only_when_asked(caplog):
+    body = {"model": MODEL, "prompt": "PRIVATE-words", "max_tokens": 3}
+    for log_requests in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="tandem.serving"):
+            with TestClient(create_app(FakeEngine(), log_requests=log_requests)) as client:
+                assert client.post("/v1/completions", json=body).status_code == 200
+        assert "cmpl-" in caplog.text  # requests are logged either way...
+        assert ("PRIVATE-words" in caplog.text) == log_requests  # ...their content only when asked
