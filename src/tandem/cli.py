@@ -224,6 +224,11 @@ def serve(
     from tandem.serving.rank import ServeOptions
     from tandem.serving.server import HttpOptions, run_server, run_torchrun_rank, under_torchrun
 
+    if under_torchrun():
+        # torchrun decides the ranks: one process each, WORLD_SIZE of them.
+        import os
+
+        data_parallel_size = int(os.environ["WORLD_SIZE"])
     if kv_cache_tokens < block_size or block_size < 1:
         raise typer.BadParameter(f"--kv-cache-tokens ({kv_cache_tokens}) must hold at least one block of {block_size}")
     if max_num_seqs < 1 or max_num_batched_tokens < 1:

@@ -107,8 +107,6 @@ def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, wor
 
 def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
     """One rank started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)."""
-    import dataclasses
-
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -116,9 +114,8 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
     from tandem.serving.rank import serve_rank
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_size=world_size))
-    if config.parallel.all2all_backend == "local" and world_size > 1:
-        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, all2all_backend="torch_a2a"))
+    if config.parallel.data_parallel_size != world_size:
+        raise ValueError(f"--data-parallel-size {config.parallel.data_parallel_size} != torchrun's WORLD_SIZE {world_size}")
     init_rank(rank, world_size, timeout_s=options.collective_timeout_s)
     frontend = None
     try:

@@ -1,0 +1,114 @@
+"""Start `tandem serve` (or torchrun ranks running it) as real subprocesses for tests,
+with every wait bounded and every process reaped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from tandem.runner.launch import find_free_port
+
+
+def wait_healthy(base: str, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server process exited early with code {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{base} did not become healthy within {timeout_s:g} s")
+
+
+def rank_pids(parent_pids: list[int]) -> list[int]:
+    """Live descendants of the given processes (the rank and front-end processes)."""
+    found, frontier = [], list(parent_pids)
+    while frontier:
+        pid = frontier.pop()
+        try:
+            children = subprocess.run(
+                ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, timeout=10
+            ).stdout.split()
+        except subprocess.TimeoutExpired:
+            children = []
+        for child in map(int, children):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+class Server:
+    """`tandem serve ARGS` on a free loopback port; `stop()` sends SIGINT like Ctrl-C."""
+
+    def __init__(self, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None):
+        self.port = find_free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem", "serve", *args, "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # a test's Ctrl-C goes only where the test sends it
+        )
+        try:
+            wait_healthy(self.base, startup_timeout_s, [self.proc])
+        except BaseException:
+            self.kill()
+            raise
+        self.children = rank_pids([self.proc.pid])
+
+    @property
+    def url(self) -> str:
+        return f"{self.base}/v1"
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, timeout_s: float = 45.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            self.kill()
