@@ -35,6 +35,7 @@ class EngineStats:
     ubatched_steps: int = 0  # of which split into ubatches
     ubatch_yields: int = 0  # ubatch switches made
     step_time_s: float = 0.0  # total wall time inside model steps (summed over ranks)
+    forward_busy_s: float = 0.0  # time the forward worker spent running steps (summed over ranks)
     generated_tokens: int = 0
     prompt_tokens: int = 0
     per_rank: list[dict[str, Any]] = field(default_factory=list)

@@ -14,6 +14,7 @@ Engine (read from `EngineClient.stats()` / `health()` at scrape time):
   tandem_engine_requests_running, tandem_engine_kv_usage_ratio (gauges);
   tandem_engine_steps_total, tandem_engine_ubatched_steps_total,
   tandem_engine_ubatch_yields_total, tandem_engine_step_time_seconds_total,
+  tandem_engine_forward_busy_seconds_total,
   tandem_engine_generated_tokens_total, tandem_engine_prompt_tokens_total (counters).
 """
 
@@ -108,6 +109,11 @@ class EngineStatsCollector(Collector):
             ("tandem_engine_ubatched_steps", "Model steps split into micro-batches", stats.ubatched_steps),
             ("tandem_engine_ubatch_yields", "Micro-batch switches made", stats.ubatch_yields),
             ("tandem_engine_step_time_seconds", "Wall time inside model steps (summed over ranks)", stats.step_time_s),
+            (
+                "tandem_engine_forward_busy_seconds",
+                "Time the forward worker spent running steps, scheduling included (summed over ranks)",
+                stats.forward_busy_s,
+            ),
             ("tandem_engine_generated_tokens", "Tokens generated, as counted by the engine", stats.generated_tokens),
             ("tandem_engine_prompt_tokens", "Prompt tokens processed, as counted by the engine", stats.prompt_tokens),
         ]

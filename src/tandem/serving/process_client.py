@@ -260,6 +260,7 @@ class ProcessEngineClient(EngineClient):
             ubatched_steps=total("ubatched_steps"),
             ubatch_yields=total("ubatch_yields"),
             step_time_s=total("step_time_s"),
+            forward_busy_s=total("forward_busy_s"),
             generated_tokens=total("generated_tokens"),
             prompt_tokens=total("prompt_tokens"),
             per_rank=per_rank,
