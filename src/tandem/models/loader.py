@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -131,6 +132,11 @@ def iter_checkpoint(
                 yield name, tensor
 
 
+def _count_tensors(shard: Path) -> int:
+    with safe_open(str(shard), framework="pt") as f:
+        return len(list(f.keys()))
+
+
 def _eos_token_ids(path: Path, config: HFConfig) -> set[int]:
     value = None
     generation_file = path / "generation_config.json"
@@ -171,7 +177,13 @@ def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dt
     model = cls(config, moe=moe, dtype=dtype)
     select = getattr(model, "checkpoint_selection", None)
     read: set[str] = set()
-    loaded = model.load_weights(iter_checkpoint(shards, select, read))
+    tensors = iter_checkpoint(shards, select, read)
+    if (moe is None or moe.ep_rank == 0) and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        total = sum(len(names) if names is not None else _count_tensors(shard) for shard, names in shards.items())
+        tensors = tqdm(tensors, total=total, desc=f"loading {path.name}", unit="tensor", file=sys.stderr, leave=False)
+    loaded = model.load_weights(tensors)
     unloaded = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if unloaded:
         shown = ", ".join(unloaded[:20]) + (f", ... ({len(unloaded)} in all)" if len(unloaded) > 20 else "")
