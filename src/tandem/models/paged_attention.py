@@ -138,21 +138,21 @@ def _decode_attention(
     """One query row per request, all requests at once, no host read: gather every block of
     the block table and mask positions at or past each request's `seq_len`."""
     num_tokens, num_heads, _ = query.shape
-    requests, max_blocks = metadata.block_table.shape
+    requests = metadata.block_table.shape[0]
     blocks = metadata.block_table.long()
     k = key_cache[blocks].flatten(1, 2)  # [R, max_blocks * block_size, Hkv, Dk]
     v = value_cache[blocks].flatten(1, 2)
-    group = num_heads // k.shape[2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("rhd,rkhd->rhk", query[:requests].float(), k.float()) * scale
-    seq_lens = metadata.seq_lens.long().unsqueeze(1)
-    positions = torch.arange(k.shape[1], device=query.device).unsqueeze(0)
+    kv_heads = k.shape[2]
+    group = num_heads // kv_heads
+    # Grouped-query without materialising repeated K/V: heads are [kv_head, group] major.
+    q = query[:requests].float().view(requests, kv_heads, group, query.shape[-1])
+    scores = torch.einsum("rngd,rknd->rngk", q, k.float()) * scale
+    seq_lens = metadata.seq_lens.long().view(-1, 1, 1, 1)
+    positions = torch.arange(k.shape[1], device=query.device)
     # A padding request (seq_len 0) attends to its first slot, and its output is zeroed.
-    scores = scores.masked_fill((positions >= seq_lens.clamp(min=1)).unsqueeze(1), float("-inf"))
-    out = torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), v.float())
-    out = torch.where((seq_lens > 0).view(-1, 1, 1), out, 0.0).to(query.dtype)
+    scores = scores.masked_fill(positions >= seq_lens.clamp(min=1), float("-inf"))
+    out = torch.einsum("rngk,rknd->rngd", scores.softmax(-1), v.float()).reshape(requests, num_heads, v.shape[-1])
+    out = torch.where((seq_lens.view(-1) > 0).view(-1, 1, 1), out, 0.0).to(query.dtype)
     if requests == num_tokens:
         return out
     return torch.cat((out, out.new_zeros((num_tokens - requests, *out.shape[1:]))))
