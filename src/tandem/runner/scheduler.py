@@ -55,6 +55,10 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     text: str = ""
+    #: Incremental detokenization: text is final up to token `detok_read`; the next
+    #: decode starts at `detok_prefix` so tokenizers that look back see context.
+    detok_prefix: int = 0
+    detok_read: int = 0
     sent_text: int = 0
     sent_tokens: int = 0
 
@@ -265,19 +269,32 @@ class Scheduler:
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             request.output_ids.pop()  # the stop token is not part of the completion
             reason = "stop"
-        request.text = self.decode(request.output_ids)
+        at_limit = (
+            len(request.output_ids) >= params.max_tokens
+            or len(request.prompt_ids) + len(request.output_ids) >= self.max_model_len
+        )
+        before = len(request.text)
+        self._detokenize(request, final=reason is not None or at_limit)
         for stop in params.stop:
-            at = request.text.find(stop)
+            at = request.text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0:
                 request.text = request.text[:at]
                 reason = "stop"
-        if reason is None and (
-            len(request.output_ids) >= params.max_tokens
-            or len(request.prompt_ids) + len(request.output_ids) >= self.max_model_len
-        ):
+        if reason is None and at_limit:
             reason = "length"
         if reason is not None:
             self._finish(request, reason)
+
+    def _detokenize(self, request: Request, final: bool = False) -> None:
+        """Append the text of new tokens, decoding only a short tail (O(1) per token, not
+        the whole output each step). Text ending in an incomplete character waits for more
+        tokens, unless this is the request's last token."""
+        ids = request.output_ids
+        prefix = self.decode(ids[request.detok_prefix : request.detok_read])
+        full = self.decode(ids[request.detok_prefix :])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            request.text += full[len(prefix) :]
+            request.detok_prefix, request.detok_read = request.detok_read, len(ids)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
