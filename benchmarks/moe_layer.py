@@ -1,13 +1,15 @@
 """A stack of MoE layers (attention stand-in + routed experts + shared experts) on N gloo
 ranks: compute-only, communication-only, no overlap, DBO and SBO step times measured in
-one run, and DBO over the floor max(compute, communication).
+one run at one size, and DBO over the floor max(compute, communication).
 
     python benchmarks/moe_layer.py                                  # real gloo transport
     python benchmarks/moe_layer.py --fabric-latency-us 2000 --fabric-gbps 5
     python benchmarks/moe_layer.py --calibrate-fabric               # modelled comm ≈ compute
 
-Each rank runs with one intra-op thread. Times are the slowest rank's, median of --repeat
-runs after --warmup runs.
+A thin wrapper over `tandem.bench` (the stack is `tandem.bench.workloads.MoEStack`, the
+calibration `tandem.bench.sweep.calibrate_fabric`); `tandem bench --model moe-stack` sweeps
+the same stack over token counts. Each rank runs with one intra-op thread. Times are the
+slowest rank's, median of --repeat runs after --warmup runs.
 """
 
 from __future__ import annotations
@@ -15,142 +17,37 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from tandem.contexts import run_ubatches
-from tandem.modular_kernels import (
-    ActivationFormat,
-    Experts,
-    FabricModel,
-    build_moe_kernel,
-    expert_mlp,
-    select_experts,
-)
+from tandem.bench.sweep import calibrate_fabric
+from tandem.bench.workloads import MoEStackWorkload
+from tandem.modular_kernels import FabricModel
 from tandem.testing import run_distributed
-
-
-class NoExperts(Experts):
-    """Zero-cost experts for the communication-only measurement."""
-
-    def __init__(self, activation_format: ActivationFormat):
-        self.activation_format = activation_format
-        self.name = "none"
-
-    def apply(self, tokens, w1, w2):
-        return torch.zeros(tokens.hidden.shape, dtype=tokens.dtype)
-
-
-class Stack:
-    def __init__(self, cfg: dict, rank: int, world: int):
-        g = torch.Generator().manual_seed(0)
-        H, I, E = cfg["hidden"], cfg["intermediate"], cfg["experts"]
-        self.cfg, self.rank, self.world = cfg, rank, world
-        local = E // world
-        self.layers = []
-        for _ in range(cfg["layers"]):
-            self.layers.append(
-                dict(
-                    wa=torch.randn(H, H, generator=g) * H**-0.5,
-                    wb=torch.randn(H, H, generator=g) * H**-0.5,
-                    router=torch.randn(H, E, generator=g) * H**-0.5,
-                    w1=(torch.randn(E, 2 * I, H, generator=g) * H**-0.5)[rank * local : (rank + 1) * local].contiguous(),
-                    w2=(torch.randn(E, H, I, generator=g) * I**-0.5)[rank * local : (rank + 1) * local].contiguous(),
-                    sw1=torch.randn(2 * I, H, generator=g) * H**-0.5,
-                    sw2=torch.randn(H, I, generator=g) * I**-0.5,
-                )
-            )
-        self.x = torch.randn(cfg["tokens"], H, generator=torch.Generator().manual_seed(rank + 1))
-
-    def kernel(self, layer: dict, *, comm: bool, sbo: bool, fabric: FabricModel | None, max_tokens: int,
-               shared_overlap: str = "combine"):
-        shared = lambda h: expert_mlp(h, layer["sw1"], layer["sw2"])  # noqa: E731
-        E, K, H = self.cfg["experts"], self.cfg["top_k"], self.cfg["hidden"]
-        if not comm:
-            return build_moe_kernel("local", "torch", num_experts=E // self.world, top_k=K, hidden_size=H, shared_experts=shared)
-        return build_moe_kernel(
-            self.cfg["backend"], "torch", num_experts=E, top_k=K, hidden_size=H, shared_experts=shared,
-            enable_sbo=sbo, fabric=fabric, max_tokens_per_rank=max_tokens, shared_experts_overlap=shared_overlap,
-        )
-
-    def forward(self, x, kernels, *, compute: bool, local_ids: bool):
-        E_local = self.cfg["experts"] // self.world
-        for layer, kernel in zip(self.layers, kernels):
-            h = x + torch.tanh(x @ layer["wa"]) @ layer["wb"] if compute else x
-            weights, ids = select_experts(h @ layer["router"], self.cfg["top_k"], renormalize=True)
-            if local_ids:
-                ids = ids % E_local
-            x = x + kernel(h, layer["w1"], layer["w2"], weights, ids)
-        return x
-
-    def step(self, mode: str, fabric: FabricModel | None) -> float:
-        comm = not mode.startswith("compute")
-        # A ubatch's static low-latency buffers only need room for its own tokens.
-        dbo = mode.startswith("dbo")
-        max_tokens = -(-self.cfg["tokens"] // self.cfg["num_ubatches"]) if dbo else self.cfg["tokens"]
-        shared_overlap = "dispatch" if mode == "dbo-shared@dispatch" else "combine"
-        kernels = [
-            self.kernel(layer, comm=comm, sbo=mode == "sbo", fabric=fabric, max_tokens=max_tokens, shared_overlap=shared_overlap)
-            for layer in self.layers
-        ]
-        if mode == "comm":
-            for k in kernels:
-                k.experts = NoExperts(k.experts.activation_format)
-                k.shared_experts = None
-        run = lambda x: self.forward(x, kernels, compute=mode != "comm", local_ids=not comm)  # noqa: E731
-        dist.barrier()
-        start = time.perf_counter()
-        if dbo:
-            chunks = self.x.tensor_split(self.cfg["num_ubatches"])
-            run_ubatches([lambda c=c: run(c) for c in chunks], executor=self.cfg["executor"])
-        elif mode == "compute-split":
-            for chunk in self.x.tensor_split(self.cfg["num_ubatches"]):
-                run(chunk)
-        else:
-            run(self.x)
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed) * 1e3
-
 
 #: compute-split: the compute-only step on DBO's ubatch chunks one after the other, which
 #: prices the smaller GEMMs of a split batch separately from the overlap itself.
 MODES = ["compute", "compute-split", "comm", "none", "dbo", "dbo-shared@dispatch", "sbo"]
 
-#: Per-transfer latency of the calibrated fabric; small, so transfers are bandwidth-bound
-#: and a ubatch's transfer shrinks with its size, as on a real fabric at these sizes.
-CALIBRATED_LATENCY_S = 50e-6
-
-
-def calibrate_fabric(stack: "Stack") -> FabricModel:
-    """A bandwidth-bound fabric on which the communication-only step takes about as long
-    as the compute-only step, found by rescaling the bandwidth until they match."""
-    compute_s = statistics.median(stack.step("compute", None) for _ in range(3)) / 1e3
-    fixed_s = 2 * stack.cfg["layers"] * CALIBRATED_LATENCY_S
-    fabric = FabricModel(latency_s=CALIBRATED_LATENCY_S, bytes_per_s=20e6)
-    for _ in range(3):  # fixed point: scale the bandwidth by how far comm is from compute
-        comm_s = statistics.median(stack.step("comm", fabric) for _ in range(2)) / 1e3
-        scale = (comm_s - fixed_s) / (compute_s - fixed_s)
-        fabric = FabricModel(latency_s=CALIBRATED_LATENCY_S, bytes_per_s=fabric.bytes_per_s * scale)
-    return fabric
-
 
 def _rank(rank: int, world: int, cfg: dict) -> dict:
     torch.set_num_threads(1)
-    stack = Stack(cfg, rank, world)
+    shape = {k: cfg[k] for k in ("hidden", "intermediate", "experts", "top_k", "layers")}
+    workload = MoEStackWorkload(
+        rank, world, backend=cfg["backend"], num_ubatches=cfg["num_ubatches"], executor=cfg["executor"], **shape
+    )
     fabric = FabricModel.from_flags(cfg["fabric_latency_us"], cfg["fabric_gbps"])
     if cfg["calibrate_fabric"]:
-        fabric = calibrate_fabric(stack)
+        fabric = calibrate_fabric(workload, cfg["tokens"])
+    workload.set_fabric(fabric)
     times = {m: [] for m in MODES}
     for i in range(cfg["warmup"] + cfg["repeat"]):
         for mode in MODES:  # interleaved so every mode sees the same machine state
-            t = stack.step(mode, fabric)
+            t = workload.measure(mode, cfg["tokens"]).step_s * 1e3
             if i >= cfg["warmup"]:
                 times[mode].append(t)
-    return {"times": times, "fabric": None if fabric is None else {"latency_us": fabric.latency_s * 1e6, "gbps": fabric.bytes_per_s / 1e9}}
+    return {"times": times, "fabric": None if fabric is None else {"latency_us": fabric.latency_us, "gbps": fabric.gbps}}
 
 
 def main() -> None:

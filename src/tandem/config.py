@@ -61,8 +61,12 @@ class ParallelConfig:
     use_fp8_dispatch: bool = False
     fabric_latency_us: float | None = None
     fabric_gbps: float | None = None
+    fabric: str | None = None  # a preset name (`--fabric`), instead of latency + bandwidth
 
     def __post_init__(self) -> None:
+        from tandem.modular_kernels.fabric import FabricModel
+
+        FabricModel.from_flags(self.fabric_latency_us, self.fabric_gbps, self.fabric)  # validates
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.all2all_backend is None:

@@ -21,6 +21,7 @@ from tandem.contexts.executors import (
     make_executor,
     run_ubatches,
 )
+from tandem.contexts.time_model import CommCounters, current_comm_counters, time_model, timed_blocking, timed_receive
 from tandem.contexts.forward_context import ForwardContext, get_forward_context, set_forward_context
 from tandem.contexts.ubatch_context import (
     DEFAULT_TIMEOUT_S,
@@ -30,6 +31,11 @@ from tandem.contexts.ubatch_context import (
 )
 
 __all__ = [
+    "CommCounters",
+    "current_comm_counters",
+    "time_model",
+    "timed_blocking",
+    "timed_receive",
     "DEFAULT_TIMEOUT_S",
     "ForwardContext",
     "GreenletExecutor",

@@ -47,6 +47,8 @@ class UBatchExecutor:
         #: Runs driven and ubatch switches made, over the executor's life.
         self.runs = 0
         self.switches = 0
+        #: Hand-over latency of those switches, seconds (see `Handoff.switch_time_s`).
+        self.switch_time_s = 0.0
 
     def run(
         self,
@@ -84,6 +86,7 @@ class UBatchExecutor:
         finally:
             self.runs += 1
             self.switches += handoff.switches
+            self.switch_time_s += handoff.switch_time_s
             self._busy.release()
         if handoff.error is not None:
             error = handoff.error

@@ -35,6 +35,10 @@ class Handoff:
         self.finished = [False] * num_ubatches
         self.holder: int | None = 0
         self.switches = 0
+        #: Hand-over latency summed over the switches: from one ubatch giving up the turn to
+        #: the next one running (an OS wake-up and a GIL hand-over for threads).
+        self.switch_time_s = 0.0
+        self._handed_over_at: float | None = None
         self.aborted = False
         self.error: BaseException | None = None
         self.failed_ubatch: int | None = None
@@ -59,6 +63,14 @@ class Handoff:
     def check_aborted(self) -> None:
         if self.aborted:
             raise UBatchAborted(f"another ubatch failed: {self.error!r}")
+
+    def _mark_handover(self) -> None:
+        self._handed_over_at = time.perf_counter()
+
+    def _mark_resumed(self) -> None:
+        if self._handed_over_at is not None:
+            self.switch_time_s += time.perf_counter() - self._handed_over_at
+            self._handed_over_at = None
 
     def wait_turn(self, ubatch_id: int) -> None:
         raise NotImplementedError
@@ -95,6 +107,7 @@ class ThreadHandoff(Handoff):
 
     def wait_turn(self, ubatch_id: int) -> None:
         self._wait(self._turn[ubatch_id])
+        self._mark_resumed()
         self.check_aborted()
 
     def yield_turn(self, ubatch_id: int) -> None:
@@ -104,6 +117,7 @@ class ThreadHandoff(Handoff):
             return
         self.holder = target
         self.switches += 1
+        self._mark_handover()
         _release(self._turn[target])
         self.wait_turn(ubatch_id)
 
@@ -112,6 +126,8 @@ class ThreadHandoff(Handoff):
         target = self.next_alive(ubatch_id)
         self.holder = target
         self.switches += 1
+        if target is not None:
+            self._mark_handover()
         _release(self._done if target is None else self._turn[target])
 
     def wait_done(self) -> None:
@@ -164,6 +180,7 @@ class GreenletHandoff(Handoff):
                 "greenlet ubatch contexts run only under a GreenletExecutor "
                 "(run_ubatches(..., executor='greenlet'))"
             )
+        self._mark_resumed()
         self.check_aborted()
 
     def yield_turn(self, ubatch_id: int) -> None:
@@ -171,7 +188,9 @@ class GreenletHandoff(Handoff):
         if target is not None:
             self.holder = target
             self.switches += 1
+            self._mark_handover()
             self.greenlets[target].switch()
+            self._mark_resumed()
         self.check_aborted()
 
     def finish(self, ubatch_id: int) -> None:
@@ -179,3 +198,5 @@ class GreenletHandoff(Handoff):
         self.finished[ubatch_id] = True
         self.holder = self.next_alive(ubatch_id)
         self.switches += 1
+        if self.holder is not None:
+            self._mark_handover()

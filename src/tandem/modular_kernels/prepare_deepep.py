@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.contexts import dbo_current_ubatch_id
+from tandem.contexts.time_model import timed_receive
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize, RecvHook
 from tandem.modular_kernels.quant import quantize_fp8_per_token_group
@@ -87,14 +88,14 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
 
     def _with_fabric(self, hook: RecvHook, nbytes: int) -> RecvHook:
         if self.fabric is None:
-            return hook
+            return timed_receive(hook)
         deadline = self.fabric.start(nbytes)
 
         def held_back() -> None:
             hook()
             FabricModel.wait_until(deadline)
 
-        return held_back
+        return timed_receive(held_back, self.fabric.transfer_time(nbytes))
 
 
 class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):

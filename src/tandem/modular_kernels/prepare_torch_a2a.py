@@ -8,9 +8,12 @@ activation format; asynchronous on gloo (CPU) and NCCL.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
+from tandem.contexts.time_model import timed_blocking, timed_receive
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.quant import FP8_DTYPE, quantize_fp8_per_token_group
@@ -38,9 +41,10 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
     def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], out_splits, in_splits):
         """Issue the transfers; return the function that waits for them."""
         works = [_async_a2a(r, s, out_splits, in_splits, self.group) for s, r in zip(sends, recvs)]
-        deadline = None
+        deadline = modelled = None
         if self.fabric is not None:
-            deadline = self.fabric.start(sum(s.numel() * s.element_size() for s in sends))
+            modelled = self.fabric.transfer_time(sum(s.numel() * s.element_size() for s in sends))
+            deadline = time.perf_counter() + modelled
 
         def wait() -> None:
             for work in works:
@@ -48,7 +52,7 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
             if deadline is not None:
                 FabricModel.wait_until(deadline)
 
-        return wait
+        return timed_receive(wait, modelled)
 
     def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
         local = self.num_local_experts
@@ -59,7 +63,8 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
         rank_of_row = torch.cat([torch.full_like(idx, r) for r, idx in enumerate(sent_to)])
         send_counts = [int(idx.numel()) for idx in sent_to]
         recv_counts_t = torch.empty(self.world_size, dtype=torch.int64)
-        dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64), group=self.group)
+        with timed_blocking():
+            dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64), group=self.group)
         recv_counts = [int(n) for n in recv_counts_t.tolist()]
         num_recv = sum(recv_counts)
 

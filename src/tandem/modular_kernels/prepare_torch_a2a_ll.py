@@ -11,11 +11,14 @@ which a `TorchDispatchMode` trace records and a replay re-issues.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from tandem.contexts.time_model import timed_receive
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.quant import FP8_DTYPE, quantize_fp8_per_token_group
@@ -48,9 +51,10 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
                 flat = flat.view(torch.uint8)
             split = [flat.shape[1]] * world
             issued.append((funcol.all_to_all_single(flat.reshape(-1), split, split, self.group), t, as_bytes))
-        deadline = None
+        deadline = modelled = None
         if self.fabric is not None:
-            deadline = self.fabric.start(sum(t.numel() * t.element_size() for t in tensors))
+            modelled = self.fabric.transfer_time(sum(t.numel() * t.element_size() for t in tensors))
+            deadline = time.perf_counter() + modelled
         received: list[torch.Tensor] = []
 
         def wait() -> None:
@@ -62,7 +66,7 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
             if deadline is not None:
                 FabricModel.wait_until(deadline)
 
-        return wait, received
+        return timed_receive(wait, modelled), received
 
     def _slots(self, topk_ids: torch.Tensor):
         """For every (token, k): destination rank, local expert and slot within that

@@ -1,0 +1,304 @@
+"""What one rank runs in a benchmark step, and how one step is timed across ranks.
+
+Two workloads, same interface:
+
+- `ModelStepWorkload`: one `ModelRunner.execute` of a real model (`tiny-moe` or a Hugging
+  Face directory) on a decode batch (T requests of one token over a `context_len` cache)
+  or a prefill batch (requests of up to `prefill_len` new tokens), exactly the path
+  `tandem serve` runs. Its floor comes from the runtime's time model of the no-overlap
+  step: communication = the exposed receive waits of the rank that waited least (so load
+  skew between ranks is not counted as communication), compute = the rest, on the slowest
+  rank.
+- `MoEStackWorkload` (`--model moe-stack`): a stack of MoE layers (attention stand-in,
+  routed top-k experts, one shared expert) whose floor is measured directly: a
+  compute-only step (experts local, no all-to-all) and a communication-only step (zero-cost
+  experts, no attention). It has no attention over a KV cache, so `--phase` changes nothing.
+
+Every step starts after a barrier; its time is the slowest rank's. The time model
+(compute, receive wait, communication, switch) is gathered from every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from tandem.contexts import CommCounters, make_executor, run_ubatches, time_model
+from tandem.modular_kernels import (
+    ActivationFormat,
+    Experts,
+    FabricModel,
+    FusedMoEModularKernel,
+    build_moe_kernel,
+    expert_mlp,
+    select_experts,
+)
+from tandem.runner.model_runner import StepTimes
+
+#: Modes every workload runs: no overlap, DBO on threads or greenlets, SBO, both.
+MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo")
+PHASES = ("decode", "prefill")
+MOE_STACK = "moe-stack"
+
+
+@dataclass
+class Sample:
+    """One timed step: the slowest rank's wall time and every rank's time model."""
+
+    step_s: float
+    per_rank: list[StepTimes]
+
+    @property
+    def mean_times(self) -> StepTimes:
+        n = len(self.per_rank)
+        total = StepTimes()
+        for t in self.per_rank:
+            total = total + t
+        return StepTimes(*(v / n for v in total.as_tuple()))
+
+    @property
+    def floor_compute_s(self) -> float:
+        return max(t.compute_s + t.switch_s for t in self.per_rank)
+
+    @property
+    def floor_comm_s(self) -> float:
+        return min(t.recv_wait_s for t in self.per_rank)
+
+
+def _gather(times: StepTimes, distributed: bool) -> Sample:
+    mine = torch.tensor(times.as_tuple(), dtype=torch.float64)
+    if not distributed:
+        return Sample(times.step_s, [times])
+    world = dist.get_world_size()
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    per_rank = [StepTimes(*t.tolist()) for t in everyone]
+    return Sample(max(t.step_s for t in per_rank), per_rank)
+
+
+def _barrier(distributed: bool) -> None:
+    if distributed:
+        dist.barrier()
+
+
+def _mode_flags(mode: str) -> tuple[bool, str, bool]:
+    """(DBO on, executor, SBO on) of a mode."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    dbo = mode.startswith("dbo")
+    return dbo, "greenlet" if mode == "dbo-greenlet" else "thread", mode in ("sbo", "dbo+sbo")
+
+
+def _kernels(model) -> list[FusedMoEModularKernel]:
+    return [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), FusedMoEModularKernel)]
+
+
+class ModelStepWorkload:
+    """One `ModelRunner` step of the model in `config` on this rank."""
+
+    def __init__(self, config, *, phase: str, context_len: int, prefill_len: int, max_tokens: int, distributed: bool):
+        from tandem.runner.offline import build_runner
+        from tandem.runner.sampling import SamplingParams
+
+        if phase not in PHASES:
+            raise ValueError(f"--phase must be one of {PHASES}, got {phase!r}")
+        self.phase, self.context_len, self.prefill_len = phase, context_len, prefill_len
+        self.distributed = distributed
+        bs = config.cache.block_size
+        if phase == "decode":
+            per_request, num_requests = -(-(context_len + 1) // bs), max_tokens
+        else:
+            per_request, num_requests = -(-prefill_len // bs), -(-max_tokens // prefill_len)
+        blocks = per_request * num_requests + 1  # + the runner's null block
+        config = replace(
+            config,
+            cache=replace(config.cache, num_kv_blocks=max(blocks, config.cache.num_kv_blocks)),
+            max_num_batched_tokens=max(config.max_num_batched_tokens, max_tokens),
+        )
+        self.runner = build_runner(config, group=dist.group.WORLD if distributed else None)
+        self.base_overlap = config.overlap
+        self.kernels = _kernels(self.runner.model)
+        self.executors = {kind: make_executor(kind) for kind in ("thread", "greenlet")}
+        self.request_blocks = [self.runner.allocator.allocate(per_request) for _ in range(num_requests)]
+        self.params = SamplingParams(max_tokens=1)
+        self.vocab = 200  # byte ids: valid for every model's vocabulary
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.kernels)
+
+    def set_fabric(self, fabric: FabricModel | None) -> None:
+        for k in self.kernels:
+            if hasattr(k.prepare_finalize, "fabric"):
+                k.prepare_finalize.fabric = fabric
+
+    def _chunks(self, tokens: int):
+        from tandem.runner.batch import ScheduledChunk
+
+        g = torch.Generator().manual_seed(tokens)
+        if self.phase == "decode":
+            ids = torch.randint(0, self.vocab, (tokens,), generator=g).tolist()
+            return [ScheduledChunk([ids[r]], self.context_len, self.request_blocks[r]) for r in range(tokens)]
+        chunks, left, r = [], tokens, 0
+        while left > 0:
+            n = min(left, self.prefill_len)
+            chunks.append(ScheduledChunk(torch.randint(0, self.vocab, (n,), generator=g).tolist(), 0, self.request_blocks[r]))
+            left, r = left - n, r + 1
+        return chunks
+
+    def measure(self, mode: str, tokens: int) -> Sample:
+        dbo, executor, sbo = _mode_flags(mode)
+        self.runner.overlap = replace(
+            self.base_overlap, enable_dbo=dbo, executor=executor, dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0
+        )
+        self.runner.wrapper.executor = self.executors[executor]
+        for k in self.kernels:
+            k.enable_sbo = sbo
+        chunks = self._chunks(tokens)
+        _barrier(self.distributed)
+        self.runner.execute(chunks, [self.params] * len(chunks), [None] * len(chunks))
+        return _gather(self.runner.last_step_times, self.distributed)
+
+    def floor(self, tokens: int, none_sample: Sample | None = None) -> tuple[float, float]:
+        """(compute s, communication s) from the no-overlap step's time model."""
+        sample = none_sample or self.measure("none", tokens)
+        return sample.floor_compute_s, sample.floor_comm_s
+
+
+class _NoExperts(Experts):
+    """Zero-cost experts for the communication-only step."""
+
+    def __init__(self, activation_format: ActivationFormat):
+        self.activation_format = activation_format
+        self.name = "none"
+
+    def apply(self, tokens, w1, w2):
+        return torch.zeros(tokens.hidden.shape, dtype=tokens.dtype)
+
+
+#: The stack's shape (the MoE-layer benchmark's): hidden 1024, intermediate 512, top-2 of
+#: 8 routed experts, one shared expert, 4 layers.
+STACK_SHAPE = dict(hidden=1024, intermediate=512, experts=8, top_k=2, layers=4)
+
+
+class MoEStack:
+    """A stack of MoE layers on one rank of `world`: attention stand-in (two dense layers),
+    router, routed experts through `FusedMoEModularKernel`, shared expert."""
+
+    #: Extra modes beyond `MODES`: the floor's two halves, the compute-only step run on the
+    #: DBO halves one after the other (the price of smaller GEMMs), shared experts placed
+    #: at the dispatch instead of the combine.
+    EXTRA_MODES = ("compute", "compute-split", "comm", "dbo-shared@dispatch")
+
+    def __init__(
+        self, rank: int, world: int, *, backend: str = "torch_a2a", num_ubatches: int = 2, executor: str = "thread", **shape
+    ):
+        cfg = {**STACK_SHAPE, **shape}
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.backend, self.num_ubatches, self.executor = backend, num_ubatches, executor
+        g = torch.Generator().manual_seed(0)
+        H, I, E = cfg["hidden"], cfg["intermediate"], cfg["experts"]
+        local = E // world
+        self.layers = []
+        for _ in range(cfg["layers"]):
+            self.layers.append(
+                dict(
+                    wa=torch.randn(H, H, generator=g) * H**-0.5,
+                    wb=torch.randn(H, H, generator=g) * H**-0.5,
+                    router=torch.randn(H, E, generator=g) * H**-0.5,
+                    w1=(torch.randn(E, 2 * I, H, generator=g) * H**-0.5)[rank * local : (rank + 1) * local].contiguous(),
+                    w2=(torch.randn(E, H, I, generator=g) * I**-0.5)[rank * local : (rank + 1) * local].contiguous(),
+                    sw1=torch.randn(2 * I, H, generator=g) * H**-0.5,
+                    sw2=torch.randn(H, I, generator=g) * I**-0.5,
+                )
+            )
+        self.executors = {kind: make_executor(kind) for kind in ("thread", "greenlet")}
+        self._inputs: dict[int, torch.Tensor] = {}
+
+    def inputs(self, tokens: int) -> torch.Tensor:
+        if tokens not in self._inputs:
+            gen = torch.Generator().manual_seed(self.rank + 1)
+            self._inputs[tokens] = torch.randn(tokens, self.cfg["hidden"], generator=gen)
+        return self._inputs[tokens]
+
+    def _kernel(self, layer: dict, *, comm: bool, sbo: bool, fabric, max_tokens: int, shared_overlap: str):
+        shared = lambda h: expert_mlp(h, layer["sw1"], layer["sw2"])  # noqa: E731
+        E, K, H = self.cfg["experts"], self.cfg["top_k"], self.cfg["hidden"]
+        if not comm:
+            return build_moe_kernel("local", "torch", num_experts=E // self.world, top_k=K, hidden_size=H, shared_experts=shared)
+        return build_moe_kernel(
+            self.backend, "torch", num_experts=E, top_k=K, hidden_size=H, shared_experts=shared,
+            enable_sbo=sbo, fabric=fabric, max_tokens_per_rank=max_tokens, shared_experts_overlap=shared_overlap,
+        )
+
+    def _forward(self, x, kernels, *, compute: bool, local_ids: bool):
+        E_local = self.cfg["experts"] // self.world
+        for layer, kernel in zip(self.layers, kernels):
+            h = x + torch.tanh(x @ layer["wa"]) @ layer["wb"] if compute else x
+            weights, ids = select_experts(h @ layer["router"], self.cfg["top_k"], renormalize=True)
+            if local_ids:
+                ids = ids % E_local
+            x = x + kernel(h, layer["w1"], layer["w2"], weights, ids)
+        return x
+
+    def step(self, mode: str, tokens: int, fabric: FabricModel | None) -> StepTimes:
+        """One step of `mode` on this rank (no barrier, no gathering): its time model."""
+        if mode not in MODES + self.EXTRA_MODES:
+            raise ValueError(f"unknown mode {mode!r}")
+        x = self.inputs(tokens)
+        comm = not mode.startswith("compute")
+        dbo = mode.startswith("dbo")
+        # A ubatch's static low-latency buffers only need room for its own tokens.
+        max_tokens = -(-tokens // self.num_ubatches) if dbo else tokens
+        kernels = [
+            self._kernel(
+                layer, comm=comm, sbo=mode in ("sbo", "dbo+sbo"), fabric=fabric, max_tokens=max_tokens,
+                shared_overlap="dispatch" if mode == "dbo-shared@dispatch" else "combine",
+            )
+            for layer in self.layers
+        ]
+        if mode == "comm":
+            for k in kernels:
+                k.experts = _NoExperts(k.experts.activation_format)
+                k.shared_experts = None
+        run = lambda chunk: self._forward(chunk, kernels, compute=mode != "comm", local_ids=not comm)  # noqa: E731
+        executor = self.executors["greenlet" if mode == "dbo-greenlet" else self.executor]
+        counters = CommCounters()
+        switch_before = executor.switch_time_s
+        start = time.perf_counter()
+        with time_model(counters):
+            if dbo:
+                run_ubatches([lambda c=c: run(c) for c in x.tensor_split(self.num_ubatches)], executor=executor)
+            elif mode == "compute-split":
+                for chunk in x.tensor_split(self.num_ubatches):
+                    run(chunk)
+            else:
+                run(x)
+        elapsed = time.perf_counter() - start
+        switch = executor.switch_time_s - switch_before
+        return StepTimes(elapsed, max(elapsed - counters.recv_wait_s - switch, 0.0), counters.recv_wait_s, counters.comm_s, switch)
+
+
+class MoEStackWorkload:
+    def __init__(self, rank: int, world: int, *, backend: str, num_ubatches: int, executor: str = "thread", **shape):
+        self.stack = MoEStack(rank, world, backend=backend, num_ubatches=num_ubatches, executor=executor, **shape)
+        self.distributed = world > 1
+        self.fabric: FabricModel | None = None
+        self.num_moe_layers = self.stack.cfg["layers"]
+
+    def set_fabric(self, fabric: FabricModel | None) -> None:
+        self.fabric = fabric
+
+    def measure(self, mode: str, tokens: int) -> Sample:
+        _barrier(self.distributed)
+        return _gather(self.stack.step(mode, tokens, self.fabric), self.distributed)
+
+    def floor(self, tokens: int, none_sample: Sample | None = None) -> tuple[float, float]:
+        """(compute s, communication s), each its own step."""
+        return self.measure("compute", tokens).step_s, self.measure("comm", tokens).step_s
+
+
+__all__ = ["MODES", "MOE_STACK", "PHASES", "MoEStack", "MoEStackWorkload", "ModelStepWorkload", "Sample"]
