@@ -48,6 +48,9 @@ _MOE_BACKEND = typer.Option("torch", help="torch | triton | deep_gemm")
 _GRAPH_MODE = typer.Option("none", help="none | full (decode steps replayed from captured graphs)")
 _FABRIC_LATENCY_US = typer.Option(None, help="Modelled interconnect: per-transfer latency.")
 _FABRIC_GBPS = typer.Option(None, help="Modelled interconnect: bandwidth in GB/s.")
+_FABRIC = typer.Option(
+    None, help="Modelled interconnect preset, e.g. deepep-ll-h800 (DeepEP low-latency, H800, EP8) or deepep-ll-h800-ep64."
+)
 
 
 def _engine_config(
@@ -66,6 +69,7 @@ def _engine_config(
     graph_mode: str,
     fabric_latency_us: float | None,
     fabric_gbps: float | None,
+    fabric: str | None = None,
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
@@ -90,6 +94,7 @@ def _engine_config(
                 enable_sbo=enable_sbo,
                 fabric_latency_us=fabric_latency_us,
                 fabric_gbps=fabric_gbps,
+                fabric=fabric,
             ),
             cache=cache or CacheConfig(),
             max_num_batched_tokens=max_num_batched_tokens,
@@ -121,6 +126,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
     fabric_latency_us: float = _FABRIC_LATENCY_US,
     fabric_gbps: float = _FABRIC_GBPS,
+    fabric: str = _FABRIC,
     json_output: bool = typer.Option(False, "--json", help="One JSON object per prompt (text, token_ids) instead of text."),
 ) -> None:
     """Offline generation; completions go to stdout, logs and progress to stderr."""
@@ -145,6 +151,7 @@ def generate(
         graph_mode=graph_mode,
         fabric_latency_us=fabric_latency_us,
         fabric_gbps=fabric_gbps,
+        fabric=fabric,
     )
     try:
         params = SamplingParams(
@@ -206,6 +213,7 @@ def serve(
     graph_mode: str = _GRAPH_MODE,
     fabric_latency_us: float = _FABRIC_LATENCY_US,
     fabric_gbps: float = _FABRIC_GBPS,
+    fabric: str = _FABRIC,
     max_num_seqs: int = typer.Option(64, help="Most requests running at once per rank."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one step (prefill is chunked to fit)."),
     kv_cache_tokens: int = typer.Option(32768, help="KV cache size per rank, in tokens."),
@@ -217,6 +225,17 @@ def serve(
     served_model_name: str = typer.Option(None, help="Model name clients use (default: the directory name)."),
     max_queue_len: int = typer.Option(None, help="Requests in flight before new ones get 429."),
     log_requests: bool = typer.Option(False, help="Log request contents (off by default)."),
+    max_model_len: int = typer.Option(
+        None, help="Longest context (prompt + max_tokens) a request may use (default: the model's, capped by the KV cache)."
+    ),
+    max_request_bytes: int = typer.Option(1_000_000, help="Largest request body accepted; larger ones get 413."),
+    max_streams_per_key: int = typer.Option(
+        None, help="Streaming requests open at once per API key (per client address without a key); more get 429."
+    ),
+    step_timeout: float = typer.Option(
+        300.0, help="Seconds a rank may spend in one step before it is declared stuck and the engine unavailable "
+        "(503); keep it well above the slowest normal step."
+    ),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (also runs under torchrun, one
     process per rank, for several nodes)."""
@@ -233,6 +252,14 @@ def serve(
         raise typer.BadParameter(f"--kv-cache-tokens ({kv_cache_tokens}) must hold at least one block of {block_size}")
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise typer.BadParameter("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+    if max_request_bytes < 1:
+        raise typer.BadParameter(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    if max_streams_per_key is not None and max_streams_per_key < 1:
+        raise typer.BadParameter(f"--max-streams-per-key must be >= 1, got {max_streams_per_key}")
+    if not step_timeout > 0:
+        raise typer.BadParameter(f"--step-timeout must be > 0, got {step_timeout}")
+    if max_model_len is not None and max_model_len < 2:
+        raise typer.BadParameter(f"--max-model-len must be >= 2, got {max_model_len}")
     config = _engine_config(
         model=model,
         data_parallel_size=data_parallel_size,
@@ -248,11 +275,17 @@ def serve(
         graph_mode=graph_mode,
         fabric_latency_us=fabric_latency_us,
         fabric_gbps=fabric_gbps,
+        fabric=fabric,
         # One more block: the runner reserves a null block for padding rows.
         cache=CacheConfig(num_kv_blocks=kv_cache_tokens // block_size + 1, block_size=block_size),
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    options = ServeOptions(max_num_seqs=max_num_seqs, overlap_schedule=not disable_overlap_schedule)
+    options = ServeOptions(
+        max_num_seqs=max_num_seqs,
+        overlap_schedule=not disable_overlap_schedule,
+        step_timeout_s=step_timeout,
+        max_model_len=max_model_len,
+    )
     http = HttpOptions(
         host=host,
         port=port,
@@ -260,6 +293,8 @@ def serve(
         served_model_name=served_model_name,
         max_queue_len=max_queue_len,
         log_requests=log_requests,
+        max_request_bytes=max_request_bytes,
+        max_streams_per_key=max_streams_per_key,
     )
     try:
         from tandem.models.loader import load_tokenizer_info
@@ -274,3 +309,215 @@ def serve(
         raise typer.Exit(code=1) from None
     except KeyboardInterrupt:
         raise typer.Exit(code=130) from None
+
+
+# -- tandem bench / tandem tune ------------------------------------------------------------
+
+_BENCH_DATA_PARALLEL_SIZE = typer.Option(2, help="Ranks (processes); experts are sharded across them.")
+_BENCH_FABRIC = typer.Option(
+    None,
+    help="Modelled interconnect: a preset (deepep-ll-h800, deepep-ll-h800-ep64, ...) or 'calibrated' "
+    "(bandwidth found so communication ≈ compute at the largest size).",
+)
+_BENCH_REPEAT = typer.Option(5, help="Timed runs per point (median reported); modes are interleaved.")
+_BENCH_WARMUP = typer.Option(2, help="Untimed runs per point first.")
+_BENCH_CONTEXT_LEN = typer.Option(128, help="Decode: cached tokens each request attends over.")
+_BENCH_PREFILL_LEN = typer.Option(512, help="Prefill: new tokens per request (a batch is several).")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise typer.BadParameter(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise typer.BadParameter(f"{flag} needs token counts >= 1, got {text!r}")
+    return values
+
+
+def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabric, fabric_latency_us, fabric_gbps,
+                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len):
+    from tandem.bench.sweep import CALIBRATED, BenchSpec
+    from tandem.bench.workloads import MOE_STACK
+
+    if repeat < 1 or warmup < 0:
+        raise typer.BadParameter("--repeat must be >= 1 and --warmup >= 0")
+    if fabric is not None and fabric != CALIBRATED:
+        from tandem.modular_kernels.fabric import FABRIC_PRESETS
+
+        if fabric not in FABRIC_PRESETS:
+            raise typer.BadParameter(f"unknown --fabric {fabric!r}; known: calibrated, {', '.join(sorted(FABRIC_PRESETS))}")
+    if (fabric is not None or fabric_latency_us is not None or fabric_gbps is not None) and data_parallel_size < 2:
+        raise typer.BadParameter("a modelled interconnect needs --data-parallel-size >= 2 (one rank has no all-to-all)")
+    engine = None
+    if model != MOE_STACK:
+        engine = _engine_config(
+            model=model, data_parallel_size=data_parallel_size, enable_dbo=False, num_ubatches=num_ubatches,
+            ubatch_executor="thread", dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None,
+            enable_sbo=False, all2all_backend=all2all_backend, moe_backend=moe_backend, graph_mode="none",
+            fabric_latency_us=None, fabric_gbps=None,
+        )
+    return BenchSpec(
+        model=model, data_parallel_size=data_parallel_size, grids=grids, modes=modes, repeat=repeat, warmup=warmup,
+        fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps, num_ubatches=num_ubatches,
+        all2all_backend=all2all_backend, context_len=context_len, prefill_len=prefill_len, engine_config=engine,
+    )
+
+
+def _run_bench_sweep(spec):
+    from tandem.bench import run_sweep
+    from tandem.runner.launch import RankFailedError
+
+    try:
+        return run_sweep(spec)
+    except RankFailedError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        print(f"[tandem] error: {lines[-1] if lines else exc}", file=sys.stderr, flush=True)
+        raise typer.Exit(code=1) from None
+
+
+def _describe_transport(spec, result) -> str:
+    fabric = result.get("fabric")
+    if fabric is None:
+        return "real gloo transport" if spec.data_parallel_size > 1 else "one rank, no all-to-all"
+    name = f"--fabric {spec.fabric}: " if spec.fabric else ""
+    return f"modelled interconnect ({name}{fabric['latency_us']:.1f} µs + bytes / {fabric['gbps']:.4g} GB/s)"
+
+
+@app.command()
+def bench(
+    model: str = typer.Option(
+        "tiny-moe",
+        help="What one step runs: a model step of 'tiny-moe' or a Hugging Face directory (ModelRunner.execute, the "
+        "serving path), or 'moe-stack' (4 synthetic MoE layers, hidden 1024, top-2 of 8 experts + a shared expert).",
+    ),
+    data_parallel_size: int = _BENCH_DATA_PARALLEL_SIZE,
+    tokens: str = typer.Option("32,128,512", help="Tokens per rank to sweep, comma-separated."),
+    modes: str = typer.Option(
+        "none,dbo,dbo-greenlet,sbo,dbo+sbo",
+        help="none | dbo (threads) | dbo-greenlet | sbo | dbo+sbo (under DBO the kernel already runs the shared "
+        "experts in the transfer window, so dbo+sbo schedules like dbo).",
+    ),
+    phase: str = typer.Option("decode", help="decode (one new token per request) | prefill (long requests)."),
+    repeat: int = _BENCH_REPEAT,
+    warmup: int = _BENCH_WARMUP,
+    fabric: str = _BENCH_FABRIC,
+    fabric_latency_us: float = _FABRIC_LATENCY_US,
+    fabric_gbps: float = _FABRIC_GBPS,
+    num_ubatches: int = _NUM_UBATCHES,
+    all2all_backend: str = _ALL2ALL_BACKEND,
+    moe_backend: str = _MOE_BACKEND,
+    context_len: int = _BENCH_CONTEXT_LEN,
+    prefill_len: int = _BENCH_PREFILL_LEN,
+    json_path: str = typer.Option(None, "--json", help="Write the rows and the settings to this JSON file."),
+    plot: str = typer.Option(None, help="Write a PNG plot of step time against tokens per rank (needs matplotlib)."),
+) -> None:
+    """Step time of no overlap, DBO, SBO against tokens per rank on N local ranks, next to the
+    floor max(compute, communication) measured in the same run, with the runtime's time model
+    (exposed receive wait, ubatch switch time, overlap efficiency). Times are the slowest
+    rank's; the table shows the median and the min and max over --repeat runs."""
+    from tandem.bench import rows_from_sweep, write_json, write_plot
+    from tandem.bench.report import check_plot_available, format_table
+    from tandem.bench.workloads import MODES, PHASES
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in mode_list if m not in MODES]
+    if unknown or not mode_list:
+        raise typer.BadParameter(f"unknown mode(s) {unknown}; pick from {', '.join(MODES)}")
+    if phase not in PHASES:
+        raise typer.BadParameter(f"--phase must be one of {', '.join(PHASES)}")
+    if plot is not None:
+        try:
+            check_plot_available()
+        except RuntimeError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    spec = _bench_spec(
+        model=model, data_parallel_size=data_parallel_size, grids=[(phase, _int_list(tokens, "--tokens"))],
+        modes=mode_list, repeat=repeat, warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us,
+        fabric_gbps=fabric_gbps, num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
+        context_len=context_len, prefill_len=prefill_len,
+    )
+    result = _run_bench_sweep(spec)
+    rows = rows_from_sweep(result, phase, mode_list)
+    transport = _describe_transport(spec, result)
+    title = f"{model}, {phase}, {data_parallel_size} ranks, {num_ubatches} ubatches, {transport}"
+    print(title)
+    print(format_table(rows))
+    config = {**spec.config_dict(), "phase": phase, "fabric_model": result.get("fabric"), "transport": transport}
+    if json_path:
+        print(f"wrote {write_json(json_path, rows, config)}", file=sys.stderr)
+    if plot:
+        print(f"wrote {write_plot(plot, rows, title)}", file=sys.stderr)
+
+
+@app.command()
+def tune(
+    output: str = typer.Option("dbo_thresholds.json", help="Thresholds file for serve/generate --thresholds-file."),
+    margin: float = typer.Option(0.03, help="DBO must be at least this much faster (0.03 = 3%)."),
+    model: str = typer.Option("tiny-moe", help="'tiny-moe', a Hugging Face directory, or 'moe-stack' (see bench)."),
+    data_parallel_size: int = _BENCH_DATA_PARALLEL_SIZE,
+    decode_tokens: str = typer.Option("8,16,32,64,128,256", help="Decode batch sizes (tokens per rank) to sweep."),
+    prefill_tokens: str = typer.Option("64,128,256,512,1024,2048", help="Prefill sizes (tokens per rank) to sweep."),
+    ubatch_executor: str = _UBATCH_EXECUTOR,
+    repeat: int = _BENCH_REPEAT,
+    warmup: int = _BENCH_WARMUP,
+    fabric: str = _BENCH_FABRIC,
+    fabric_latency_us: float = _FABRIC_LATENCY_US,
+    fabric_gbps: float = _FABRIC_GBPS,
+    num_ubatches: int = _NUM_UBATCHES,
+    all2all_backend: str = _ALL2ALL_BACKEND,
+    moe_backend: str = _MOE_BACKEND,
+    context_len: int = _BENCH_CONTEXT_LEN,
+    prefill_len: int = _BENCH_PREFILL_LEN,
+) -> None:
+    """Sweep decode and prefill steps with and without DBO, pick for each phase the smallest
+    token count from which DBO beats no overlap by --margin at every larger size tried, and
+    write the thresholds (JSON with dbo_decode_token_threshold and dbo_prefill_token_threshold)."""
+    import json
+    from pathlib import Path
+
+    from tandem.bench.report import rows_from_sweep
+    from tandem.bench.tune import NEVER, choose_threshold, format_decisions, paired_ratio
+
+    if not 0 <= margin < 1:
+        raise typer.BadParameter(f"--margin must be in [0, 1), got {margin}")
+    if ubatch_executor not in ("thread", "greenlet"):
+        raise typer.BadParameter("--ubatch-executor must be thread or greenlet")
+    dbo_mode = "dbo" if ubatch_executor == "thread" else "dbo-greenlet"
+    grids = [("decode", _int_list(decode_tokens, "--decode-tokens")), ("prefill", _int_list(prefill_tokens, "--prefill-tokens"))]
+    spec = _bench_spec(
+        model=model, data_parallel_size=data_parallel_size, grids=grids, modes=["none", dbo_mode], repeat=repeat,
+        warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps,
+        num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
+        context_len=context_len, prefill_len=prefill_len,
+    )
+    result = _run_bench_sweep(spec)
+    decisions = []
+    for phase, _ in grids:
+        rows = rows_from_sweep(result, phase, ["none", dbo_mode])
+        by_tokens: dict[int, dict[str, float]] = {}
+        for r in rows:
+            by_tokens.setdefault(r["tokens_per_rank"], {})[r["mode"]] = r["step_ms"]
+        cells = result["phases"][phase]
+        sizes = [(t, v["none"], v[dbo_mode], paired_ratio(cells[t]["none"], cells[t][dbo_mode])) for t, v in by_tokens.items()]
+        decisions.append(choose_threshold(phase, sizes, margin))
+    print(f"{model}, {data_parallel_size} ranks, {num_ubatches} ubatches ({ubatch_executor}), {_describe_transport(spec, result)}")
+    print(format_decisions(decisions))
+    decode, prefill = decisions
+    data = {
+        "dbo_decode_token_threshold": decode.threshold,
+        "dbo_prefill_token_threshold": prefill.threshold,
+        "margin": margin,
+        "config": {**spec.config_dict(), "fabric_model": result.get("fabric")},
+        "sweep": {d.phase: [{"tokens_per_rank": t, "none_ms": n, "dbo_ms": b, "paired_speedup": round(x, 4), "dbo_wins": w}
+                        for t, n, b, x, w in d.table]
+                  for d in decisions},
+    }
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    show = lambda t: "never" if t == NEVER else str(t)  # noqa: E731
+    print(f"recommended: --enable-dbo --dbo-decode-token-threshold {decode.threshold} "
+          f"--dbo-prefill-token-threshold {prefill.threshold}  (decode {show(decode.threshold)}, prefill {show(prefill.threshold)})")
+    print(f"or: --thresholds-file {path}")
+    print(f"wrote {path}", file=sys.stderr)

@@ -52,3 +52,11 @@ def test_batch_sampling_uses_each_requests_params():
 def test_bad_params_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_extreme_temperature_and_top_p_never_break_a_step():
+    # logits / 1e-300 overflows to inf (softmax NaN); top_p=5e-324 is 0 in float32. Both must
+    # still give a token (the greedy one), not raise and fail every request of the step.
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    for params in (SamplingParams(temperature=1e-300, seed=1), SamplingParams(top_p=5e-324, seed=1)):
+        assert sample_one(logits, params, params.make_generator()) == 1

@@ -28,8 +28,13 @@ from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import Request, Scheduler, SchedulerStep
 from tandem.serving.outputs import RequestOutput
 
-#: How long the scheduler waits for a forward before declaring the step failed.
+#: How long the scheduler waits for a forward before declaring the engine stuck.
 DEFAULT_STEP_TIMEOUT_S = 300.0
+
+
+class StepTimeoutError(RuntimeError):
+    """A forward did not finish within the step timeout: it is stuck (a hung collective, a
+    dead or hung peer rank). Its thread cannot be reclaimed, so the engine cannot go on."""
 
 
 @dataclass
@@ -45,6 +50,12 @@ class EngineStats:
     prompt_tokens: int
     generated_tokens: int
     preemptions: int
+    # The time model, summed over steps (see tandem.runner.model_runner.StepTimes).
+    compute_time_s: float = 0.0
+    recv_wait_s: float = 0.0
+    comm_time_s: float = 0.0
+    ubatch_switch_s: float = 0.0
+    failed_steps: int = 0
 
 
 class Engine:
@@ -80,6 +91,9 @@ class Engine:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.forward_busy_s = 0.0
+        #: Steps whose forward raised (their requests were failed; the engine went on).
+        self.failed_steps = 0
+        self.last_failure: str | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -87,8 +101,9 @@ class Engine:
         """Queue a request; a request that can never run comes back at once as an error output."""
         try:
             self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
-        except ValueError as exc:
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bad request must never take the rank down
+            message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
         self.prompt_tokens += len(prompt_ids)
         return None
 
@@ -153,7 +168,10 @@ class Engine:
         try:
             return future.result(timeout=self.step_timeout_s)
         except TimeoutError:
-            return TimeoutError(f"a model step did not finish within {self.step_timeout_s:g} s")
+            raise StepTimeoutError(
+                f"a model step did not finish within {self.step_timeout_s:g} s (a hung collective, "
+                "or a dead or hung peer rank)"
+            ) from None
 
     def _apply(self, step: SchedulerStep, result: StepResult | BaseException) -> list[RequestOutput]:
         if isinstance(result, BaseException):
@@ -163,7 +181,9 @@ class Engine:
         return outputs
 
     def _fail(self, step: SchedulerStep, error: BaseException) -> list[RequestOutput]:
+        self.failed_steps += 1
         message = f"model step failed: {type(error).__name__}: {error}"
+        self.last_failure = message
         outputs = []
         for entry in step.scheduled:
             request = entry.request
@@ -202,6 +222,11 @@ class Engine:
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens,
             preemptions=self.scheduler.num_preemptions,
+            compute_time_s=runner.total_step_times.compute_s,
+            recv_wait_s=runner.total_step_times.recv_wait_s,
+            comm_time_s=runner.total_step_times.comm_s,
+            ubatch_switch_s=runner.total_step_times.switch_s,
+            failed_steps=self.failed_steps,
         )
 
     def close(self) -> None:
@@ -210,4 +235,4 @@ class Engine:
             self._worker.shutdown(wait=True)
 
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats", "StepTimeoutError"]

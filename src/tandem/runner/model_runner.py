@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from tandem.config import OverlapConfig
-from tandem.contexts import ForwardContext, set_forward_context
+from tandem.contexts import CommCounters, ForwardContext, set_forward_context, time_model, timed_blocking
 from tandem.models.base import ModelInfo
 from tandem.runner.batch import ScheduledChunk, StepInputs, build_step_inputs
 from tandem.runner.future_map import FutureMap
@@ -24,6 +24,37 @@ from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.runner.sampling import SamplingParams, sample
 from tandem.runner.ubatch_wrapper import UBatchWrapper
 from tandem.ubatch import check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
+
+
+@dataclass
+class StepTimes:
+    """Where the wall time of one step (or of many, summed) went: the time model.
+
+    `recv_wait_s` is communication left exposed (blocked receives and synchronous
+    collectives), `switch_s` the ubatch hand-over latency, `compute_s` the rest;
+    `comm_s` is the transfers' own duration, hidden or not.
+    """
+
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    recv_wait_s: float = 0.0
+    comm_s: float = 0.0
+    switch_s: float = 0.0
+
+    @property
+    def hidden_comm_s(self) -> float:
+        return max(self.comm_s - self.recv_wait_s, 0.0)
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """Hidden communication / total communication (0 when there was none)."""
+        return self.hidden_comm_s / self.comm_s if self.comm_s > 0 else 0.0
+
+    def __add__(self, other: "StepTimes") -> "StepTimes":
+        return StepTimes(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
+
+    def as_tuple(self) -> tuple[float, ...]:
+        return (self.step_s, self.compute_s, self.recv_wait_s, self.comm_s, self.switch_s)
 
 
 @dataclass
@@ -65,6 +96,13 @@ class ModelRunner:
         self.ubatched_steps = 0
         #: Wall time spent inside `execute`, over the runner's life.
         self.step_time_s = 0.0
+        #: The time model: the last step's and the running totals.
+        self.last_step_times = StepTimes()
+        self.total_step_times = StepTimes()
+        # Reliability tests only: nothing is installed unless TANDEM_FAULT_INJECT is set.
+        from tandem.testing.faults import install_from_env
+
+        self.fault_hooks = install_from_env(self)
 
     @property
     def ubatch_yields(self) -> int:
@@ -79,7 +117,8 @@ class ModelRunner:
             self.overlap.dbo_decode_token_threshold,
             self.overlap.dbo_prefill_token_threshold,
         )
-        return coordinate_ubatching(num_tokens, wants, group=self.dp_group, num_ubatches=self.overlap.num_ubatches)
+        with timed_blocking():
+            return coordinate_ubatching(num_tokens, wants, group=self.dp_group, num_ubatches=self.overlap.num_ubatches)
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[StepInputs, list | None]:
         counts = [len(c.token_ids) for c in chunks]
@@ -110,11 +149,25 @@ class ModelRunner:
         last known token (so a new token is sampled); default: every request samples.
         Negative input ids are `FutureMap` placeholders, resolved here; `future_slots[r]`
         is where request r's sampled token is published for the next step's placeholders."""
+        counters = CommCounters()
+        switch_before = self.wrapper.executor.switch_time_s
         start = time.perf_counter()
         try:
-            return self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
+            with time_model(counters):
+                return self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
         finally:
-            self.step_time_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.step_time_s += elapsed
+            switch = self.wrapper.executor.switch_time_s - switch_before
+            times = StepTimes(
+                step_s=elapsed,
+                compute_s=max(elapsed - counters.recv_wait_s - switch, 0.0),
+                recv_wait_s=counters.recv_wait_s,
+                comm_s=counters.comm_s,
+                switch_s=switch,
+            )
+            self.last_step_times = times
+            self.total_step_times = self.total_step_times + times
 
     def _execute(self, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
         inputs, slices = self.prepare(chunks)

@@ -51,10 +51,14 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         kth = scores.topk(params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = scores.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):
+        # A temperature so small that logits / temperature overflows: the limit is greedy.
+        return int(logits.argmax())
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        outside[0] = False  # even when top_p underflows the dtype (top_p=5e-324 is 0 in float32)
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -10,8 +10,15 @@
 Request bodies are read and validated here rather than by FastAPI, so that every problem is
 an OpenAI-shaped error (`protocol.APIError`): 400 for malformed/invalid requests, 401 for a
 missing or wrong API key, 404 for an unknown model, 413 for a body over `max_request_bytes`,
-429/503 for `EngineOverloadedError`/`EngineUnavailableError`, 500 for a failed generation or
-an unexpected exception (whose message is not sent, and not logged unless `log_requests`).
+429/503 for `EngineOverloadedError`/`EngineUnavailableError`, 429 for a stream over
+`max_streams_per_key`, 500 for a failed generation or an unexpected exception (whose message
+is not sent, and not logged unless `log_requests`).
+
+`max_streams_per_key` caps the streaming requests open at once per client: per API key (the
+bearer token, held only as a hash), or per client address when no key is sent.
+
+The OpenAPI schema (`/openapi.json`) documents the request bodies (from the pydantic models
+in `protocol`) and the error statuses, so a schema-driven fuzzer exercises the real parsing.
 
 A request with `n > 1` fans out to `n` engine requests `<id>-0 ... <id>-<n-1>` (with seeds
 `seed + i` when a seed is given). When the client goes away (mid-stream, or while waiting for
@@ -22,6 +29,7 @@ the engine.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -225,11 +233,14 @@ class _Server:
         max_request_bytes: int,
         log_requests: bool,
         metrics: ServingMetrics,
+        max_streams_per_key: int | None = None,
     ) -> None:
         self.client = client
         self.served = served_model_name
         self.max_request_bytes = max_request_bytes
         self.log_requests = log_requests
+        self.max_streams_per_key = max_streams_per_key
+        self.open_streams: dict[str, int] = {}
         self.metrics = metrics
         self.created = P.now()
         self.chat_template = getattr(client, "chat_template", None)
@@ -318,6 +329,8 @@ class _Server:
         stop_token_ids = list(req.stop_token_ids or [])
         if any(t < 0 for t in stop_token_ids):
             raise P.invalid_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+        if req.seed is not None and not P.MIN_SEED <= req.seed <= P.MAX_SEED:
+            raise P.invalid_request(f"'seed' must be a 64-bit integer in [{P.MIN_SEED}, {P.MAX_SEED}]", param="seed")
         top_k = 0 if req.top_k in (None, -1) else req.top_k
         params = []
         for i in range(n):
@@ -457,7 +470,42 @@ class _Server:
         else:
             logger.debug("request %s done: finish=%s, %s output tokens", job.request_id, reasons, job.output_tokens)
 
+    @staticmethod
+    def stream_owner(request: Request) -> str:
+        """Whom a stream counts against: the API key sent (as a hash), else the client address."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:32]
+        return "addr:" + (request.client.host if request.client else "unknown")
+
+    def open_stream(self, request: Request) -> Callable[[], None]:
+        """Count one more open stream for the request's owner (429 over the cap); returns the
+        release function, which is safe to call more than once."""
+        if self.max_streams_per_key is None:
+            return lambda: None
+        owner = self.stream_owner(request)
+        if self.open_streams.get(owner, 0) >= self.max_streams_per_key:
+            raise P.APIError(
+                429, f"too many concurrent streams for this API key (at most {self.max_streams_per_key}); "
+                "wait for one to finish", type="rate_limit_error", code="too_many_streams",
+            )
+        self.open_streams[owner] = self.open_streams.get(owner, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                left = self.open_streams.get(owner, 1) - 1
+                if left > 0:
+                    self.open_streams[owner] = left
+                else:
+                    self.open_streams.pop(owner, None)
+
+        return release
+
     async def run(self, request: Request, job: _Job, stream: bool) -> Response:
+        release = self.open_stream(request) if stream else (lambda: None)
         fanout = _Fanout(self.client, job.request_id, job.prompt_ids, job.params)
         if not stream:
             try:
@@ -468,9 +516,15 @@ class _Server:
         try:
             await _until_disconnect(request.receive, fanout.prime())
         except BaseException:
+            release()
             await fanout.aclose()
             raise
-        return _SSEResponse(self.stream_events(job, fanout), on_close=fanout.aclose)
+
+        async def on_close() -> None:
+            release()
+            await fanout.aclose()
+
+        return _SSEResponse(self.stream_events(job, fanout), on_close=on_close)
 
     async def collect(self, job: _Job, fanout: _Fanout) -> dict[str, Any]:
         texts = [""] * job.n
@@ -619,6 +673,93 @@ class _AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Invalid request (malformed JSON, unknown field, wrong type, bad value, over the context length)"},
+    401: {"description": "Missing or invalid API key"},
+    404: {"description": "Unknown model"},
+    413: {"description": "Request body over the size limit"},
+    429: {"description": "Engine queue full, or too many concurrent streams for this API key"},
+    500: {"description": "Generation failed"},
+    503: {"description": "The engine is unavailable"},
+}
+
+
+def _body(model: str) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+# Limits the handlers enforce beyond the pydantic types, documented in the schema (the
+# errors stay the handlers' own): the non-null member of each field gets these keywords.
+_DOCUMENTED_LIMITS: dict[str, dict[str, Any]] = {
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1},
+    "n": {"minimum": 1, "maximum": P.MAX_N},
+    "seed": {"minimum": P.MIN_SEED, "maximum": P.MAX_SEED},
+    "presence_penalty": {"minimum": 0, "maximum": 0},
+    "frequency_penalty": {"minimum": 0, "maximum": 0},
+    "best_of": {"minimum": 1, "maximum": 1},
+    "logit_bias": {"maxProperties": 0},
+    "stop_token_ids": {"items": {"type": "integer", "minimum": 0}},
+    "messages": {"minItems": 1},
+}
+# Accepted only at their default value (asking for more is a 400 "not supported").
+_DEFAULT_ONLY = {"logprobs", "echo", "suffix", "top_logprobs"}
+
+
+def _document_limits(body: dict[str, Any], vocab_size: int | None) -> None:
+    if "messages" in body["properties"]:
+        body.setdefault("required", []).append("messages")
+    for name, prop in body["properties"].items():
+        if name in _DEFAULT_ONLY:
+            body["properties"][name] = {"type": "null", "title": prop.get("title", name)}
+            continue
+        members = [m for m in prop.get("anyOf", [prop]) if m.get("type") != "null"]
+        for member in members:
+            member.update(_DOCUMENTED_LIMITS.get(name, {}))
+            if member.get("type") == "string" and name in ("prompt", "stop"):
+                member["minLength"] = 1
+            if member.get("type") != "array" or name not in ("prompt", "stop"):
+                continue
+            items = member.get("items", {})
+            if items.get("type") == "string":
+                items["minLength"] = 1
+            token_ids = items if items.get("type") == "integer" else items.get("items", {})
+            if token_ids.get("type") == "integer":
+                token_ids["minimum"] = 0
+                if vocab_size is not None:
+                    token_ids["maximum"] = vocab_size - 1
+            if name == "prompt":
+                if items.get("type") == "integer":
+                    member["minItems"] = 1
+                else:
+                    member.update(minItems=1, maxItems=1)  # a batch of one prompt
+                    if items.get("type") == "array":
+                        items["minItems"] = 1
+
+
+def _openapi_schema(app: FastAPI, served_model_name: str, vocab_size: int | None) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies the handlers parse themselves."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in (P.CompletionRequest, P.ChatCompletionRequest):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        # This server serves exactly one model.
+        body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
+        _document_limits(body, vocab_size)
+        components[model.__name__] = body
+    app.openapi_schema = schema
+    return schema
+
+
 def create_app(
     client: EngineClient,
     *,
@@ -626,12 +767,15 @@ def create_app(
     served_model_name: str | None = None,
     max_request_bytes: int = 1_000_000,
     log_requests: bool = False,
+    max_streams_per_key: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `client` (see the module docstring)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key must be a non-empty string (or None for no authentication)")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if max_streams_per_key is not None and max_streams_per_key < 1:
+        raise ValueError(f"max_streams_per_key must be >= 1, got {max_streams_per_key}")
     metrics = ServingMetrics(client)
     server = _Server(
         client,
@@ -639,6 +783,7 @@ def create_app(
         max_request_bytes=max_request_bytes,
         log_requests=log_requests,
         metrics=metrics,
+        max_streams_per_key=max_streams_per_key,
     )
     app = FastAPI(title="tandem", summary="OpenAI-compatible MoE inference server")
     app.state.tandem = server
@@ -659,11 +804,11 @@ def create_app(
         logger.error("internal error on %s: %s", request.url.path, _exception_summary(exc))
         return _error_response(P.APIError(500, "internal server error", type="server_error", code="internal_error"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"), responses=_ERRORS)
     async def completions(request: Request) -> Response:
         return await server.guard(request, server.completions)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"), responses=_ERRORS)
     async def chat_completions(request: Request) -> Response:
         return await server.guard(request, server.chat_completions)
 
@@ -671,11 +816,13 @@ def create_app(
     async def models(request: Request) -> Response:
         return await server.guard(request, server.models)
 
-    @app.get("/v1/models/{model_id:path}")
+    model_id_param = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+    @app.get("/v1/models/{model_id:path}", responses={404: _ERRORS[404]}, openapi_extra={"parameters": [model_id_param]})
     async def model(request: Request) -> Response:
         return await server.guard(request, server.model)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "The engine is unavailable (the reason is in the body)"}})
     async def health(request: Request) -> Response:
         return await server.health(request)
 
@@ -683,6 +830,7 @@ def create_app(
     async def metrics_route(request: Request) -> Response:
         return await server.metrics_endpoint(request)
 
+    app.openapi = lambda: _openapi_schema(app, server.served, server.vocab_size)  # type: ignore[method-assign]
     if api_key is not None:
         app.add_middleware(_AuthMiddleware, api_key=api_key)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: also counts 401s

@@ -36,6 +36,11 @@ class EngineStats:
     ubatch_yields: int = 0  # ubatch switches made
     step_time_s: float = 0.0  # total wall time inside model steps (summed over ranks)
     forward_busy_s: float = 0.0  # time the forward worker spent running steps (summed over ranks)
+    failed_steps: int = 0  # steps whose forward raised; their requests failed, serving went on
+    compute_time_s: float = 0.0  # time model: step time less receive waits and ubatch switches
+    recv_wait_s: float = 0.0  # time model: blocked on receives / synchronous collectives (exposed comm)
+    comm_time_s: float = 0.0  # time model: transfer durations, hidden or not
+    ubatch_switch_s: float = 0.0  # time model: ubatch hand-over latency
     generated_tokens: int = 0
     prompt_tokens: int = 0
     per_rank: list[dict[str, Any]] = field(default_factory=list)

@@ -15,7 +15,10 @@ Engine (read from `EngineClient.stats()` / `health()` at scrape time):
   tandem_engine_steps_total, tandem_engine_ubatched_steps_total,
   tandem_engine_ubatch_yields_total, tandem_engine_step_time_seconds_total,
   tandem_engine_forward_busy_seconds_total,
-  tandem_engine_generated_tokens_total, tandem_engine_prompt_tokens_total (counters).
+  tandem_engine_generated_tokens_total, tandem_engine_prompt_tokens_total (counters);
+  time model: tandem_engine_compute_seconds_total, tandem_engine_recv_wait_seconds_total,
+  tandem_engine_comm_seconds_total, tandem_engine_ubatch_switch_seconds_total (counters),
+  tandem_engine_overlap_efficiency (gauge: hidden / total communication so far).
 """
 
 from __future__ import annotations
@@ -101,6 +104,11 @@ class EngineStatsCollector(Collector):
             ("tandem_engine_requests_waiting", "Requests queued, not yet running (all ranks)", stats.waiting),
             ("tandem_engine_requests_running", "Requests with a running sequence (all ranks)", stats.running),
             ("tandem_engine_kv_usage_ratio", "Fraction of KV blocks in use, max over ranks", stats.kv_usage),
+            (
+                "tandem_engine_overlap_efficiency",
+                "Hidden communication / total communication of all steps so far (time model)",
+                (stats.comm_time_s - stats.recv_wait_s) / stats.comm_time_s if stats.comm_time_s > 0 else 0.0,
+            ),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
@@ -116,6 +124,11 @@ class EngineStatsCollector(Collector):
             ),
             ("tandem_engine_generated_tokens", "Tokens generated, as counted by the engine", stats.generated_tokens),
             ("tandem_engine_prompt_tokens", "Prompt tokens processed, as counted by the engine", stats.prompt_tokens),
+            ("tandem_engine_failed_steps", "Model steps that raised (their requests got an error)", stats.failed_steps),
+            ("tandem_engine_compute_seconds", "Time model: step time less receive waits and ubatch switches", stats.compute_time_s),
+            ("tandem_engine_recv_wait_seconds", "Time model: blocked on receives (exposed communication)", stats.recv_wait_s),
+            ("tandem_engine_comm_seconds", "Time model: transfer durations, hidden or not", stats.comm_time_s),
+            ("tandem_engine_ubatch_switch_seconds", "Time model: ubatch hand-over latency", stats.ubatch_switch_s),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))

@@ -3,8 +3,11 @@
 It starts the DP ranks (or, under `torchrun`, attaches to the head rank that started it),
 assigns each request to the rank with the fewest requests in flight, and turns the head's
 output stream into one asyncio queue per request. A pump thread reads the head's queue and
-watches the rank processes: a rank that dies fails every request in flight with an error
-and makes `health()` report it; new requests then get `EngineUnavailableError`.
+watches the rank processes: a rank that dies (or a head that reports a fatal error, or says
+nothing for longer than the step timeout plus `HEARTBEAT_GRACE_S`: the idle head reports
+stats four times a second) fails every request in flight with an error and makes `health()`
+report it; new requests then get `EngineUnavailableError`, and the ranks still alive are
+stopped (the engine does not restart itself: restart the server).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from tandem.runner.sampling import SamplingParams
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
 from tandem.serving.outputs import RequestOutput
 from tandem.serving.rank import ServeOptions, local_rank_main
+
+#: Silence from the head beyond the step timeout before the front end declares it hung.
+HEARTBEAT_GRACE_S = 10.0
+#: After a failure, how long the surviving ranks get to report and exit on their own.
+FAILURE_GRACE_S = 2.0
 
 
 def _stderr(message: str) -> None:
@@ -53,7 +61,14 @@ class ProcessEngineClient(EngineClient):
         info = load_tokenizer_info(config.model)
         self.tokenizer = info.tokenizer
         self.eos_token_ids = info.eos_token_ids
-        self.max_model_len = info.max_model_len
+        # A request must fit in one rank's KV cache (the runner keeps one block for padding).
+        kv_tokens = (config.cache.num_kv_blocks - 1) * config.cache.block_size
+        wanted = info.max_model_len if self.options.max_model_len is None else self.options.max_model_len
+        if wanted > info.max_model_len:
+            raise ValueError(f"--max-model-len {wanted} is over the model's context length {info.max_model_len}")
+        self.max_model_len = min(wanted, kv_tokens)
+        if kv_tokens < wanted:
+            log(f"context length limited to {kv_tokens} tokens by the KV cache size (asked for {wanted})")
         self.chat_template = info.chat_template
         self.model_name = info.name
         self.world_size = world_size or config.parallel.data_parallel_size
@@ -67,6 +82,9 @@ class ProcessEngineClient(EngineClient):
         self._rank_stats: list[dict] = []
         self._last_heard = time.monotonic()
         self._failure: str | None = None
+        self._failed_at: float | None = None
+        self._reaped = False
+        self.heartbeat_timeout_s = self.options.step_timeout_s + HEARTBEAT_GRACE_S
         self._stopping = False
         self._pump: threading.Thread | None = None
         self.ready = False
@@ -90,6 +108,7 @@ class ProcessEngineClient(EngineClient):
                 )
                 proc.start()
                 self._procs.append(proc)
+            self.log("rank processes: " + ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self._procs)))
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if time.monotonic() > deadline:
@@ -128,6 +147,8 @@ class ProcessEngineClient(EngineClient):
             self._inbox.put(("shutdown",))
         except (OSError, ValueError):
             pass
+        if self._failure is not None:
+            timeout_s = min(timeout_s, FAILURE_GRACE_S)  # a broken group cannot process "shutdown"
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
@@ -143,8 +164,17 @@ class ProcessEngineClient(EngineClient):
 
     def _dead_rank(self) -> str | None:
         for rank, proc in enumerate(self._procs):
-            if proc.exitcode is not None:
-                return f"rank {rank} exited with code {proc.exitcode}"
+            code = proc.exitcode
+            if code is not None:
+                if code < 0:
+                    try:
+                        import signal
+
+                        name = signal.Signals(-code).name
+                    except ValueError:
+                        name = f"signal {-code}"
+                    return f"rank {rank} (pid {proc.pid}) was killed by {name}"
+                return f"rank {rank} (pid {proc.pid}) exited with code {code}"
         return None
 
     # -- output pump ----------------------------------------------------------------------
@@ -167,14 +197,26 @@ class ProcessEngineClient(EngineClient):
                     self._rank_stats = message[1]
                 elif kind == "fatal":
                     self._set_failure(message[1].splitlines()[0])
+            if self._stopping:
+                break
             dead = self._dead_rank()
-            if dead and not self._stopping:
+            if dead:
                 self._set_failure(dead)
+            silent = time.monotonic() - self._last_heard
+            if silent > self.heartbeat_timeout_s:
+                self._set_failure(
+                    f"the head rank has sent nothing for {silent:.0f} s (step timeout "
+                    f"{self.options.step_timeout_s:g} s): it is hung or unreachable"
+                )
+            if self._failed_at is not None and not self._reaped and time.monotonic() - self._failed_at > FAILURE_GRACE_S:
+                self._reaped = True
+                self._kill_ranks()  # the survivors cannot serve without the lost rank
 
     def _set_failure(self, reason: str) -> None:
         if self._failure is None:
             self._failure = reason
-            self.log(f"engine failure: {reason}")
+            self._failed_at = time.monotonic()
+            self.log(f"engine failure: {reason}; new requests get 503 until the server is restarted")
             self._fail_all(f"engine failure: {reason}")
 
     def _deliver(self, output: RequestOutput) -> None:
@@ -204,7 +246,7 @@ class ProcessEngineClient(EngineClient):
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if self._failure is not None:
-            raise EngineUnavailableError(f"the engine is unavailable: {self._failure}")
+            raise EngineUnavailableError(f"{self._failure} (restart the server)")
         if self._stopping or not self.ready:
             raise EngineUnavailableError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -261,6 +303,11 @@ class ProcessEngineClient(EngineClient):
             ubatch_yields=total("ubatch_yields"),
             step_time_s=total("step_time_s"),
             forward_busy_s=total("forward_busy_s"),
+            failed_steps=total("failed_steps"),
+            compute_time_s=total("compute_time_s"),
+            recv_wait_s=total("recv_wait_s"),
+            comm_time_s=total("comm_time_s"),
+            ubatch_switch_s=total("ubatch_switch_s"),
             generated_tokens=total("generated_tokens"),
             prompt_tokens=total("prompt_tokens"),
             per_rank=per_rank,

@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAX_N = 16
 #: `max_tokens` default of `/v1/completions` (as in the OpenAI API).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Seeds are 64-bit signed integers (room left for the `seed + i` of `n > 1`).
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1 - MAX_N
 
 
 # --------------------------------------------------------------------------- errors
@@ -127,22 +129,29 @@ def parse_request(model: type[BaseModel], data: Any) -> Any:
         raise validation_error_to_api_error(exc.errors(include_url=False, include_input=False)) from None
 
 
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN / Infinity / -Infinity; JSON (RFC 8259) does not.
+    raise invalid_request(f"malformed JSON body: {name} is not a JSON value")
+
+
 def decode_json(body: bytes) -> Any:
     if not body.strip():
         raise invalid_request("the request body is empty; send a JSON object")
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=_reject_constant)
     except UnicodeDecodeError:
         raise invalid_request("malformed JSON body: not valid UTF-8") from None
     except json.JSONDecodeError as exc:
         raise invalid_request(f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise invalid_request("malformed JSON body: nested too deeply") from None
 
 
 # --------------------------------------------------------------------------- requests
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):

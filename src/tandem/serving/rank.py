@@ -10,6 +10,15 @@ which forwards them. The control plane is torch.distributed itself, so ranks sta
 
 When no rank has work the head waits for the front end (briefly, so it still reports
 stats as a heartbeat) instead of spinning.
+
+Faults. A step whose forward raises (a ubatch fault, a model bug) fails that step's
+requests on that rank and the loop goes on; when every rank fails at the same point (a model
+bug does) their collectives stay matched. A step that cannot finish (a hung collective, a
+dead or hung peer) is bounded by `step_timeout_s`: a watchdog thread ends the rank process
+when its loop has made no progress for that long, after telling the front end why (head).
+The other ranks' collectives with it then fail (or time out the same way), so every rank
+exits and the front end reports the engine unavailable. A slow step under the timeout is
+never a fault.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -42,6 +52,69 @@ class ServeOptions:
     warmup: bool = True
     collective_timeout_s: float = 600.0
     gil_switch_interval_s: float = 0.0002
+    #: A loop iteration (one step, with its control collectives) taking longer than this
+    #: means the rank is stuck: it reports it and exits. Keep it well above the slowest
+    #: normal step.
+    step_timeout_s: float = 300.0
+    #: Longest context (prompt + max_tokens) a request may use; None: the model's. The
+    #: front end also caps it at one rank's KV cache.
+    max_model_len: int | None = None
+
+
+class Watchdog:
+    """Calls `on_stuck(stalled_s)` (once) when `beat()` has not been called for `timeout_s`."""
+
+    def __init__(self, timeout_s: float, on_stuck: Callable[[float], None]):
+        if timeout_s <= 0:
+            raise ValueError(f"the step timeout must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.on_stuck = on_stuck
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout_s / 4)
+        while not self._stopped.wait(period):
+            stalled = time.monotonic() - self._last
+            if stalled > self.timeout_s:
+                self.on_stuck(stalled)
+                return
+
+
+def _flush(outbox, timeout_s: float = 2.0) -> None:
+    """Push what is queued for the front end into the pipe (bounded: the reader may be gone)."""
+    if outbox is None:
+        return
+
+    def flush() -> None:
+        try:
+            outbox.close()
+            outbox.join_thread()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+    thread = threading.Thread(target=flush, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+
+
+def hard_exit(code: int, outbox=None) -> None:
+    """Leave now: a stuck forward thread would block a normal interpreter exit forever."""
+    _flush(outbox)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _die_with_parent() -> None:
@@ -112,23 +185,42 @@ def serve_rank(
             max_num_batched_tokens=config.max_num_batched_tokens,
             overlap_schedule=options.overlap_schedule,
             lockstep=distributed,
+            step_timeout_s=options.step_timeout_s,
         )
         if options.warmup:
             report("progress", "warming up")
             _warm_up(engine)
         info = runner.info
         report("ready", {"name": info.name, "max_model_len": info.max_model_len, "world_size": world_size})
-        _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive)
-        engine.close()
+
+        def stuck(stalled_s: float) -> None:
+            message = (
+                f"rank {rank}: no progress for {stalled_s:.0f} s (step timeout {options.step_timeout_s:g} s): a step "
+                "is stuck (a hung collective, or a dead or hung peer rank)"
+            )
+            print(f"[tandem] {message}; exiting", file=sys.stderr, flush=True)
+            report("fatal", message)
+            hard_exit(3, outbox if rank == 0 else None)
+
+        watchdog = Watchdog(options.step_timeout_s, stuck).start()
+        try:
+            _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive, watchdog)
+            watchdog.beat()
+            engine.close()
+        finally:
+            watchdog.stop()
     except BaseException as exc:  # noqa: BLE001 - tell the front end before dying
         report("fatal", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         raise
 
 
-def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbox, frontend_alive=None) -> None:
+def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbox, frontend_alive=None,
+          watchdog: Watchdog | None = None) -> None:
     busy_anywhere = False
     last_stats = 0.0
     while True:
+        if watchdog is not None:
+            watchdog.beat()
         messages: list[tuple] = []
         run_step = False
         now = time.monotonic()
@@ -165,7 +257,17 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
         if stop:
             return
         if run_step if control is not None else engine.has_work:
+            failed_before = engine.failed_steps
             outputs += engine.step()
+            if engine.failed_steps != failed_before:
+                # The error names no request content; the requests got it as their error.
+                print(f"[tandem] rank {rank}: {engine.last_failure}; its requests failed, serving goes on",
+                      file=sys.stderr, flush=True)
+                if rank == 0 and outbox is not None and outputs:
+                    # Answer the failed requests now: if the failure left the other ranks
+                    # stuck, the gather below waits for the step timeout.
+                    outbox.put(("outputs", outputs))
+                    outputs = []
         stats = dataclasses.asdict(engine.stats()) if due else None
         per_rank: list = []
         if control is not None:
@@ -193,15 +295,18 @@ def local_rank_main(rank: int, world_size: int, env: dict, config, options: Serv
     # Ctrl-C reaches the whole process group; the front end shuts ranks down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
-    if world_size > 1:
-        from tandem.runner.launch import init_rank
-
-        init_rank(rank, world_size, timeout_s=options.collective_timeout_s)
     try:
+        if world_size > 1:
+            from tandem.runner.launch import init_rank
+
+            init_rank(rank, world_size, timeout_s=options.collective_timeout_s)
         serve_rank(rank, world_size, config, options, inbox if rank == 0 else None, outbox if rank == 0 else None)
-    finally:
-        if world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the front end by serve_rank (head)
+        traceback.print_exc()
+        # A forward thread stuck in a collective would keep a normal exit waiting forever.
+        hard_exit(1, outbox if rank == 0 else None)
+    if world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
 
 
-__all__ = ["ServeOptions", "local_rank_main", "serve_rank"]
+__all__ = ["ServeOptions", "Watchdog", "hard_exit", "local_rank_main", "serve_rank"]

@@ -27,6 +27,8 @@ class HttpOptions:
     served_model_name: str | None = None
     max_queue_len: int | None = None
     log_requests: bool = False
+    max_request_bytes: int = 1_000_000
+    max_streams_per_key: int | None = None
 
 
 def _log(message: str) -> None:
@@ -47,7 +49,7 @@ def describe(config, options: ServeOptions, http: HttpOptions, world_size: int) 
         f"graph={o.graph_mode} schedule={'overlap' if options.overlap_schedule else 'normal'} "
         f"max_num_seqs={options.max_num_seqs} max_num_batched_tokens={config.max_num_batched_tokens} "
         f"kv_cache={(config.cache.num_kv_blocks - 1) * config.cache.block_size} tokens/rank "
-        f"auth={'on' if http.api_key else 'off'}"
+        f"auth={'on' if http.api_key else 'off'} step_timeout={options.step_timeout_s:g}s"
     )
 
 
@@ -68,7 +70,12 @@ def _serve_http(client, http: HttpOptions) -> None:
     if not _is_loopback(http.host) and not http.api_key:
         _log(f"warning: binding {http.host} without --api-key: anyone who can reach this port can use the server")
     app = create_app(
-        client, api_key=http.api_key, served_model_name=http.served_model_name, log_requests=http.log_requests
+        client,
+        api_key=http.api_key,
+        served_model_name=http.served_model_name,
+        log_requests=http.log_requests,
+        max_request_bytes=http.max_request_bytes,
+        max_streams_per_key=http.max_streams_per_key,
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=http.host, port=http.port, log_level="warning", timeout_graceful_shutdown=5)
@@ -93,6 +100,9 @@ def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
 
 def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, world_size: int) -> None:
     from tandem.serving.process_client import ProcessEngineClient
+    from tandem.serving.rank import _die_with_parent
+
+    _die_with_parent()  # a head rank that dies (even by os._exit) takes its front end along
 
     client = ProcessEngineClient(
         config, options, max_queue_len=http.max_queue_len, log=_log, queues=queues, world_size=world_size
@@ -118,6 +128,7 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
         raise ValueError(f"--data-parallel-size {config.parallel.data_parallel_size} != torchrun's WORLD_SIZE {world_size}")
     init_rank(rank, world_size, timeout_s=options.collective_timeout_s)
     frontend = None
+    failed = False
     try:
         if rank == 0:
             _log(describe(config, options, http, world_size))
@@ -133,11 +144,23 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
         else:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             serve_rank(rank, world_size, config, options)
+    except BaseException:
+        failed = True
+        raise
     finally:
         if frontend is not None:
-            frontend.join(timeout=10)
+            # After an engine failure the front end has reported it (health 503) and is
+            # still serving; the rank ends it, so torchrun sees the failure.
+            frontend.join(timeout=2 if failed else 10)
             if frontend.is_alive():
                 frontend.kill()
+        if failed:
+            import traceback
+
+            from tandem.serving.rank import hard_exit
+
+            traceback.print_exc()
+            hard_exit(1)  # a forward stuck in a collective would block a normal exit
         if dist.is_initialized():
             dist.destroy_process_group()
 
