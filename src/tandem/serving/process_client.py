@@ -163,7 +163,11 @@ class ProcessEngineClient(EngineClient):
             proc.join(timeout=5)
 
     def _dead_rank(self) -> str | None:
-        for rank, proc in enumerate(self._procs):
+        # A rank killed by a signal is a root cause; a rank that exited with an error code
+        # may only be reporting a lost peer, so signals are named first.
+        exited = [(rank, proc) for rank, proc in enumerate(self._procs) if proc.exitcode is not None]
+        exited.sort(key=lambda item: item[1].exitcode >= 0)
+        for rank, proc in exited:
             code = proc.exitcode
             if code is not None:
                 if code < 0:
@@ -196,7 +200,7 @@ class ProcessEngineClient(EngineClient):
                 elif kind == "stats":
                     self._rank_stats = message[1]
                 elif kind == "fatal":
-                    self._set_failure(message[1].splitlines()[0])
+                    self._set_failure(self._root_cause(message[1].splitlines()[0]))
             if self._stopping:
                 break
             dead = self._dead_rank()
@@ -211,6 +215,17 @@ class ProcessEngineClient(EngineClient):
             if self._failed_at is not None and not self._reaped and time.monotonic() - self._failed_at > FAILURE_GRACE_S:
                 self._reaped = True
                 self._kill_ranks()  # the survivors cannot serve without the lost rank
+
+    def _root_cause(self, reported: str, grace_s: float = 1.0) -> str:
+        """A head that fails because a peer vanished (gloo read error) reports first; give
+        the vanished rank's exit a moment to show, and name it rather than the symptom."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            for rank, proc in enumerate(self._procs):
+                if rank != 0 and proc.exitcode is not None:
+                    return f"{self._dead_rank()} ({reported})"
+            time.sleep(0.05)
+        return reported
 
     def _set_failure(self, reason: str) -> None:
         if self._failure is None:
