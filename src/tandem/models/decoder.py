@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
-from tandem.models.hf_config import as_config, check_silu, config_value
+from tandem.models.hf_config import as_config, check_silu, config_value, rope_theta
 from tandem.models.layers import Attention, RMSNorm, StackedExperts
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
@@ -88,6 +88,23 @@ class MoEDecoderForCausalLM(CausalLM):
         config = self.config
         return config_value(
             config, "head_dim", default=config_value(config, "hidden_size") // config_value(config, "num_attention_heads")
+        )
+
+    #: `rope_theta` when the config names none (the family's reference default).
+    default_rope_theta: float = 10000.0
+
+    def attention(self, **options) -> Attention:
+        """The family's self-attention from the config; `options` are the family's extras
+        (biases, QK norm)."""
+        config = self.config
+        return Attention(
+            config_value(config, "hidden_size"),
+            config_value(config, "num_attention_heads"),
+            config_value(config, "num_key_value_heads", "num_attention_heads"),
+            self.head_dim(),
+            rope_theta=rope_theta(config, default=self.default_rope_theta),
+            dtype=self.dtype,
+            **options,
         )
 
     def sliding_window(self) -> int | None:

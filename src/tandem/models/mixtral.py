@@ -8,7 +8,7 @@ import re
 from torch import nn
 
 from tandem.models.decoder import MoEDecoderForCausalLM
-from tandem.models.hf_config import config_value, rope_theta
+from tandem.models.hf_config import config_value
 from tandem.models.layers import Attention, MoEBlock
 
 #: transformers >= 5 names the block `mlp` in memory; checkpoints say `block_sparse_moe`.
@@ -19,16 +19,10 @@ class MixtralForCausalLM(MoEDecoderForCausalLM):
     architectures = ("MixtralForCausalLM",)
     mlp_name = "block_sparse_moe"
 
+    default_rope_theta = 1e6
+
     def build_attention(self, layer_idx: int) -> Attention:
-        config = self.config
-        return Attention(
-            config_value(config, "hidden_size"),
-            config_value(config, "num_attention_heads"),
-            config_value(config, "num_key_value_heads", "num_attention_heads"),
-            self.head_dim(),
-            rope_theta=rope_theta(config, default=1e6),
-            dtype=self.dtype,
-        )
+        return self.attention()
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
         config = self.config

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tandem.models.decoder import MoEDecoderForCausalLM
-from tandem.models.hf_config import config_value, rope_theta
+from tandem.models.hf_config import config_value
 from tandem.models.layers import Attention, GatedMLP, MoEBlock
 
 
@@ -47,18 +47,6 @@ class _QwenMoeBase(MoEDecoderForCausalLM):
     def dense_mlp(self) -> GatedMLP:
         config = self.config
         return GatedMLP(config_value(config, "hidden_size"), config_value(config, "intermediate_size"), self.dtype)
-
-    def attention(self, **options) -> Attention:
-        config = self.config
-        return Attention(
-            config_value(config, "hidden_size"),
-            config_value(config, "num_attention_heads"),
-            config_value(config, "num_key_value_heads", "num_attention_heads"),
-            self.head_dim(),
-            rope_theta=rope_theta(config),
-            dtype=self.dtype,
-            **options,
-        )
 
 
 class Qwen2MoeForCausalLM(_QwenMoeBase):

@@ -15,6 +15,7 @@ layout the OpenAI SDK parses. Errors are `{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
@@ -285,14 +286,18 @@ def chat_response(
     }
 
 
-def completion_chunk(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None,
+def _stream_chunk(
+    object_name: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, int] | None = None,
     with_usage_field: bool = False,
 ) -> dict[str, Any]:
-    """`choices`: dicts with `index`, `text`, `finish_reason`."""
     chunk: dict[str, Any] = {
         "id": request_id,
-        "object": "text_completion",
+        "object": object_name,
         "created": created,
         "model": model,
         "choices": [{"logprobs": None, **c} for c in choices],
@@ -302,21 +307,10 @@ def completion_chunk(
     return chunk
 
 
-def chat_chunk(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None,
-    with_usage_field: bool = False,
-) -> dict[str, Any]:
-    """`choices`: dicts with `index`, `delta`, `finish_reason`."""
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"logprobs": None, **c} for c in choices],
-    }
-    if with_usage_field or usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
+#: `choices` of a completion chunk: dicts with `index`, `text`, `finish_reason`.
+completion_chunk = functools.partial(_stream_chunk, "text_completion")
+#: `choices` of a chat chunk: dicts with `index`, `delta`, `finish_reason`.
+chat_chunk = functools.partial(_stream_chunk, "chat.completion.chunk")
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
