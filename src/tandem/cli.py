@@ -53,6 +53,31 @@ _FABRIC = typer.Option(
 )
 
 
+#: The shared engine flags, by parameter name: commands declare them (typer needs each
+#: parameter spelled out) and hand them over with `_engine_flags(locals())`.
+_ENGINE_FLAGS = (
+    "model",
+    "data_parallel_size",
+    "enable_dbo",
+    "num_ubatches",
+    "ubatch_executor",
+    "dbo_decode_token_threshold",
+    "dbo_prefill_token_threshold",
+    "thresholds_file",
+    "enable_sbo",
+    "all2all_backend",
+    "moe_backend",
+    "graph_mode",
+    "fabric_latency_us",
+    "fabric_gbps",
+    "fabric",
+)
+
+
+def _engine_flags(values: dict) -> dict:
+    return {name: values[name] for name in _ENGINE_FLAGS}
+
+
 def _engine_config(
     *,
     model: str,
@@ -136,23 +161,7 @@ def generate(
 
     from tandem.runner.sampling import SamplingParams
 
-    config = _engine_config(
-        model=model,
-        data_parallel_size=data_parallel_size,
-        enable_dbo=enable_dbo,
-        num_ubatches=num_ubatches,
-        ubatch_executor=ubatch_executor,
-        dbo_decode_token_threshold=dbo_decode_token_threshold,
-        dbo_prefill_token_threshold=dbo_prefill_token_threshold,
-        thresholds_file=thresholds_file,
-        enable_sbo=enable_sbo,
-        all2all_backend=all2all_backend,
-        moe_backend=moe_backend,
-        graph_mode=graph_mode,
-        fabric_latency_us=fabric_latency_us,
-        fabric_gbps=fabric_gbps,
-        fabric=fabric,
-    )
+    config = _engine_config(**_engine_flags(locals()))
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos
@@ -261,21 +270,7 @@ def serve(
     if max_model_len is not None and max_model_len < 2:
         raise typer.BadParameter(f"--max-model-len must be >= 2, got {max_model_len}")
     config = _engine_config(
-        model=model,
-        data_parallel_size=data_parallel_size,
-        enable_dbo=enable_dbo,
-        num_ubatches=num_ubatches,
-        ubatch_executor=ubatch_executor,
-        dbo_decode_token_threshold=dbo_decode_token_threshold,
-        dbo_prefill_token_threshold=dbo_prefill_token_threshold,
-        thresholds_file=thresholds_file,
-        enable_sbo=enable_sbo,
-        all2all_backend=all2all_backend,
-        moe_backend=moe_backend,
-        graph_mode=graph_mode,
-        fabric_latency_us=fabric_latency_us,
-        fabric_gbps=fabric_gbps,
-        fabric=fabric,
+        **_engine_flags(locals()),
         # One more block: the runner reserves a null block for padding rows.
         cache=CacheConfig(num_kv_blocks=kv_cache_tokens // block_size + 1, block_size=block_size),
         max_num_batched_tokens=max_num_batched_tokens,
