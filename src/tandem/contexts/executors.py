@@ -184,9 +184,9 @@ class GreenletExecutor(UBatchExecutor):
             g = greenlet.greenlet(lambda a=(ctx, fn, results, i): _run_one(*a))
             g.gr_context = contextvars.copy_context()
             greenlets.append(g)
-        handoff.greenlets = greenlets
+        handoff.attach(greenlets)
         while handoff.holder is not None:
-            greenlets[handoff.holder].switch()
+            handoff.resume(handoff.holder)
 
 
 _EXECUTOR_TYPES: dict[str, type[UBatchExecutor]] = {"thread": ThreadExecutor, "greenlet": GreenletExecutor}

@@ -41,7 +41,14 @@ class UBatchContext:
         self.num_ubatches = handoff.num_ubatches
         self._handoff = handoff
         self._platform = platform
-        self._restore_stream_on_resume = handoff.shares_thread and platform.stream_is_thread_state
+        self._pass_turn = handoff.turns[ubatch_id].pass_
+        #: `yield_()`: hand the CPU to the next ubatch; returns when this one has the turn
+        #: again. Set per context so a yield is one call to the turn: the stream needs
+        #: putting back only where greenlets share one thread's current stream.
+        if handoff.shares_thread and platform.stream_is_thread_state:
+            self.yield_ = self._yield_and_restore_stream
+        else:
+            self.yield_ = self._pass_turn
         self.compute_stream = compute_stream
         self.comm_stream = comm_stream
         self.current_stream = compute_stream
@@ -95,10 +102,9 @@ class UBatchContext:
 
     # -- CPU handover --------------------------------------------------------------------
 
-    def yield_(self) -> None:
-        self._handoff.yield_turn(self.id)
-        if self._restore_stream_on_resume:
-            self._platform.set_stream(self.current_stream)
+    def _yield_and_restore_stream(self) -> None:
+        self._pass_turn()
+        self._platform.set_stream(self.current_stream)
 
     def register_recv_hook(self, hook: Callable[[], Any]) -> None:
         """Park `hook` on the next unfinished ubatch (or on this one if it is the last)."""
