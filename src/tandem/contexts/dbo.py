@@ -22,8 +22,11 @@ def dbo_current_ubatch_id() -> int:
     return 0 if ctx is None else ctx.id
 
 
+_current_ubatch = _CURRENT_UBATCH.get  # bound once: `dbo_yield` is on every MoE layer's path
+
+
 def dbo_yield() -> None:
-    ctx = _CURRENT_UBATCH.get()
+    ctx = _current_ubatch()
     if ctx is not None:
         ctx.yield_()
 

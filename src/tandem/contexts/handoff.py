@@ -140,9 +140,12 @@ class ThreadTurn(Turn):
         handoff.holder = successor.id
         handoff.switches += 1
         handoff.handed_over_at = perf_counter()
-        _release(successor.lock)
-        # Nothing between the release and the acquire: the woken thread needs the GIL,
-        # which this one gives up only when it blocks here.
+        # Nothing between the release and the acquire (not even a helper's return): the
+        # woken thread needs the GIL, which this one gives up only when it blocks here.
+        try:
+            successor.lock.release()
+        except RuntimeError:  # released already: only by an abort, which wakes everyone
+            pass
         if not self.lock.acquire(True, handoff.poll_s):
             handoff.wait_stalled(self.lock)
         if handoff.aborted:
