@@ -68,15 +68,24 @@ def test_failure_in_ubatch_0_before_any_yield(executor):
     assert started == []  # ubatch 1 never started its body
 
 
-def test_catching_exception_does_not_swallow_the_abort(executor):
+@pytest.mark.parametrize(
+    "caught, expected",
+    [
+        (Exception, []),  # what careless model code catches: the abort goes through
+        # Model code that catches even BaseExceptions: every later yield raises again
+        # instead of handing the turn to a finished ubatch.
+        (BaseException, ["caught"] * 3 + ["kept going"]),
+    ],
+)
+def test_catching_exception_does_not_swallow_the_abort(executor, caught, expected):
     trace = []
 
     def stubborn():
         for _ in range(3):
             try:
                 dbo_yield()
-            except Exception:  # noqa: BLE001 - what careless model code does
-                trace.append("swallowed")
+            except caught:  # noqa: BLE001
+                trace.append("caught")
         trace.append("kept going")
 
     def bad():
@@ -84,7 +93,8 @@ def test_catching_exception_does_not_swallow_the_abort(executor):
 
     with pytest.raises(ValueError):
         run_ubatches([stubborn, bad], executor=executor)
-    assert trace == []
+    assert trace == expected
+    assert run_ubatches([lambda: 1, lambda: 2], executor=executor) == [1, 2]
 
 
 def test_stuck_ubatch_times_out_with_its_name_and_executor_recovers():

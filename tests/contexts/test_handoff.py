@@ -1,16 +1,12 @@
 """The yield fast path: each ubatch's turn knows its successor in the ring (relinked when a
 ubatch finishes or the run aborts), times each switch once, and restores the stream only
-where the platform keeps it per thread. These pin what that path must keep."""
-
-import threading
+where the platform keeps it per thread (see test_streams.py for that case and
+test_failures.py for yields after an abort). These pin what that path must keep."""
 
 import pytest
 
 from tandem.contexts import (
     CommCounters,
-    UBatchAborted,
-    current_ubatch_context,
-    dbo_switch_to_comm,
     dbo_yield,
     make_executor,
     make_ubatch_contexts,
@@ -99,60 +95,3 @@ def test_yield_restores_no_stream_where_the_stream_follows_the_context(executor)
     run_ubatches([body, body], executor=executor, contexts=contexts)
     # One set_stream per ubatch as it starts, none at the six yields.
     assert [op for op, *_ in trace] == ["set_stream", "set_stream"]
-
-
-class ThreadStreamPlatform(CpuPlatform):
-    """A CPU platform whose current stream is per OS thread, as CUDA's is."""
-
-    stream_is_thread_state = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._per_thread = threading.local()
-
-    def current_stream(self):
-        return getattr(self._per_thread, "stream", self.default_stream)
-
-    def set_stream(self, stream) -> None:
-        self._per_thread.stream = stream
-        self._log("set_stream", stream.name)
-
-
-def test_each_ubatch_gets_its_stream_back_where_the_stream_is_thread_state(executor):
-    platform = ThreadStreamPlatform()
-    contexts = make_ubatch_contexts(
-        2, executor=executor, platform=platform, compute_stream=platform.new_stream("compute"),
-        comm_stream=platform.new_stream("comm"),
-    )
-
-    def body():
-        if current_ubatch_context().id == 0:
-            dbo_switch_to_comm()
-        seen = []
-        for _ in range(2):
-            dbo_yield()
-            seen.append(platform.current_stream().name)
-        return seen
-
-    assert run_ubatches([body, body], executor=executor, contexts=contexts) == [["comm", "comm"], ["compute", "compute"]]
-
-
-def test_a_yield_after_the_abort_raises_at_once(executor):
-    trace = []
-
-    def stubborn():
-        for _ in range(3):
-            try:
-                dbo_yield()
-            except UBatchAborted:  # model code that catches even BaseExceptions
-                trace.append("aborted")
-        trace.append("kept going")
-
-    def bad():
-        raise ValueError("x")
-
-    with pytest.raises(ValueError):
-        run_ubatches([stubborn, bad], executor=executor)
-    # Every later yield raised again instead of handing the turn to a finished ubatch.
-    assert trace == ["aborted"] * 3 + ["kept going"]
-    assert run_ubatches([lambda: 1, lambda: 2], executor=executor) == [1, 2]

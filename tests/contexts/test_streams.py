@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 
 from tandem.contexts import (
@@ -94,8 +96,27 @@ def test_switches_without_yield(executor, fn, expected):
     assert run_ubatches([body, lambda: None], executor=executor, contexts=contexts)[0] == expected
 
 
-def test_each_ubatch_keeps_its_own_current_stream(executor):
-    platform = CpuPlatform()
+class ThreadStreamPlatform(CpuPlatform):
+    """A CPU platform whose current stream is per OS thread, as CUDA's is: greenlets on
+    one thread share it, so each yield must put the ubatch's stream back."""
+
+    stream_is_thread_state = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._per_thread = threading.local()
+
+    def current_stream(self):
+        return getattr(self._per_thread, "stream", self.default_stream)
+
+    def set_stream(self, stream) -> None:
+        self._per_thread.stream = stream
+        self._log("set_stream", stream.name)
+
+
+@pytest.mark.parametrize("platform_type", [CpuPlatform, ThreadStreamPlatform])
+def test_each_ubatch_keeps_its_own_current_stream(executor, platform_type):
+    platform = platform_type()
     contexts = make_ubatch_contexts(
         2, executor=executor, platform=platform, compute_stream=platform.new_stream("compute"),
         comm_stream=platform.new_stream("comm"),
