@@ -86,7 +86,10 @@ class _Clocks:
         self.wall_s, self.cpu_s = time.perf_counter() - self._wall, time.thread_time() - self._cpu
 
 
-def bare_greenlet_switch(switches: int) -> tuple[float, float]:
+def bare_greenlet_switch(switches: int, *, in_call: bool = False) -> tuple[float, float]:
+    """Seconds per switch of two greenlets ping-ponging: wall and CPU time. `in_call`
+    makes each switch inside a called function, as any yield API must (greenlet then
+    materialises a frame object for that fresh frame)."""
     rounds = switches // 2
     main = greenlet.getcurrent()
 
@@ -95,33 +98,18 @@ def bare_greenlet_switch(switches: int) -> tuple[float, float]:
             main.switch()
 
     other = greenlet.greenlet(partner)
-    with _Clocks() as clocks:
-        for _ in range(rounds):
-            other.switch()
-    other.switch()  # let it finish
-    return clocks.wall_s / (2 * rounds), clocks.cpu_s / (2 * rounds)
-
-
-def called_greenlet_switch(switches: int) -> tuple[float, float]:
-    """As `bare_greenlet_switch`, but each switch made inside a called function, as any
-    yield API must: greenlet then materialises a frame object for that fresh frame."""
-    rounds = switches // 2
-    main = greenlet.getcurrent()
-
-    def partner() -> None:
-        for _ in range(rounds):
-            main.switch()
-
-    other = greenlet.greenlet(partner)
-    switch = other.switch
 
     def call() -> None:
-        switch()
+        other.switch()
 
     with _Clocks() as clocks:
-        for _ in range(rounds):
-            call()
-    other.switch()
+        if in_call:
+            for _ in range(rounds):
+                call()
+        else:
+            for _ in range(rounds):
+                other.switch()
+    other.switch()  # let it finish
     return clocks.wall_s / (2 * rounds), clocks.cpu_s / (2 * rounds)
 
 
@@ -252,7 +240,7 @@ def measure(switches: int, runs: int, vllm: types.ModuleType | None) -> dict[str
         "thread": lambda: dbo_yield_switch(thread_executor, switches)[0],
         "greenlet_floor": lambda: bare_greenlet_switch(switches),
         "greenlet": lambda: dbo_yield_switch(greenlet_executor, switches),
-        "greenlet_called": lambda: called_greenlet_switch(switches),
+        "greenlet_called": lambda: bare_greenlet_switch(switches, in_call=True),
     }
     if vllm is not None:
         cases["vllm_ring"] = lambda: vllm_ring_switch(vllm, switches)
