@@ -24,6 +24,9 @@ _WATCHDOG_POLL_S = 0.25
 
 class Handoff:
     shares_thread: bool = False
+    #: The run's timeline recorder (`tandem.contexts.trace.RunTrace`), set by the executor;
+    #: None when not tracing.
+    tracer = None
 
     def __init__(self, num_ubatches: int, timeout: float):
         if num_ubatches < 1:
@@ -69,7 +72,10 @@ class Handoff:
 
     def _mark_resumed(self) -> None:
         if self._handed_over_at is not None:
-            self.switch_time_s += time.perf_counter() - self._handed_over_at
+            now = time.perf_counter()
+            self.switch_time_s += now - self._handed_over_at
+            if self.tracer is not None:
+                self.tracer.switch(self.holder, self._handed_over_at, now)
             self._handed_over_at = None
 
     def wait_turn(self, ubatch_id: int) -> None:
