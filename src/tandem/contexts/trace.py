@@ -52,10 +52,10 @@ class Tracer:
         #: Extra arguments attached to every step recorded from now on (e.g. the bench mode).
         self.tags: dict[str, Any] = {}
         self.steps: list[tuple[float, float, dict]] = []
-        self.turns: list[tuple[int, float, float]] = []  # (ubatch, start, end)
-        self.switches: list[tuple[int, int, float, float]] = []  # (from, to, handed over, resumed)
+        self.runs: list[tuple[float, float, list[tuple[int, float, float]]]] = []  # (begin, end, switches)
         self.waits: list[tuple[str, int, float, float]] = []  # (kind, ubatch, start, end)
         self.transfers: list[tuple[int, float, float]] = []  # (issuing ubatch, issued, arrived)
+        self.records = 0
         self.dropped = 0
         # One wall-clock reading anchors this rank's perf_counter so ranks line up.
         self.origin_perf = time.perf_counter()
@@ -63,11 +63,11 @@ class Tracer:
 
     # -- recording (called on the hot path only when tracing is on) ----------------------
 
-    def _room(self) -> bool:
-        used = len(self.steps) + len(self.turns) + len(self.switches) + len(self.waits) + len(self.transfers)
-        if used < self.max_records:
+    def _room(self, records: int = 1) -> bool:
+        if self.records + records <= self.max_records:
+            self.records += records
             return True
-        self.dropped += 1
+        self.dropped += records
         return False
 
     @staticmethod
@@ -79,23 +79,34 @@ class Tracer:
         if self._room():
             self.steps.append((start, end, {**self.tags, **args}))
 
-    def turn(self, ubatch: int, start: float, end: float) -> None:
-        if self._room():
-            self.turns.append((ubatch, start, end))
-
-    def switch(self, from_ubatch: int, to_ubatch: int, handed_over_at: float, resumed_at: float) -> None:
-        if self._room():
-            self.switches.append((from_ubatch, to_ubatch, handed_over_at, resumed_at))
+    def run(self, begin: float, end: float, switches: list[tuple[int, float, float]]) -> None:
+        """A ubatch run from `begin` to `end`; `switches` are (ubatch resumed, handed over
+        at, resumed at), in order; ubatch 0 holds the first turn."""
+        if self._room(1 + len(switches)):
+            self.runs.append((begin, end, switches))
 
     def transfer(self, issuer: int, issued: float, arrived: float, wait_start: float, wait_end: float) -> None:
         """A transfer issued by ubatch `issuer`, and its receive wait by the running ubatch."""
-        if self._room():
+        if self._room(2):
             self.transfers.append((issuer, issued, arrived))
             self.waits.append(("recv wait", self.current_ubatch(), wait_start, wait_end))
 
     def collective(self, start: float, end: float) -> None:
         if self._room():
             self.waits.append(("collective", self.current_ubatch(), start, end))
+
+    def turns_and_switches(self) -> tuple[list[tuple[int, float, float]], list[tuple[int, int, float, float]]]:
+        """(ubatch, start, end) of every turn and (from, to, handed over, resumed) of every
+        switch, from the runs."""
+        turns, switches = [], []
+        for begin, end, run_switches in self.runs:
+            ubatch, since = 0, begin
+            for to, handed, resumed in run_switches:
+                turns.append((ubatch, since, handed))
+                switches.append((ubatch, to, handed, resumed))
+                ubatch, since = to, resumed
+            turns.append((ubatch, since, end))
+        return turns, switches
 
     # -- export --------------------------------------------------------------------------
 
@@ -110,23 +121,21 @@ class Tracer:
 
 
 class RunTrace:
-    """The turns of one ubatch run: ubatch 0 holds the turn from `begin` until the first
-    switch, then each switch closes the current turn and opens the next."""
+    """Collects the switches of one ubatch run (one append each) and hands the run to the
+    tracer when it ends."""
 
-    __slots__ = ("tracer", "ubatch", "since")
+    __slots__ = ("tracer", "begin", "switches")
 
     def __init__(self, tracer: Tracer):
         self.tracer = tracer
-        self.ubatch = 0
-        self.since = time.perf_counter()
+        self.switches: list[tuple[int, float, float]] = []
+        self.begin = time.perf_counter()
 
     def switch(self, to_ubatch: int, handed_over_at: float, resumed_at: float) -> None:
-        self.tracer.turn(self.ubatch, self.since, handed_over_at)
-        self.tracer.switch(self.ubatch, to_ubatch, handed_over_at, resumed_at)
-        self.ubatch, self.since = to_ubatch, resumed_at
+        self.switches.append((to_ubatch, handed_over_at, resumed_at))
 
     def end(self) -> None:
-        self.tracer.turn(self.ubatch, self.since, time.perf_counter())
+        self.tracer.run(self.begin, time.perf_counter(), self.switches)
 
 
 def begin_traced_run() -> RunTrace | None:
@@ -163,9 +172,10 @@ class _RankExport:
         out: list[dict] = []
         for index, (start, end, args) in enumerate(t.steps):
             out.append(_span(f"step {index}", pid, STEP_TID, self.us(start), self.us(end), {"index": index, **args}))
-        ubatches = {0} | {u for u, _, _ in t.turns} | {u for _, u, _, _ in t.waits}
-        out += self._compute_and_waits()
-        for from_ubatch, to_ubatch, handed, resumed in t.switches:
+        turns, switches = t.turns_and_switches()
+        ubatches = {0} | {u for u, _, _ in turns} | {u for _, u, _, _ in t.waits}
+        out += self._compute_and_waits(turns, switches)
+        for from_ubatch, to_ubatch, handed, resumed in switches:
             out.append(
                 _span("switch", pid, UBATCH_TID + to_ubatch, self.us(handed), self.us(resumed), {"from": from_ubatch, "to": to_ubatch})
             )
@@ -173,11 +183,11 @@ class _RankExport:
         out.sort(key=lambda e: (e["tid"], e["ts"]))
         return self._names(sorted(ubatches), lanes) + out
 
-    def _segments(self) -> list[tuple[int, float, float, bool]]:
+    def _segments(self, turns, switches) -> list[tuple[int, float, float, bool]]:
         """(ubatch, start, end, inside a run): the turns, plus each step's time outside
         them and outside the switches between them."""
-        segments = [(u, s, e, True) for u, s, e in self.t.turns]
-        covered = sorted([(s, e) for _, s, e in self.t.turns] + [(s, e) for _, _, s, e in self.t.switches])
+        segments = [(u, s, e, True) for u, s, e in turns]
+        covered = sorted([(s, e) for _, s, e in turns] + [(s, e) for _, _, s, e in switches])
         starts = [s for s, _ in covered]
         for step_start, step_end, _ in self.t.steps:
             cursor = step_start
@@ -190,7 +200,7 @@ class _RankExport:
                 segments.append((0, cursor, step_end, False))
         return sorted(segments, key=lambda x: x[1])
 
-    def _compute_and_waits(self) -> list[dict]:
+    def _compute_and_waits(self, turns, switches) -> list[dict]:
         """Compute segments = segments less the waits inside them; the waits that blocked
         become spans of their own."""
         pid = self.pid
@@ -201,7 +211,7 @@ class _RankExport:
         for per in waits.values():
             per.sort()
         out = []
-        for ubatch, start, end, in_run in self._segments():
+        for ubatch, start, end, in_run in self._segments(turns, switches):
             tid = UBATCH_TID + ubatch
             args = None if in_run else {"outside_ubatches": True}
             per = waits.get(ubatch, [])
