@@ -2,17 +2,10 @@
 Chrome trace (both ranks, both ubatches, transfers) and a PNG; `generate --trace` too."""
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
 
 from tandem.contexts.trace import STEP_TID, TRANSFER_TID, UBATCH_TID
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def run_cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=timeout)
+from tests.bench.test_bench_cli import PNG_MAGIC, run_cli
 
 
 def check_trace_event_format(trace: dict) -> dict:

@@ -37,7 +37,7 @@ STEP_TID = 0
 UBATCH_TID = 1
 TRANSFER_TID = 1000
 #: Default cap on records per rank, so a long `serve --trace` cannot grow without bound.
-DEFAULT_MAX_RECORDS = 2_000_000
+DEFAULT_MAX_RECORDS = 1_000_000
 
 
 class Tracer:
