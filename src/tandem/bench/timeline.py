@@ -45,10 +45,11 @@ def write_timeline(path: str | Path, trace: dict, *, step: int | None = None, ti
             ubatch = e["args"]["ubatch"]
             colour, label = _UBATCH_COLOURS[ubatch % len(_UBATCH_COLOURS)], f"transfer (ubatch {ubatch})"
             style = dict(alpha=0.45, hatch="//", edgecolor="grey")
+        elif e["name"] == "compute" and (e.get("args") or {}).get("outside_ubatches"):
+            colour, label, style = "silver", "step outside ubatch runs", {}
         elif e["name"] == "compute":
             ubatch = e["tid"] - UBATCH_TID
-            colour, label = _UBATCH_COLOURS[ubatch % len(_UBATCH_COLOURS)], f"compute (ubatch {ubatch})"
-            style = dict(alpha=0.5 if (e.get("args") or {}).get("outside_ubatches") else 0.9)
+            colour, label, style = _UBATCH_COLOURS[ubatch % len(_UBATCH_COLOURS)], f"compute (ubatch {ubatch})", {}
         else:
             colour, label, style = _KIND_COLOURS.get(e["name"], "grey"), e["name"], {}
         y = row[(e["pid"], e["tid"])]
