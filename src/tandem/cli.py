@@ -54,7 +54,8 @@ _FABRIC = typer.Option(
 _TRACE = typer.Option(
     None, "--trace", metavar="FILE",
     help="Write the overlap timeline (steps, each ubatch's compute, receive waits, switches, transfers; one process "
-    "per rank) as Chrome trace-event JSON: open it in ui.perfetto.dev or chrome://tracing. Off by default.",
+    "per rank) as Chrome trace-event JSON: open it in ui.perfetto.dev or chrome://tracing. serve writes it when "
+    "stopped. Off by default.",
 )
 
 
