@@ -51,6 +51,12 @@ _FABRIC_GBPS = typer.Option(None, help="Modelled interconnect: bandwidth in GB/s
 _FABRIC = typer.Option(
     None, help="Modelled interconnect preset, e.g. deepep-ll-h800 (DeepEP low-latency, H800, EP8) or deepep-ll-h800-ep64."
 )
+_TRACE = typer.Option(
+    None, "--trace", metavar="FILE",
+    help="Write the overlap timeline (steps, each ubatch's compute, receive waits, switches, transfers; one process "
+    "per rank) as Chrome trace-event JSON: open it in ui.perfetto.dev or chrome://tracing. serve writes it when "
+    "stopped. Off by default.",
+)
 
 
 #: The shared engine flags, by parameter name: commands declare them (typer needs each
@@ -71,6 +77,7 @@ _ENGINE_FLAGS = (
     "fabric_latency_us",
     "fabric_gbps",
     "fabric",
+    "trace",
 )
 
 
@@ -95,6 +102,7 @@ def _engine_config(
     fabric_latency_us: float | None,
     fabric_gbps: float | None,
     fabric: str | None = None,
+    trace: str | None = None,
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
@@ -123,6 +131,7 @@ def _engine_config(
             ),
             cache=cache or CacheConfig(),
             max_num_batched_tokens=max_num_batched_tokens,
+            trace_path=trace,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -152,6 +161,7 @@ def generate(
     fabric_latency_us: float = _FABRIC_LATENCY_US,
     fabric_gbps: float = _FABRIC_GBPS,
     fabric: str = _FABRIC,
+    trace: str = _TRACE,
     json_output: bool = typer.Option(False, "--json", help="One JSON object per prompt (text, token_ids) instead of text."),
 ) -> None:
     """Offline generation; completions go to stdout, logs and progress to stderr."""
@@ -223,6 +233,7 @@ def serve(
     fabric_latency_us: float = _FABRIC_LATENCY_US,
     fabric_gbps: float = _FABRIC_GBPS,
     fabric: str = _FABRIC,
+    trace: str = _TRACE,
     max_num_seqs: int = typer.Option(64, help="Most requests running at once per rank."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one step (prefill is chunked to fit)."),
     kv_cache_tokens: int = typer.Option(32768, help="KV cache size per rank, in tokens."),
@@ -331,7 +342,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabric, fabric_latency_us, fabric_gbps,
-                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len):
+                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len, trace=False):
     from tandem.bench.sweep import CALIBRATED, BenchSpec
     from tandem.bench.workloads import MOE_STACK
 
@@ -356,6 +367,7 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=modes, repeat=repeat, warmup=warmup,
         fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps, num_ubatches=num_ubatches,
         all2all_backend=all2all_backend, context_len=context_len, prefill_len=prefill_len, engine_config=engine,
+        trace=trace,
     )
 
 
@@ -406,6 +418,12 @@ def bench(
     prefill_len: int = _BENCH_PREFILL_LEN,
     json_path: str = typer.Option(None, "--json", help="Write the rows and the settings to this JSON file."),
     plot: str = typer.Option(None, help="Write a PNG plot of step time against tokens per rank (needs matplotlib)."),
+    trace: str = _TRACE,
+    timeline: str = typer.Option(
+        None, "--timeline", metavar="PNG",
+        help="Draw one overlapped step (the last DBO step of the largest size) as lanes per rank x ubatch plus "
+        "transfers (needs matplotlib).",
+    ),
 ) -> None:
     """Step time of no overlap, DBO, SBO against tokens per rank on N local ranks, next to the
     floor max(compute, communication) measured in the same run, with the runtime's time model
@@ -421,7 +439,7 @@ def bench(
         raise typer.BadParameter(f"unknown mode(s) {unknown}; pick from {', '.join(MODES)}")
     if phase not in PHASES:
         raise typer.BadParameter(f"--phase must be one of {', '.join(PHASES)}")
-    if plot is not None:
+    if plot is not None or timeline is not None:
         try:
             check_plot_available()
         except RuntimeError as exc:
@@ -430,7 +448,7 @@ def bench(
         model=model, data_parallel_size=data_parallel_size, grids=[(phase, _int_list(tokens, "--tokens"))],
         modes=mode_list, repeat=repeat, warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us,
         fabric_gbps=fabric_gbps, num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
-        context_len=context_len, prefill_len=prefill_len,
+        context_len=context_len, prefill_len=prefill_len, trace=trace is not None or timeline is not None,
     )
     result = _run_bench_sweep(spec)
     rows = rows_from_sweep(result, phase, mode_list)
@@ -443,6 +461,15 @@ def bench(
         print(f"wrote {write_json(json_path, rows, config)}", file=sys.stderr)
     if plot:
         print(f"wrote {write_plot(plot, rows, title)}", file=sys.stderr)
+    if trace:
+        from tandem.contexts.trace import write_trace
+
+        print(f"wrote {write_trace(trace, result['trace'])}", file=sys.stderr)
+    if timeline:
+        from tandem.bench.timeline import pick_step, write_timeline
+
+        step = pick_step(result["trace"])
+        print(f"wrote {write_timeline(timeline, result['trace'], step=step, title=f'{title}: step {step}')}", file=sys.stderr)
 
 
 @app.command()

@@ -88,3 +88,5 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     max_num_batched_tokens: int = 2048
+    #: `--trace FILE`: write the overlap timeline of every step as Chrome trace-event JSON.
+    trace_path: str | None = None

@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tandem.bench.workloads import MOE_STACK, MoEStackWorkload, ModelStepWorkload, Sample
+from tandem.contexts.trace import Tracer, gather_trace
 from tandem.modular_kernels import FabricModel
 
 #: Per-transfer latency of the calibrated fabric; small, so transfers are bandwidth-bound
@@ -36,6 +38,9 @@ class BenchSpec:
     all2all_backend: str | None = None
     context_len: int = 128
     prefill_len: int = 512
+    #: Record the overlap timeline of every step (`--trace` / `--timeline`): the result
+    #: then holds the ranks' merged Chrome trace under "trace".
+    trace: bool = False
     #: The EngineConfig for model-step workloads (built by the CLI from the shared flags).
     engine_config: Any = None
 
@@ -109,6 +114,7 @@ def sweep_on_rank(rank: int, world: int, spec: BenchSpec, progress=None) -> dict
     """Run the sweep on this rank; every rank returns the same (gathered) results."""
     torch.set_num_threads(1)
     fabric = None
+    tracer = Tracer(rank) if spec.trace else None
     out: dict = {"phases": {}, "fabric": None}
     for index, (phase, grid) in enumerate(spec.grids):
         workload = _workload(spec, rank, world, phase, max(grid))
@@ -116,6 +122,7 @@ def sweep_on_rank(rank: int, world: int, spec: BenchSpec, progress=None) -> dict
             fabric = _fabric(spec, workload, max(grid))
             out["fabric"] = None if fabric is None else {"latency_us": fabric.latency_us, "gbps": fabric.gbps}
         workload.set_fabric(fabric)
+        workload.set_tracer(tracer)  # after the calibration: its steps are not part of the sweep
         results: dict = {}
         for tokens in grid:
             cell = {mode: [] for mode in spec.modes}
@@ -136,6 +143,8 @@ def sweep_on_rank(rank: int, world: int, spec: BenchSpec, progress=None) -> dict
             results[tokens] = cell
         out["phases"][phase] = results
         del workload
+    if tracer is not None:
+        out["trace"] = gather_trace(tracer, dist.group.WORLD if world > 1 else None)
     return out
 
 

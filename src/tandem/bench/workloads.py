@@ -149,8 +149,13 @@ class ModelStepWorkload:
             left, r = left - n, r + 1
         return chunks
 
+    def set_tracer(self, tracer) -> None:
+        self.runner.tracer = tracer
+
     def measure(self, mode: str, tokens: int) -> Sample:
         dbo, executor, sbo = _mode_flags(mode)
+        if self.runner.tracer is not None:
+            self.runner.tracer.tags = {"mode": mode}
         self.runner.overlap = replace(
             self.base_overlap, enable_dbo=dbo, executor=executor, dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0
         )
@@ -217,6 +222,8 @@ class MoEStack:
             )
         self.executors = {kind: make_executor(kind) for kind in ("thread", "greenlet")}
         self._inputs: dict[int, torch.Tensor] = {}
+        #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`), or None.
+        self.tracer = None
 
     def inputs(self, tokens: int) -> torch.Tensor:
         if tokens not in self._inputs:
@@ -266,7 +273,7 @@ class MoEStack:
                 k.shared_experts = None
         run = lambda chunk: self._forward(chunk, kernels, compute=mode != "comm", local_ids=not comm)  # noqa: E731
         executor = self.executors["greenlet" if mode == "dbo-greenlet" else self.executor]
-        counters = CommCounters()
+        counters = CommCounters(tracer=self.tracer)
         switch_before = executor.switch_time_s
         start = time.perf_counter()
         with time_model(counters):
@@ -278,6 +285,8 @@ class MoEStack:
             else:
                 run(x)
         elapsed = time.perf_counter() - start
+        if self.tracer is not None:
+            self.tracer.step(start, start + elapsed, mode=mode, tokens=tokens)
         switch = executor.switch_time_s - switch_before
         return StepTimes(elapsed, max(elapsed - counters.recv_wait_s - switch, 0.0), counters.recv_wait_s, counters.comm_s, switch)
 
@@ -291,6 +300,9 @@ class MoEStackWorkload:
 
     def set_fabric(self, fabric: FabricModel | None) -> None:
         self.fabric = fabric
+
+    def set_tracer(self, tracer) -> None:
+        self.stack.tracer = tracer
 
     def measure(self, mode: str, tokens: int) -> Sample:
         _barrier(self.distributed)

@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from tandem.contexts.errors import UBatchAborted, UBatchTimeoutError
+from tandem.contexts.trace import begin_traced_run
 from tandem.platform.graph import join_graph_capture
 from tandem.contexts.ubatch_context import (
     DEFAULT_TIMEOUT_S,
@@ -80,10 +81,13 @@ class UBatchExecutor:
                 f"this {type(self).__name__} is already running ubatches for another caller; "
                 "use one executor per caller thread"
             )
+        handoff.tracer = begin_traced_run()
         try:
             results: list = [None] * len(fns)
             self._drive(contexts, fns, results)
         finally:
+            if handoff.tracer is not None:
+                handoff.tracer.end()
             self.runs += 1
             self.switches += handoff.switches
             self.switch_time_s += handoff.switch_time_s

@@ -30,6 +30,9 @@ _WATCHDOG_POLL_S = 0.25
 
 class Handoff:
     shares_thread: bool = False
+    #: The run's timeline recorder (`tandem.contexts.trace.RunTrace`), set by the executor;
+    #: None when not tracing.
+    tracer = None
 
     def __init__(self, num_ubatches: int, timeout: float):
         if num_ubatches < 1:
@@ -97,10 +100,13 @@ class Handoff:
         if self.aborted:
             raise self.aborted_error()
 
-    def _count_first_resume(self) -> None:
+    def _count_first_resume(self, ubatch_id: int) -> None:
         # A ubatch's first turn: ubatch 0's comes from the caller, not from a hand-over.
         if self.handed_over_at is not None:
-            self.switch_time_s += perf_counter() - self.handed_over_at
+            now = perf_counter()
+            self.switch_time_s += now - self.handed_over_at
+            if self.tracer is not None:
+                self.tracer.switch(ubatch_id, self.handed_over_at, now)
 
     def wait_turn(self, ubatch_id: int) -> None:
         """Block the entering ubatch until its first turn."""
@@ -150,7 +156,10 @@ class ThreadTurn(Turn):
             handoff.wait_stalled(self.lock)
         if handoff.aborted:
             raise handoff.aborted_error()
-        handoff.switch_time_s += perf_counter() - handoff.handed_over_at
+        now = perf_counter()
+        handoff.switch_time_s += now - handoff.handed_over_at
+        if handoff.tracer is not None:
+            handoff.tracer.switch(self.id, handoff.handed_over_at, now)
 
 
 def _release(lock: threading.Lock) -> None:
@@ -187,7 +196,7 @@ class ThreadHandoff(Handoff):
         if not lock.acquire(True, self.poll_s):
             self.wait_stalled(lock)
         self.check_aborted()
-        self._count_first_resume()
+        self._count_first_resume(ubatch_id)
 
     def finish(self, ubatch_id: int) -> None:
         self.finished[ubatch_id] = True
@@ -252,7 +261,10 @@ class GreenletTurn(Turn):
         switch()
         # No abort check: after an abort nobody switches here; the executor throws
         # `UBatchAborted` into this switch instead (`GreenletHandoff.resume`).
-        handoff.switch_time_s += perf_counter() - handoff.handed_over_at
+        now = perf_counter()
+        handoff.switch_time_s += now - handoff.handed_over_at
+        if handoff.tracer is not None:
+            handoff.tracer.switch(self.id, handoff.handed_over_at, now)
 
 
 class GreenletHandoff(Handoff):
@@ -297,7 +309,7 @@ class GreenletHandoff(Handoff):
                 "(run_ubatches(..., executor='greenlet'))"
             )
         self.check_aborted()
-        self._count_first_resume()
+        self._count_first_resume(ubatch_id)
 
     def finish(self, ubatch_id: int) -> None:
         # Returning from the greenlet lands in the executor, which resumes `holder`.

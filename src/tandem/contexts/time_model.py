@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 #: A wait shorter than this did not block: the data had arrived before it was asked for.
 BLOCKED_THRESHOLD_S = 20e-6
@@ -36,8 +36,10 @@ class CommCounters:
     recv_wait_s: float = 0.0
     comm_s: float = 0.0
     transfers: int = 0
+    #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`); None: not tracing.
+    tracer: Any = None
 
-    def add_transfer(self, issued: float, wait_start: float, wait_end: float, modelled_s: float | None = None) -> None:
+    def add_transfer(self, issued: float, wait_start: float, wait_end: float, modelled_s: float | None = None) -> float:
         """One transfer issued at `issued` whose receive waited from `wait_start` to
         `wait_end` (all `perf_counter` values).
 
@@ -45,6 +47,7 @@ class CommCounters:
         When it did not, it arrived somewhere before `wait_start`: the modelled fabric time
         is used if there is one, else `wait_start - issued`, an upper bound (so without a
         model the overlap efficiency of fully hidden transfers is counted generously).
+        Returns that duration.
         """
         waited = wait_end - wait_start
         if waited > BLOCKED_THRESHOLD_S or modelled_s is None:
@@ -54,6 +57,7 @@ class CommCounters:
         self.recv_wait_s += waited
         self.comm_s += duration
         self.transfers += 1
+        return duration
 
     def add_blocking(self, seconds: float) -> None:
         """A synchronous collective: all of it is communication, none of it hidden."""
@@ -86,13 +90,18 @@ def timed_receive(wait: Callable[[], None], modelled_s: float | None = None) -> 
     if counters is None:
         return wait
     issued = time.perf_counter()
+    tracer = counters.tracer
+    issuer = None if tracer is None else tracer.current_ubatch()
 
     def timed() -> None:
         start = time.perf_counter()
         try:
             wait()
         finally:
-            counters.add_transfer(issued, start, time.perf_counter(), modelled_s)
+            end = time.perf_counter()
+            duration = counters.add_transfer(issued, start, end, modelled_s)
+            if tracer is not None:
+                tracer.transfer(issuer, issued, issued + duration, start, end)
 
     return timed
 
@@ -108,7 +117,10 @@ def timed_blocking() -> Iterator[None]:
     try:
         yield
     finally:
-        counters.add_blocking(time.perf_counter() - start)
+        end = time.perf_counter()
+        counters.add_blocking(end - start)
+        if counters.tracer is not None:
+            counters.tracer.collective(start, end)
 
 
 __all__ = ["CommCounters", "current_comm_counters", "time_model", "timed_blocking", "timed_receive"]

@@ -76,6 +76,7 @@ class ModelRunner:
         block_size: int = 16,
         dp_group=None,
         future_map: FutureMap | None = None,
+        tracer=None,
     ):
         self.info = model_info
         self.model = model_info.model
@@ -92,6 +93,8 @@ class ModelRunner:
             max_blocks_per_seq=-(-model_info.max_model_len // block_size),
         )
         self.future_map = future_map
+        #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`), or None.
+        self.tracer = tracer
         self.steps = 0
         self.ubatched_steps = 0
         #: Wall time spent inside `execute`, over the runner's life.
@@ -149,7 +152,7 @@ class ModelRunner:
         last known token (so a new token is sampled); default: every request samples.
         Negative input ids are `FutureMap` placeholders, resolved here; `future_slots[r]`
         is where request r's sampled token is published for the next step's placeholders."""
-        counters = CommCounters()
+        counters = CommCounters(tracer=self.tracer)
         switch_before = self.wrapper.executor.switch_time_s
         start = time.perf_counter()
         try:
@@ -157,6 +160,8 @@ class ModelRunner:
                 return self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
         finally:
             elapsed = time.perf_counter() - start
+            if self.tracer is not None:
+                self.tracer.step(start, start + elapsed, tokens=sum(len(c.token_ids) for c in chunks))
             self.step_time_s += elapsed
             switch = self.wrapper.executor.switch_time_s - switch_before
             times = StepTimes(

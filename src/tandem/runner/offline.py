@@ -113,12 +113,20 @@ def build_runner(config, *, group=None) -> ModelRunner:
         fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
     )
     info = load_model(config.model, moe=moe)
+    tracer = None
+    if config.trace_path is not None:
+        import torch.distributed as dist
+
+        from tandem.contexts.trace import Tracer
+
+        tracer = Tracer(dist.get_rank(group) if group is not None else 0)
     return ModelRunner(
         info,
         overlap=config.overlap,
         num_kv_blocks=config.cache.num_kv_blocks,
         block_size=config.cache.block_size,
         dp_group=group,
+        tracer=tracer,
     )
 
 
@@ -129,4 +137,19 @@ def generate_on_rank(rank: int, world_size: int, config, prompts: list[str], par
     runner = build_runner(config, group=dist.group.WORLD if world_size > 1 else None)
     tokenizer = runner.info.tokenizer
     mine = [(i, tokenizer.encode(p).ids, params) for i, p in enumerate(prompts) if i % world_size == rank]
-    return generate(runner, mine)
+    completions = generate(runner, mine)
+    write_rank_trace(runner, config.trace_path)
+    return completions
+
+
+def write_rank_trace(runner: ModelRunner, path: str | None, group=None) -> None:
+    """`--trace`: every rank hands its timeline to rank 0 of `group`, which writes `path`."""
+    if runner.tracer is None or path is None:
+        return
+    from tandem.contexts.trace import gather_trace, write_trace
+
+    trace = gather_trace(runner.tracer, group)
+    if trace is not None:
+        import sys
+
+        print(f"[tandem] wrote overlap trace {write_trace(path, trace)}", file=sys.stderr, flush=True)

@@ -162,7 +162,7 @@ def serve_rank(
     """Body of one engine rank, after the default process group (if any) is initialised.
     `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
     from tandem.runner.engine import Engine
-    from tandem.runner.offline import build_runner
+    from tandem.runner.offline import build_runner, write_rank_trace
 
     def report(*message: Any) -> None:
         if rank == 0 and outbox is not None:
@@ -207,6 +207,7 @@ def serve_rank(
             _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive, watchdog)
             watchdog.beat()
             engine.close()
+            write_rank_trace(runner, config.trace_path, group=control)
         finally:
             watchdog.stop()
     except BaseException as exc:  # noqa: BLE001 - tell the front end before dying
