@@ -72,16 +72,20 @@ def _gather(times: StepTimes, distributed: bool) -> Sample:
     mine = torch.tensor(times.as_tuple(), dtype=torch.float64)
     if not distributed:
         return Sample(times.step_s, [times])
+    from tandem.runner.launch import cpu_group
+
     world = dist.get_world_size()
     everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
+    dist.all_gather(everyone, mine, group=cpu_group())  # CPU tensors: the gloo group, whatever the device
     per_rank = [StepTimes(*t.tolist()) for t in everyone]
     return Sample(max(t.step_s for t in per_rank), per_rank)
 
 
 def _barrier(distributed: bool) -> None:
     if distributed:
-        dist.barrier()
+        from tandem.runner.launch import cpu_group
+
+        dist.barrier(group=cpu_group())
 
 
 def _mode_flags(mode: str) -> tuple[bool, str, bool]:

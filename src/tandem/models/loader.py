@@ -114,11 +114,13 @@ def iter_checkpoint(
     shards: dict[Path, list[str] | None],
     select: Callable[[str], bool | range] | None = None,
     read: set[str] | None = None,
+    device: torch.device | str = "cpu",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for the tensors `select(name)` asks for: True whole, False
-    skipped unread, a range only those rows of dim 0. Names read are added to `read`."""
+    skipped unread, a range only those rows of dim 0. Names read are added to `read`.
+    Tensors are read straight onto `device` (safetensors copies each one there as it loads)."""
     for shard, names in shards.items():
-        with safe_open(str(shard), framework="pt") as f:
+        with safe_open(str(shard), framework="pt", device=str(device)) as f:
             for name in f.keys() if names is None else names:
                 choice = True if select is None else select(name)
                 if choice is False:
@@ -149,17 +151,27 @@ def _eos_token_ids(path: Path, config: HFConfig) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype) -> ModelInfo:
+def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype, device: torch.device) -> ModelInfo:
     build = _import(BUILTIN_MODELS[name])
-    if "dtype" in inspect.signature(build).parameters:
-        return build(moe, dtype=dtype)
-    return build(moe)
+    accepted = inspect.signature(build).parameters
+    kwargs = {key: value for key, value in (("dtype", dtype), ("device", device)) if key in accepted}
+    if "device" not in accepted:
+        with torch.device(device):
+            return build(moe, **kwargs)
+    return build(moe, **kwargs)
 
 
-def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32) -> ModelInfo:
-    """Build and fill the model for this rank, with its tokenizer and stop tokens."""
+def load_model(
+    path_or_name: str,
+    moe: MoEOptions | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> ModelInfo:
+    """Build and fill the model for this rank on `device`, with its tokenizer and stop tokens.
+    Parameters are allocated on `device` and the checkpoint is read straight onto it."""
+    device = torch.device(device)
     if str(path_or_name) in BUILTIN_MODELS:
-        return _load_builtin(str(path_or_name), moe, dtype)
+        return _load_builtin(str(path_or_name), moe, dtype, device)
     path = Path(path_or_name).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -174,10 +186,11 @@ def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dt
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}: tandem reads the fast-tokenizer file")
 
-    model = cls(config, moe=moe, dtype=dtype)
+    with torch.device(device):
+        model = cls(config, moe=moe, dtype=dtype)
     select = getattr(model, "checkpoint_selection", None)
     read: set[str] = set()
-    tensors = iter_checkpoint(shards, select, read)
+    tensors = iter_checkpoint(shards, select, read, device)
     if (moe is None or moe.ep_rank == 0) and sys.stderr.isatty():
         from tqdm import tqdm
 

@@ -84,7 +84,9 @@ def write_to_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
     (under a graph capture: written to `NULL_BLOCK`)."""
     flat = cache.view(-1, *cache.shape[2:])
     values = values[: slot_mapping.shape[0]].to(cache.dtype)
-    if graph_capture_active():
+    # Dropping rows by a boolean mask reads the mask on the host: never inside a capture, and
+    # not on a GPU (a sync per layer). There the runner reserves NULL_BLOCK for padding rows.
+    if graph_capture_active() or cache.device.type != "cpu":
         null_slot = NULL_BLOCK * cache.shape[1]
         flat.index_copy_(0, torch.where(slot_mapping >= 0, slot_mapping, null_slot), values)
         return
@@ -126,8 +128,8 @@ def paged_attention(
         v = v.repeat_interleave(group, dim=1).float()
         q = query[start:stop].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - (stop - start), seq_len).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(seq_len).unsqueeze(0) > q_pos, float("-inf"))
+        q_pos = torch.arange(seq_len - (stop - start), seq_len, device=query.device).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(seq_len, device=query.device).unsqueeze(0) > q_pos, float("-inf"))
         out[start:stop] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
     return out
 

@@ -156,11 +156,16 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_tiny_moe(moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32) -> ModelInfo:
-    """The tiny-moe model for this expert-parallel rank (`moe` says which experts it holds)."""
+def build_tiny_moe(
+    moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> ModelInfo:
+    """The tiny-moe model for this expert-parallel rank (`moe` says which experts it holds),
+    its parameters allocated on `device`. The weights are drawn on the CPU from one seeded
+    generator, so every device and rank layout gets the same model."""
     from tandem.models.deepseek import DeepseekV3ForCausalLM
 
-    model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype)
     experts_of = {
         name: int(name.split(".experts.")[1].split(".")[0]) for name in tiny_moe_weights() if ".experts." in name
     }

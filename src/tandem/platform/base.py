@@ -53,6 +53,10 @@ class Platform(ABC):
     @abstractmethod
     def new_event(self) -> Event: ...
 
+    def prepare_stream_for_capture(self, stream: Any) -> None:
+        """Create, outside any capture, the per-thread per-stream library state that the
+        first kernel on `stream` would otherwise create inside one (a no-op on CPU)."""
+
     @abstractmethod
     def new_graph(self) -> "Graph":
         """An empty `Graph` (see `tandem.platform.graph`) for this device; graphs made by one
