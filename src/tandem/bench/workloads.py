@@ -135,6 +135,12 @@ class ModelStepWorkload:
         return len(self.kernels)
 
     def set_fabric(self, fabric: FabricModel | None) -> None:
+        if self.runner.device.type == "cuda" and not self.distributed:
+            # One GPU: each transfer becomes a spin kernel on the comm stream (real streams).
+            from tandem.modular_kernels.device_fabric import install_device_fabric
+
+            install_device_fabric(self.runner.model, fabric)
+            return
         for k in self.kernels:
             if hasattr(k.prepare_finalize, "fabric"):
                 k.prepare_finalize.fabric = fabric
