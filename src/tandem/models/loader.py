@@ -41,7 +41,11 @@ _MODEL_TYPES = {
 }
 
 #: Names `load_model` accepts instead of a path.
-BUILTIN_MODELS: dict[str, str] = {"tiny-moe": "tandem.models.tiny_moe:build_tiny_moe"}
+BUILTIN_MODELS: dict[str, str] = {
+    "tiny-moe": "tandem.models.tiny_moe:build_tiny_moe",
+    # GPU benchmarks: V2-Lite's shape with random weights drawn on the device (~31 GB bf16).
+    "deepseek-v2-lite-random": "tandem.models.random_deepseek:build_random_deepseek_v2_lite",
+}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -233,11 +237,13 @@ class TokenizerInfo:
 def load_tokenizer_info(path_or_name: str) -> TokenizerInfo:
     """Tokenizer, stop tokens, context length and chat template of a model directory (or
     a built-in model), with the same errors `load_model` gives for a bad directory."""
-    if str(path_or_name) == "tiny-moe":
-        from tandem.models import tiny_moe
+    if str(path_or_name) in BUILTIN_MODELS:
+        from tandem.models import random_deepseek, tiny_moe
 
+        config = tiny_moe.CONFIG if path_or_name == "tiny-moe" else random_deepseek.DEEPSEEK_V2_LITE
+        # Both built-in models use the byte tokenizer.
         return TokenizerInfo(
-            tiny_moe.build_tokenizer(), {tiny_moe.EOS_ID}, tiny_moe.CONFIG["max_position_embeddings"], None, "tiny-moe"
+            tiny_moe.build_tokenizer(), {tiny_moe.EOS_ID}, config["max_position_embeddings"], None, str(path_or_name)
         )
     path = Path(path_or_name).expanduser()
     if not path.is_dir():
