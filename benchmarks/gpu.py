@@ -31,17 +31,24 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _sweep(args, phase: str, tokens: list[int]) -> list[dict]:
-    from tandem.bench import rows_from_sweep
-    from tandem.bench.sweep import BenchSpec, run_sweep
+def _engine(args, **overrides):
+    """One rank on the GPU, no overlap configured (the sweep switches modes per step)."""
     from tandem.cli import _engine_config
 
-    engine = _engine_config(
+    flags = dict(
         model=args.model, data_parallel_size=1, enable_dbo=False, num_ubatches=2, ubatch_executor="thread",
         dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None, enable_sbo=False,
         all2all_backend="local", moe_backend=args.moe_backend, graph_mode="none", fabric_latency_us=None,
         fabric_gbps=None, device="cuda", dtype=args.dtype,
     )
+    return _engine_config(**{**flags, **overrides})
+
+
+def _sweep(args, phase: str, tokens: list[int]) -> list[dict]:
+    from tandem.bench import rows_from_sweep
+    from tandem.bench.sweep import BenchSpec, run_sweep
+
+    engine = _engine(args)
     spec = BenchSpec(
         model=args.model, data_parallel_size=1, grids=[(phase, tokens)], modes=args.modes, repeat=args.repeat,
         warmup=args.warmup, fabric=args.fabric, num_ubatches=2, all2all_backend="local",
@@ -54,17 +61,11 @@ def _sweep(args, phase: str, tokens: list[int]) -> list[dict]:
 def _loop_throughput(args, overlap_schedule: bool) -> float:
     from tandem.runner.engine import Engine
     from tandem.runner.offline import build_runner
-    from tandem.runner.sampling import SamplingParams
-    from tandem.cli import _engine_config
     from tandem.config import CacheConfig
+    from tandem.runner.sampling import SamplingParams
 
     blocks = args.requests * -(-(args.prompt_len + args.max_tokens) // 16) + 1
-    config = _engine_config(
-        model=args.model, data_parallel_size=1, enable_dbo=False, num_ubatches=2, ubatch_executor="thread",
-        dbo_decode_token_threshold=32, dbo_prefill_token_threshold=512, thresholds_file=None, enable_sbo=False,
-        all2all_backend="local", moe_backend=args.moe_backend, graph_mode="none", fabric_latency_us=None,
-        fabric_gbps=None, device="cuda", dtype=args.dtype, cache=CacheConfig(num_kv_blocks=blocks, block_size=16),
-    )
+    config = _engine(args, cache=CacheConfig(num_kv_blocks=blocks, block_size=16))
     runner = build_runner(config)
     rates = []
     for run in range(args.warmup + args.repeat):

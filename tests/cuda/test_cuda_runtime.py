@@ -47,8 +47,8 @@ def _config(device: str, *, dbo: bool = False, graph_mode: str = "none") -> Engi
     )
 
 
-def _greedy_tokens(config: EngineConfig, max_tokens: int = 8) -> list[list[int]]:
-    runner = build_runner(config)
+def _greedy_tokens(config_or_runner, max_tokens: int = 8) -> list[list[int]]:
+    runner = build_runner(config_or_runner) if isinstance(config_or_runner, EngineConfig) else config_or_runner
     tok = runner.info.tokenizer
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return [c.token_ids for c in generate(runner, [(i, tok.encode(p).ids, params) for i, p in enumerate(PROMPTS)])]
@@ -80,7 +80,7 @@ def test_generate_on_cuda_fp32_gives_the_cpu_greedy_tokens():
         runner = build_runner(_config("cuda"))
         assert runner.device.type == "cuda" and runner.platform.name == "cuda"
         assert all(p.is_cuda for p in runner.model.parameters())
-        assert _greedy_tokens(_config("cuda")) == _greedy_tokens(_config("cpu"))
+        assert _greedy_tokens(runner) == _greedy_tokens(_config("cpu"))
 
 
 def test_dbo_on_and_off_agree_on_cuda():

@@ -62,7 +62,7 @@ def build_random_deepseek_v2_lite(
     seed: int = SEED,
 ) -> ModelInfo:
     from tandem.models.deepseek import DeepseekV2ForCausalLM
-    from tandem.models.tiny_moe import EOS_ID, build_tokenizer
+    from tandem.models.tiny_moe import byte_model_info
 
     config = {**DEEPSEEK_V2_LITE, **(overrides or {})}
     device = torch.device(device)
@@ -75,13 +75,7 @@ def build_random_deepseek_v2_lite(
                 continue
             param.normal_(generator=generator).mul_(param.shape[-1] ** -0.5)
     model.eval()
-    return ModelInfo(
-        model=model,
-        tokenizer=build_tokenizer(),
-        eos_token_ids={EOS_ID},
-        max_model_len=config["max_position_embeddings"],
-        name="deepseek-v2-lite-random",
-    )
+    return byte_model_info(model, config["max_position_embeddings"], "deepseek-v2-lite-random")
 
 
 __all__ = ["DEEPSEEK_V2_LITE", "build_random_deepseek_v2_lite"]

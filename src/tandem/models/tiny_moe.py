@@ -179,13 +179,12 @@ def build_tiny_moe(
     )
     model.load_weights(selected)
     model.eval()
-    return ModelInfo(
-        model=model,
-        tokenizer=build_tokenizer(),
-        eos_token_ids={EOS_ID},
-        max_model_len=CONFIG["max_position_embeddings"],
-        name="tiny-moe",
-    )
+    return byte_model_info(model, CONFIG["max_position_embeddings"], "tiny-moe")
+
+
+def byte_model_info(model, max_model_len: int, name: str) -> ModelInfo:
+    """A built-in model's `ModelInfo`: the byte tokenizer and its end-of-sequence token."""
+    return ModelInfo(model=model, tokenizer=build_tokenizer(), eos_token_ids={EOS_ID}, max_model_len=max_model_len, name=name)
 
 
 def save_tiny_moe(directory: str | Path) -> Path:
@@ -204,4 +203,13 @@ def save_tiny_moe(directory: str | Path) -> Path:
     return path
 
 
-__all__ = ["BOS_ID", "CONFIG", "EOS_ID", "build_tiny_moe", "build_tokenizer", "save_tiny_moe", "tiny_moe_weights"]
+__all__ = [
+    "BOS_ID",
+    "CONFIG",
+    "EOS_ID",
+    "build_tiny_moe",
+    "build_tokenizer",
+    "byte_model_info",
+    "save_tiny_moe",
+    "tiny_moe_weights",
+]
