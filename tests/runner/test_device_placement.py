@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,3 +121,19 @@ def test_float16_dtype_reaches_weights_and_cache():
     assert all(t.dtype == torch.bfloat16 for t in runner.model.model.layers[0].self_attn.cache.values())
     result = runner.execute([ScheduledChunk([5, 6, 7], 0, runner.allocator.allocate(1))], [SamplingParams(temperature=0)], [None])
     assert isinstance(result.tokens[0], int)
+
+
+def test_ubatch_split_plans_from_host_copies_without_reading_device_tensors():
+    inputs = build_step_inputs([ScheduledChunk([1, 2, 3, 4, 5], 0, [1, 2]), ScheduledChunk([6, 7], 3, [3, 4])], 4, 8)
+    m = inputs.attn_metadata
+    assert m.query_start_loc_host == (0, 5, 7) and m.seq_lens_host == (5, 5)
+    # On the meta device any host read of the tensors raises: the split must use the copies.
+    on_meta = dataclasses.replace(m, query_start_loc=m.query_start_loc.to("meta"), seq_lens=m.seq_lens.to("meta"))
+    slices = split_by_tokens(inputs.num_scheduled_tokens, 2, num_tokens_padded=8)
+    parts = on_meta.split(slices)
+    reference = m.split(slices)
+    for part, ref in zip(parts, reference):
+        assert part.query_start_loc.device.type == "meta"
+        assert part.query_start_loc_host == tuple(ref.query_start_loc.tolist())
+        assert part.seq_lens_host == tuple(ref.seq_lens.tolist())
+        assert part.num_actual_tokens == ref.query_start_loc.tolist()[-1]

@@ -76,7 +76,9 @@ def to_device_async(tensor: torch.Tensor, device: torch.device | str) -> torch.T
     device = torch.device(device)
     if device.type == "cpu":
         return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def host_buffer(like: torch.Tensor) -> torch.Tensor:

@@ -82,5 +82,7 @@ def build_step_inputs(
         block_table=move(block_table),
         block_size=block_size,
         decode_only=bool(counts) and all(n == 1 for n in counts),
+        query_start_loc_host=tuple(query_start_loc.tolist()),
+        seq_lens_host=tuple(seq_lens),
     )
     return StepInputs(move(input_ids), move(positions), metadata, counts)

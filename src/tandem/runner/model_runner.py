@@ -161,7 +161,7 @@ class ModelRunner:
         switch_before = self.wrapper.executor.switch_time_s
         start = time.perf_counter()
         try:
-            with time_model(counters):
+            with time_model(counters), self.platform.use_device(self.device):
                 return self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
         finally:
             elapsed = time.perf_counter() - start

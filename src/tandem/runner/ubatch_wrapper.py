@@ -211,6 +211,9 @@ class UBatchWrapper:
                 device=metadata.block_table.device,
             ),
             decode_only=True,
+            # The replayed decode path reads the device tensors only; host copies would go stale.
+            query_start_loc_host=None,
+            seq_lens_host=None,
         )
         step = _StepGraph(self.platform.new_graph(), static_inputs, static_metadata, None)
         self._fill(step, inputs, metadata)
