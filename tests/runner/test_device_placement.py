@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 from tandem.config import CacheConfig, EngineConfig, OverlapConfig
