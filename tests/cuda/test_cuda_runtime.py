@@ -203,6 +203,7 @@ def test_capture_of_a_dbo_decode_step_has_no_host_sync(one_rank_nccl):
     model = _tiny("torch_a2a_ll", "torch", one_rank_nccl)
     graphed = UBatchWrapper(model, num_ubatches=2, graph_mode="full", max_blocks_per_seq=4)
     inputs = _decode_batch(model, [1, 2, 3, 4], [1, 1, 1, 1])
+    _forward(UBatchWrapper(model, num_ubatches=2), inputs, 2)  # lazy init first: NCCL communicator, cuBLAS
     with _no_host_sync():
         _forward(graphed, inputs, 2)
     assert graphed.graph_captures == 1
