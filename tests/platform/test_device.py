@@ -56,3 +56,26 @@ def test_cpu_graph_refuses_an_empty_capture():
     out = graph.capture(lambda: x * 2)
     x.fill_(4.0)
     assert graph.replay() is out and out.tolist() == [8.0, 8.0, 8.0]
+
+
+def test_cuda_capture_check_refuses_work_that_never_reached_the_gpu():
+    """The rule CudaGraph applies after a capture (run here without a GPU): tensor outputs
+    none of which is on CUDA, or torch's empty-graph warning, mean nothing was recorded."""
+    import warnings
+
+    from tandem.platform.cuda_graph import _refuse_empty_capture
+
+    class Graph:
+        was_reset = False
+
+        def reset(self):
+            self.was_reset = True
+
+    graph = Graph()
+    with pytest.raises(GraphCaptureError, match=r"recorded no CUDA work \(outputs on cpu\)"):
+        _refuse_empty_capture(graph, (torch.ones(2), [torch.zeros(1)]), [])
+    assert graph.was_reset
+    empty = warnings.WarningMessage(UserWarning("The CUDA Graph is empty. This usually means..."), UserWarning, "x", 1)
+    with pytest.raises(GraphCaptureError):
+        _refuse_empty_capture(Graph(), None, [empty])
+    _refuse_empty_capture(Graph(), None, [])  # in-place work with no outputs: nothing to judge by
