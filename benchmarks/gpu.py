@@ -44,7 +44,8 @@ def _engine(args, **overrides):
     return _engine_config(**{**flags, **overrides})
 
 
-def _sweep(args, phase: str, tokens: list[int]) -> list[dict]:
+def _sweep(args, phase: str, tokens: list[int]) -> tuple[list[dict], dict | None]:
+    """One sweep in its own rank process (its GPU memory is freed when it exits)."""
     from tandem.bench import rows_from_sweep
     from tandem.bench.sweep import BenchSpec, run_sweep
 
@@ -58,15 +59,19 @@ def _sweep(args, phase: str, tokens: list[int]) -> list[dict]:
     return rows_from_sweep(result, phase, args.modes), result.get("fabric")
 
 
-def _loop_throughput(args, overlap_schedule: bool) -> float:
-    from tandem.runner.engine import Engine
-    from tandem.runner.offline import build_runner
+def _loop_runner(args):
+    """One model for both loops (a second copy of a 31 GB model would not fit beside it)."""
     from tandem.config import CacheConfig
-    from tandem.runner.sampling import SamplingParams
+    from tandem.runner.offline import build_runner
 
     blocks = args.requests * -(-(args.prompt_len + args.max_tokens) // 16) + 1
-    config = _engine(args, cache=CacheConfig(num_kv_blocks=blocks, block_size=16))
-    runner = build_runner(config)
+    return build_runner(_engine(args, cache=CacheConfig(num_kv_blocks=blocks, block_size=16)))
+
+
+def _loop_throughput(args, runner, overlap_schedule: bool) -> float:
+    from tandem.runner.engine import Engine
+    from tandem.runner.sampling import SamplingParams
+
     rates = []
     for run in range(args.warmup + args.repeat):
         engine = Engine(runner, max_num_seqs=args.requests, overlap_schedule=overlap_schedule)
@@ -129,7 +134,8 @@ def main() -> int:
         out["fabric_model"] = fabric
         print(f"\n{args.model} on {device}, {phase}, 1 GPU, on-device fabric {args.fabric} ({fabric}), moe={args.moe_backend}")
         print(format_table(rows))
-    loops = {name: _loop_throughput(args, overlap) for name, overlap in (("overlapped", True), ("normal", False))}
+    runner = _loop_runner(args)
+    loops = {name: _loop_throughput(args, runner, overlap) for name, overlap in (("overlapped", True), ("normal", False))}
     out["scheduler_loop_tok_s"] = loops
     print(f"\nscheduler loop, {args.requests} requests x {args.max_tokens} tokens (prompt {args.prompt_len}), {device}")
     print(f"{'loop':<12}{'tok/s':>10}")
