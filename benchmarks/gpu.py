@@ -39,7 +39,7 @@ def _engine(args, **overrides):
         model=args.model, data_parallel_size=1, enable_dbo=False, num_ubatches=2, ubatch_executor="thread",
         dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None, enable_sbo=False,
         all2all_backend="local", moe_backend=args.moe_backend, graph_mode="none", fabric_latency_us=None,
-        fabric_gbps=None, device="cuda", dtype=args.dtype,
+        fabric_gbps=None, device=args.device, dtype=args.dtype,
     )
     return _engine_config(**{**flags, **overrides})
 
@@ -52,8 +52,9 @@ def _sweep(args, phase: str, tokens: list[int]) -> tuple[list[dict], dict | None
     engine = _engine(args)
     spec = BenchSpec(
         model=args.model, data_parallel_size=1, grids=[(phase, tokens)], modes=args.modes, repeat=args.repeat,
-        warmup=args.warmup, fabric=args.fabric, num_ubatches=2, all2all_backend="local",
-        context_len=args.context_len, prefill_len=args.prefill_len, engine_config=engine, device="cuda", dtype=args.dtype,
+        warmup=args.warmup, fabric=args.fabric if args.device == "cuda" else None, num_ubatches=2,
+        all2all_backend="local", context_len=args.context_len, prefill_len=args.prefill_len, engine_config=engine,
+        device=args.device, dtype=args.dtype,
     )
     result = run_sweep(spec)
     return rows_from_sweep(result, phase, args.modes), result.get("fabric")
@@ -79,7 +80,6 @@ def _loop_throughput(args, runner, overlap_schedule: bool) -> float:
         g = torch.Generator().manual_seed(run)
         for i in range(args.requests):
             engine.add_request(f"r{i}", torch.randint(0, 250, (args.prompt_len,), generator=g).tolist(), params)
-        torch.cuda.synchronize()
         start = time.perf_counter()
         generated = 0
         while engine.has_work:
@@ -109,21 +109,27 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
+    parser.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"),
+        help="cpu only smoke-checks this script (no modelled fabric, tiny sizes); figures come from cuda",
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU; none is available here", file=sys.stderr)
         return 2
     if args.moe_backend is None:
-        try:
-            import triton  # noqa: F401
+        args.moe_backend = "torch"
+        if args.device == "cuda":
+            try:
+                import triton  # noqa: F401
 
-            args.moe_backend = "triton"
-        except ImportError:
-            args.moe_backend = "torch"
+                args.moe_backend = "triton"
+            except ImportError:
+                pass
     args.modes = [m for m in args.modes.split(",") if m]
     from tandem.bench.report import format_table
 
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke check, machine shared)"
     out: dict = {"device": device, "settings": {k: v for k, v in vars(args).items() if k != "json"}, "phases": {}}
     for phase, grid in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
         tokens = sorted({int(t) for t in grid.split(",") if t})
@@ -132,7 +138,8 @@ def main() -> int:
         rows, fabric = _sweep(args, phase, tokens)
         out["phases"][phase] = rows
         out["fabric_model"] = fabric
-        print(f"\n{args.model} on {device}, {phase}, 1 GPU, on-device fabric {args.fabric} ({fabric}), moe={args.moe_backend}")
+        where = f"1 GPU, on-device fabric {args.fabric} ({fabric})" if args.device == "cuda" else "no fabric"
+        print(f"\n{args.model} on {device}, {phase}, {where}, moe={args.moe_backend}")
         print(format_table(rows))
     runner = _loop_runner(args)
     loops = {name: _loop_throughput(args, runner, overlap) for name, overlap in (("overlapped", True), ("normal", False))}
