@@ -1,6 +1,9 @@
 import subprocess
 import sys
 
+import pytest
+import torch
+
 import tandem
 
 
@@ -20,3 +23,35 @@ def test_version():
     result = run_cli("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"tandem {tandem.__version__}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_error_line():
+    result = run_cli("generate", "hi", "--max-tokens", "1", "--device", "cuda")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("[tandem] error: --device cuda: CUDA is not available")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("command", [["serve", "--port", "1"], ["bench", "--tokens", "4"], ["tune"]])
+def test_every_engine_command_refuses_missing_cuda_the_same_way(command):
+    from typer.testing import CliRunner
+
+    from tandem.cli import app
+
+    result = CliRunner().invoke(app, [*command, "--device", "cuda"])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "--device cuda: CUDA is not available" in result.output
+
+
+def test_device_and_dtype_flags_are_shared_by_every_engine_command():
+    from typer.testing import CliRunner
+
+    from tandem.cli import app
+
+    for command in ("generate", "serve", "bench", "tune"):
+        help_text = CliRunner().invoke(app, [command, "--help"], terminal_width=200).output
+        assert "--device" in help_text and "--dtype" in help_text, command

@@ -57,6 +57,10 @@ _TRACE = typer.Option(
     "per rank) as Chrome trace-event JSON: open it in ui.perfetto.dev or chrome://tracing. serve writes it when "
     "stopped. Off by default.",
 )
+_DEVICE = typer.Option(
+    "auto", help="auto | cpu | cuda (auto: CUDA when available; rank i of a host takes cuda:{i % GPUs})."
+)
+_DTYPE = typer.Option("auto", help="auto | bfloat16 | float16 | float32 (auto: bfloat16 on CUDA, float32 on CPU).")
 
 
 #: The shared engine flags, by parameter name: commands declare them (typer needs each
@@ -78,6 +82,8 @@ _ENGINE_FLAGS = (
     "fabric_gbps",
     "fabric",
     "trace",
+    "device",
+    "dtype",
 )
 
 
@@ -103,12 +109,16 @@ def _engine_config(
     fabric_gbps: float | None,
     fabric: str | None = None,
     trace: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
-    """The EngineConfig for the shared flags; a bad value raises `typer.BadParameter`."""
+    """The EngineConfig for the shared flags; a bad value raises `typer.BadParameter`, a
+    device this machine lacks exits with one error line."""
     from tandem.config import CacheConfig, EngineConfig, OverlapConfig, ParallelConfig
 
+    _check_device(device)
     try:
         return EngineConfig(
             model=model,
@@ -132,7 +142,22 @@ def _engine_config(
             cache=cache or CacheConfig(),
             max_num_batched_tokens=max_num_batched_tokens,
             trace_path=trace,
+            device=device,
+            dtype=dtype,
         )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _check_device(device: str) -> None:
+    """`--device cuda` without CUDA: one error line on stderr and exit code 2, no traceback."""
+    from tandem.platform.device import DeviceUnavailableError, check_device_flag
+
+    try:
+        check_device_flag(device)
+    except DeviceUnavailableError as exc:
+        print(f"[tandem] error: {exc}", file=sys.stderr, flush=True)
+        raise typer.Exit(code=2) from None
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -162,6 +187,8 @@ def generate(
     fabric_gbps: float = _FABRIC_GBPS,
     fabric: str = _FABRIC,
     trace: str = _TRACE,
+    device: str = _DEVICE,
+    dtype: str = _DTYPE,
     json_output: bool = typer.Option(False, "--json", help="One JSON object per prompt (text, token_ids) instead of text."),
 ) -> None:
     """Offline generation; completions go to stdout, logs and progress to stderr."""
@@ -185,7 +212,7 @@ def generate(
         f"model={model} dp={p.data_parallel_size} all2all={p.all2all_backend} moe={p.moe_backend} "
         f"dbo={'on' if o.enable_dbo else 'off'} (ubatches={o.num_ubatches}, executor={o.executor}, "
         f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold}) "
-        f"sbo={'on' if p.enable_sbo else 'off'} graph={o.graph_mode}"
+        f"sbo={'on' if p.enable_sbo else 'off'} graph={o.graph_mode} device={config.device} dtype={config.dtype}"
     )
     start = time.perf_counter()
     from tandem.runner.launch import RankFailedError, launch_ranks
@@ -195,7 +222,7 @@ def generate(
         if p.data_parallel_size == 1:
             per_rank = [generate_on_rank(0, 1, config, prompts, params)]
         else:
-            per_rank = launch_ranks(generate_on_rank, p.data_parallel_size, config, prompts, params)
+            per_rank = launch_ranks(generate_on_rank, p.data_parallel_size, config, prompts, params, device=config.device)
     except (ValueError, ImportError, OSError) as exc:
         log(f"error: {exc}")
         raise typer.Exit(code=2) from None
@@ -234,6 +261,8 @@ def serve(
     fabric_gbps: float = _FABRIC_GBPS,
     fabric: str = _FABRIC,
     trace: str = _TRACE,
+    device: str = _DEVICE,
+    dtype: str = _DTYPE,
     max_num_seqs: int = typer.Option(64, help="Most requests running at once per rank."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one step (prefill is chunked to fit)."),
     kv_cache_tokens: int = typer.Option(32768, help="KV cache size per rank, in tokens."),
@@ -342,10 +371,16 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabric, fabric_latency_us, fabric_gbps,
-                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len, trace=False):
+                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len, trace=False, device="auto",
+                dtype="auto"):
     from tandem.bench.sweep import CALIBRATED, BenchSpec
     from tandem.bench.workloads import MOE_STACK
+    from tandem.platform.device import resolve_device
 
+    _check_device(device)
+    on_gpu = resolve_device(device).type == "cuda"
+    if model == MOE_STACK and on_gpu:
+        raise typer.BadParameter("--model moe-stack runs on CPU only; bench a model step (tiny-moe, a directory) with --device cuda")
     if repeat < 1 or warmup < 0:
         raise typer.BadParameter("--repeat must be >= 1 and --warmup >= 0")
     if fabric is not None and fabric != CALIBRATED:
@@ -353,7 +388,9 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
 
         if fabric not in FABRIC_PRESETS:
             raise typer.BadParameter(f"unknown --fabric {fabric!r}; known: calibrated, {', '.join(sorted(FABRIC_PRESETS))}")
-    if (fabric is not None or fabric_latency_us is not None or fabric_gbps is not None) and data_parallel_size < 2:
+    modelled = fabric is not None or fabric_latency_us is not None or fabric_gbps is not None
+    if modelled and data_parallel_size < 2 and not on_gpu:
+        # On a GPU one rank models its transfers as spin kernels on the comm stream instead.
         raise typer.BadParameter("a modelled interconnect needs --data-parallel-size >= 2 (one rank has no all-to-all)")
     engine = None
     if model != MOE_STACK:
@@ -361,13 +398,14 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
             model=model, data_parallel_size=data_parallel_size, enable_dbo=False, num_ubatches=num_ubatches,
             ubatch_executor="thread", dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None,
             enable_sbo=False, all2all_backend=all2all_backend, moe_backend=moe_backend, graph_mode="none",
-            fabric_latency_us=None, fabric_gbps=None,
+            fabric_latency_us=None, fabric_gbps=None, device=device, dtype=dtype,
         )
     return BenchSpec(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=modes, repeat=repeat, warmup=warmup,
         fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps, num_ubatches=num_ubatches,
         all2all_backend=all2all_backend, context_len=context_len, prefill_len=prefill_len, engine_config=engine,
         trace=trace,
+        device=device, dtype=dtype,
     )
 
 
@@ -416,6 +454,8 @@ def bench(
     moe_backend: str = _MOE_BACKEND,
     context_len: int = _BENCH_CONTEXT_LEN,
     prefill_len: int = _BENCH_PREFILL_LEN,
+    device: str = _DEVICE,
+    dtype: str = _DTYPE,
     json_path: str = typer.Option(None, "--json", help="Write the rows and the settings to this JSON file."),
     plot: str = typer.Option(None, help="Write a PNG plot of step time against tokens per rank (needs matplotlib)."),
     trace: str = _TRACE,
@@ -449,6 +489,7 @@ def bench(
         modes=mode_list, repeat=repeat, warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us,
         fabric_gbps=fabric_gbps, num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
         context_len=context_len, prefill_len=prefill_len, trace=trace is not None or timeline is not None,
+        device=device, dtype=dtype,
     )
     result = _run_bench_sweep(spec)
     rows = rows_from_sweep(result, phase, mode_list)
@@ -491,6 +532,8 @@ def tune(
     moe_backend: str = _MOE_BACKEND,
     context_len: int = _BENCH_CONTEXT_LEN,
     prefill_len: int = _BENCH_PREFILL_LEN,
+    device: str = _DEVICE,
+    dtype: str = _DTYPE,
 ) -> None:
     """Sweep decode and prefill steps with and without DBO, pick for each phase the smallest
     token count from which DBO beats no overlap by --margin at every larger size tried, and
@@ -511,7 +554,7 @@ def tune(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=["none", dbo_mode], repeat=repeat,
         warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps,
         num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
-        context_len=context_len, prefill_len=prefill_len,
+        context_len=context_len, prefill_len=prefill_len, device=device, dtype=dtype,
     )
     result = _run_bench_sweep(spec)
     decisions = []

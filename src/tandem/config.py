@@ -90,3 +90,23 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     #: `--trace FILE`: write the overlap timeline of every step as Chrome trace-event JSON.
     trace_path: str | None = None
+    #: `--device auto|cpu|cuda` and `--dtype auto|bfloat16|float16|float32`, resolved per
+    #: rank by `resolve_device` / `resolve_dtype` (auto: CUDA + bf16 when available, else CPU + fp32).
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        from tandem.platform.device import check_device_flag, check_dtype_flag
+
+        check_device_flag(self.device)
+        check_dtype_flag(self.dtype)
+
+    def resolve_device(self, local_rank: int = 0):
+        from tandem.platform.device import resolve_device
+
+        return resolve_device(self.device, local_rank)
+
+    def resolve_dtype(self, device):
+        from tandem.platform.device import resolve_dtype
+
+        return resolve_dtype(self.dtype, device)

@@ -43,6 +43,8 @@ class BenchSpec:
     trace: bool = False
     #: The EngineConfig for model-step workloads (built by the CLI from the shared flags).
     engine_config: Any = None
+    device: str = "auto"
+    dtype: str = "auto"
 
     def config_dict(self) -> dict:
         d = asdict(self)
@@ -175,7 +177,7 @@ def run_sweep(spec: BenchSpec, *, show_progress: bool = True, timeout_s: float =
     reader = threading.Thread(target=_drain_progress, args=(queue, bar, stop), daemon=True)
     reader.start()
     try:
-        return launch_ranks(sweep_on_rank, spec.data_parallel_size, spec, queue, timeout_s=timeout_s)[0]
+        return launch_ranks(sweep_on_rank, spec.data_parallel_size, spec, queue, timeout_s=timeout_s, device=spec.device)[0]
     finally:
         stop.set()
         reader.join(timeout=2)

@@ -72,16 +72,20 @@ def _gather(times: StepTimes, distributed: bool) -> Sample:
     mine = torch.tensor(times.as_tuple(), dtype=torch.float64)
     if not distributed:
         return Sample(times.step_s, [times])
+    from tandem.runner.launch import cpu_group
+
     world = dist.get_world_size()
     everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
+    dist.all_gather(everyone, mine, group=cpu_group())  # CPU tensors: the gloo group, whatever the device
     per_rank = [StepTimes(*t.tolist()) for t in everyone]
     return Sample(max(t.step_s for t in per_rank), per_rank)
 
 
 def _barrier(distributed: bool) -> None:
     if distributed:
-        dist.barrier()
+        from tandem.runner.launch import cpu_group
+
+        dist.barrier(group=cpu_group())
 
 
 def _mode_flags(mode: str) -> tuple[bool, str, bool]:
@@ -131,6 +135,12 @@ class ModelStepWorkload:
         return len(self.kernels)
 
     def set_fabric(self, fabric: FabricModel | None) -> None:
+        if self.runner.device.type == "cuda" and not self.distributed:
+            # One GPU: each transfer becomes a spin kernel on the comm stream (real streams).
+            from tandem.modular_kernels.device_fabric import install_device_fabric
+
+            install_device_fabric(self.runner.model, fabric)
+            return
         for k in self.kernels:
             if hasattr(k.prepare_finalize, "fabric"):
                 k.prepare_finalize.fabric = fabric

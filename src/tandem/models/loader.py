@@ -41,7 +41,11 @@ _MODEL_TYPES = {
 }
 
 #: Names `load_model` accepts instead of a path.
-BUILTIN_MODELS: dict[str, str] = {"tiny-moe": "tandem.models.tiny_moe:build_tiny_moe"}
+BUILTIN_MODELS: dict[str, str] = {
+    "tiny-moe": "tandem.models.tiny_moe:build_tiny_moe",
+    # GPU benchmarks: V2-Lite's shape with random weights drawn on the device (~31 GB bf16).
+    "deepseek-v2-lite-random": "tandem.models.random_deepseek:build_random_deepseek_v2_lite",
+}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -114,11 +118,13 @@ def iter_checkpoint(
     shards: dict[Path, list[str] | None],
     select: Callable[[str], bool | range] | None = None,
     read: set[str] | None = None,
+    device: torch.device | str = "cpu",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for the tensors `select(name)` asks for: True whole, False
-    skipped unread, a range only those rows of dim 0. Names read are added to `read`."""
+    skipped unread, a range only those rows of dim 0. Names read are added to `read`.
+    Tensors are read straight onto `device` (safetensors copies each one there as it loads)."""
     for shard, names in shards.items():
-        with safe_open(str(shard), framework="pt") as f:
+        with safe_open(str(shard), framework="pt", device=str(device)) as f:
             for name in f.keys() if names is None else names:
                 choice = True if select is None else select(name)
                 if choice is False:
@@ -149,17 +155,27 @@ def _eos_token_ids(path: Path, config: HFConfig) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype) -> ModelInfo:
+def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype, device: torch.device) -> ModelInfo:
     build = _import(BUILTIN_MODELS[name])
-    if "dtype" in inspect.signature(build).parameters:
-        return build(moe, dtype=dtype)
-    return build(moe)
+    accepted = inspect.signature(build).parameters
+    kwargs = {key: value for key, value in (("dtype", dtype), ("device", device)) if key in accepted}
+    if "device" not in accepted:
+        with torch.device(device):
+            return build(moe, **kwargs)
+    return build(moe, **kwargs)
 
 
-def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32) -> ModelInfo:
-    """Build and fill the model for this rank, with its tokenizer and stop tokens."""
+def load_model(
+    path_or_name: str,
+    moe: MoEOptions | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> ModelInfo:
+    """Build and fill the model for this rank on `device`, with its tokenizer and stop tokens.
+    Parameters are allocated on `device` and the checkpoint is read straight onto it."""
+    device = torch.device(device)
     if str(path_or_name) in BUILTIN_MODELS:
-        return _load_builtin(str(path_or_name), moe, dtype)
+        return _load_builtin(str(path_or_name), moe, dtype, device)
     path = Path(path_or_name).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -174,10 +190,11 @@ def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dt
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}: tandem reads the fast-tokenizer file")
 
-    model = cls(config, moe=moe, dtype=dtype)
+    with torch.device(device):
+        model = cls(config, moe=moe, dtype=dtype)
     select = getattr(model, "checkpoint_selection", None)
     read: set[str] = set()
-    tensors = iter_checkpoint(shards, select, read)
+    tensors = iter_checkpoint(shards, select, read, device)
     if (moe is None or moe.ep_rank == 0) and sys.stderr.isatty():
         from tqdm import tqdm
 
@@ -220,11 +237,13 @@ class TokenizerInfo:
 def load_tokenizer_info(path_or_name: str) -> TokenizerInfo:
     """Tokenizer, stop tokens, context length and chat template of a model directory (or
     a built-in model), with the same errors `load_model` gives for a bad directory."""
-    if str(path_or_name) == "tiny-moe":
-        from tandem.models import tiny_moe
+    if str(path_or_name) in BUILTIN_MODELS:
+        from tandem.models import random_deepseek, tiny_moe
 
+        config = tiny_moe.CONFIG if path_or_name == "tiny-moe" else random_deepseek.DEEPSEEK_V2_LITE
+        # Both built-in models use the byte tokenizer.
         return TokenizerInfo(
-            tiny_moe.build_tokenizer(), {tiny_moe.EOS_ID}, tiny_moe.CONFIG["max_position_embeddings"], None, "tiny-moe"
+            tiny_moe.build_tokenizer(), {tiny_moe.EOS_ID}, config["max_position_embeddings"], None, str(path_or_name)
         )
     path = Path(path_or_name).expanduser()
     if not path.is_dir():

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tandem.platform.device import to_device_async
 from tandem.platform.graph import graph_capture_active
 from tandem.ubatch import AttentionSlice, UBatchSlice, slice_attention_metadata
 
@@ -38,6 +39,11 @@ class AttentionMetadata:
     #: Every request has exactly one query row (request r is row r; rows past the
     #: requests are padding). Such batches use the graph-capturable decode path.
     decode_only: bool = False
+    #: Host copies of `query_start_loc` and `seq_lens` (as vLLM keeps `*_cpu`), when the
+    #: builder has them: the varlen path and the ubatch split read these instead of the
+    #: device tensors, so a step on a GPU does not sync with the host to plan its loops.
+    query_start_loc_host: tuple[int, ...] | None = None
+    seq_lens_host: tuple[int, ...] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -45,7 +51,13 @@ class AttentionMetadata:
 
     @property
     def num_actual_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
+        return self.host_lists()[0][-1]
+
+    def host_lists(self) -> tuple[list[int], list[int]]:
+        """`query_start_loc` and `seq_lens` on the host: the kept copies, else a read."""
+        if self.query_start_loc_host is not None and self.seq_lens_host is not None:
+            return list(self.query_start_loc_host), list(self.seq_lens_host)
+        return self.query_start_loc.tolist(), self.seq_lens.tolist()
 
     def split(self, slices: list[UBatchSlice]) -> list["AttentionMetadata"]:
         """One metadata per ubatch. A decode-only batch whose requests cover every row (as
@@ -53,7 +65,7 @@ class AttentionMetadata:
         views with no host read; anything else goes through `slice_attention_metadata`."""
         if self.decode_only and self.num_requests == self.slot_mapping.shape[0]:
             return [self.decode_rows(ub.token_slice) for ub in slices]
-        attention = slice_attention_metadata(self.query_start_loc, self.seq_lens, slices)
+        attention = slice_attention_metadata(*self.host_lists(), slices)  # host tensors
         return [self.for_ubatch(ub, att) for ub, att in zip(slices, attention)]
 
     def decode_rows(self, rows: slice) -> "AttentionMetadata":
@@ -65,14 +77,21 @@ class AttentionMetadata:
             max_query_len=1,
             slot_mapping=self.slot_mapping[rows],
             block_table=self.block_table[rows],
+            query_start_loc_host=None,
+            seq_lens_host=None,
         )
 
     def for_ubatch(self, ubatch: UBatchSlice, attention: AttentionSlice) -> "AttentionMetadata":
-        """This step's metadata restricted to one ubatch (see `slice_attention_metadata`)."""
+        """This step's metadata restricted to one ubatch (see `slice_attention_metadata`);
+        `attention` may be on the host, and is then copied to this metadata's device."""
+        device = self.query_start_loc.device
+        on_host = attention.query_start_loc.device.type == "cpu"
         return replace(
             self,
-            query_start_loc=attention.query_start_loc,
-            seq_lens=attention.seq_lens,
+            query_start_loc=to_device_async(attention.query_start_loc, device),
+            seq_lens=to_device_async(attention.seq_lens, device),
+            query_start_loc_host=tuple(attention.query_start_loc.tolist()) if on_host else None,
+            seq_lens_host=tuple(attention.seq_lens.tolist()) if on_host else None,
             max_query_len=attention.max_query_len,
             slot_mapping=self.slot_mapping[ubatch.token_slice],
             block_table=self.block_table[ubatch.request_slice],
@@ -84,7 +103,9 @@ def write_to_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
     (under a graph capture: written to `NULL_BLOCK`)."""
     flat = cache.view(-1, *cache.shape[2:])
     values = values[: slot_mapping.shape[0]].to(cache.dtype)
-    if graph_capture_active():
+    # Dropping rows by a boolean mask reads the mask on the host: never inside a capture, and
+    # not on a GPU (a sync per layer). There the runner reserves NULL_BLOCK for padding rows.
+    if graph_capture_active() or cache.device.type != "cpu":
         null_slot = NULL_BLOCK * cache.shape[1]
         flat.index_copy_(0, torch.where(slot_mapping >= 0, slot_mapping, null_slot), values)
         return
@@ -113,8 +134,7 @@ def paged_attention(
         return _decode_attention(query, key_cache, value_cache, metadata, scale)
     num_tokens, num_heads, _ = query.shape
     out = query.new_zeros((num_tokens, num_heads, value_cache.shape[-1]))
-    qsl = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
+    qsl, seq_lens = metadata.host_lists()
     for r, seq_len in enumerate(seq_lens):
         start, stop = qsl[r], qsl[r + 1]
         if stop == start:
@@ -126,8 +146,8 @@ def paged_attention(
         v = v.repeat_interleave(group, dim=1).float()
         q = query[start:stop].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - (stop - start), seq_len).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(seq_len).unsqueeze(0) > q_pos, float("-inf"))
+        q_pos = torch.arange(seq_len - (stop - start), seq_len, device=query.device).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(seq_len, device=query.device).unsqueeze(0) > q_pos, float("-inf"))
         out[start:stop] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
     return out
 

@@ -156,11 +156,16 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_tiny_moe(moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32) -> ModelInfo:
-    """The tiny-moe model for this expert-parallel rank (`moe` says which experts it holds)."""
+def build_tiny_moe(
+    moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> ModelInfo:
+    """The tiny-moe model for this expert-parallel rank (`moe` says which experts it holds),
+    its parameters allocated on `device`. The weights are drawn on the CPU from one seeded
+    generator, so every device and rank layout gets the same model."""
     from tandem.models.deepseek import DeepseekV3ForCausalLM
 
-    model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype)
     experts_of = {
         name: int(name.split(".experts.")[1].split(".")[0]) for name in tiny_moe_weights() if ".experts." in name
     }
@@ -174,13 +179,12 @@ def build_tiny_moe(moe: MoEOptions | None = None, dtype: torch.dtype = torch.flo
     )
     model.load_weights(selected)
     model.eval()
-    return ModelInfo(
-        model=model,
-        tokenizer=build_tokenizer(),
-        eos_token_ids={EOS_ID},
-        max_model_len=CONFIG["max_position_embeddings"],
-        name="tiny-moe",
-    )
+    return byte_model_info(model, CONFIG["max_position_embeddings"], "tiny-moe")
+
+
+def byte_model_info(model, max_model_len: int, name: str) -> ModelInfo:
+    """A built-in model's `ModelInfo`: the byte tokenizer and its end-of-sequence token."""
+    return ModelInfo(model=model, tokenizer=build_tokenizer(), eos_token_ids={EOS_ID}, max_model_len=max_model_len, name=name)
 
 
 def save_tiny_moe(directory: str | Path) -> Path:
@@ -199,4 +203,13 @@ def save_tiny_moe(directory: str | Path) -> Path:
     return path
 
 
-__all__ = ["BOS_ID", "CONFIG", "EOS_ID", "build_tiny_moe", "build_tokenizer", "save_tiny_moe", "tiny_moe_weights"]
+__all__ = [
+    "BOS_ID",
+    "CONFIG",
+    "EOS_ID",
+    "build_tiny_moe",
+    "build_tokenizer",
+    "byte_model_info",
+    "save_tiny_moe",
+    "tiny_moe_weights",
+]

@@ -62,9 +62,11 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
         token_index = torch.cat(sent_to)
         rank_of_row = torch.cat([torch.full_like(idx, r) for r, idx in enumerate(sent_to)])
         send_counts = [int(idx.numel()) for idx in sent_to]
-        recv_counts_t = torch.empty(self.world_size, dtype=torch.int64)
+        # On the data's device: the group may be NCCL, which takes no CPU tensors.
+        recv_counts_t = torch.empty(self.world_size, dtype=torch.int64, device=hidden.device)
+        send_counts_t = torch.tensor(send_counts, dtype=torch.int64).to(hidden.device)
         with timed_blocking():
-            dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64), group=self.group)
+            dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.group)
         recv_counts = [int(n) for n in recv_counts_t.tolist()]
         num_recv = sum(recv_counts)
 
@@ -77,11 +79,11 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
         recvs = [
             hidden.new_empty((num_recv, hidden.shape[1]), dtype=payload.dtype),
             topk_ids.new_empty((num_recv, topk_ids.shape[1])),
-            torch.empty((num_recv, topk_ids.shape[1]), dtype=torch.float32),
+            torch.empty((num_recv, topk_ids.shape[1]), dtype=torch.float32, device=hidden.device),
         ]
         if scales is not None:
             sends.append(scales)
-            recvs.append(torch.empty((num_recv, scales.shape[1]), dtype=torch.float32))
+            recvs.append(torch.empty((num_recv, scales.shape[1]), dtype=torch.float32, device=hidden.device))
         wait = self._exchange(sends, recvs, recv_counts, send_counts)
 
         def receiver() -> ExpertTokens:

@@ -95,7 +95,7 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
         if use_fp8:
             payload, scales = quantize_fp8_per_token_group(hidden)
         K = topk_ids.shape[1]
-        rows = torch.arange(hidden.shape[0]).repeat_interleave(K)
+        rows = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(K)
 
         def scatter(values: torch.Tensor) -> torch.Tensor:
             buf = values.new_zeros((self.num_experts * T + 1, values.shape[1]))
@@ -111,10 +111,11 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
             wait()
             recv_counts = received[0]  # [R(src), E_local]
             offsets = recv_counts.cumsum(0) - recv_counts  # where src r's rows start in expert e
-            p = torch.arange(T)
+            p = torch.arange(T, device=recv_counts.device)
             dest = offsets.unsqueeze(-1) + p  # [R, E_local, T]
             keep = p < recv_counts.unsqueeze(-1)
-            packed_index = torch.where(keep, torch.arange(local).view(1, local, 1) * (world * T) + dest, local * world * T)
+            experts = torch.arange(local, device=recv_counts.device).view(1, local, 1)
+            packed_index = torch.where(keep, experts * (world * T) + dest, local * world * T)
 
             def pack(x: torch.Tensor) -> torch.Tensor:
                 buf = x.new_zeros((local * world * T + 1, x.shape[-1]))

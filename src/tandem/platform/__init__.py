@@ -22,15 +22,19 @@ def _platform_for(device_type: str) -> Platform:
     raise ValueError(f"unsupported device type {device_type!r}: expected 'cpu' or 'cuda'")
 
 
-def get_platform(device_type: str | None = None) -> Platform:
-    """The platform for `device_type`, or CUDA when available and CPU otherwise.
+def get_platform(device: str | torch.device | None = None) -> Platform:
+    """The platform of `device` (a device type such as "cuda", or a device such as
+    `torch.device("cuda", 1)` or "cuda:1"); with none, CUDA when available and CPU otherwise.
+    Code that holds tensors passes their device, so the platform follows the data.
 
     Platforms are stateless apart from per-context current streams, so one instance per
     device type is shared.
     """
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return _platform_for(device_type)
+    if device is None:
+        return _platform_for("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, torch.device):
+        return _platform_for(device.type)
+    return _platform_for(device.split(":", 1)[0])
 
 
 __all__ = [

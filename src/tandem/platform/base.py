@@ -6,6 +6,7 @@ events, so the same handover protocol runs on CUDA and, as cheap ordering tokens
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,15 @@ class Platform(ABC):
 
     @abstractmethod
     def new_event(self) -> Event: ...
+
+    def use_device(self, device: Any) -> contextlib.AbstractContextManager:
+        """Make `device` the calling thread's current device (its current stream, events and
+        graphs are then that device's); a no-op on CPU."""
+        return contextlib.nullcontext()
+
+    def prepare_stream_for_capture(self, stream: Any) -> None:
+        """Create, outside any capture, the per-thread per-stream library state that the
+        first kernel on `stream` would otherwise create inside one (a no-op on CPU)."""
 
     @abstractmethod
     def new_graph(self) -> "Graph":

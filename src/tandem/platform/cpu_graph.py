@@ -450,6 +450,11 @@ class CpuGraph(Graph):
         recorder.close()
         if recorder.error is not None:
             raise recorder.error
+        if not recorder.steps:
+            raise GraphCaptureError(
+                "the graph capture recorded no ops: a replay would do nothing and return stale outputs "
+                "(did the captured callable run its tensor work outside the capture?)"
+            )
         self._finalize(recorder, out)
         return out
 

@@ -38,6 +38,17 @@ class CudaPlatform(Platform):
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream()
 
+    def use_device(self, device: torch.device) -> torch.cuda.device:
+        # The current device is per OS thread: a forward worker thread starts on cuda:0.
+        return torch.cuda.device(device)
+
+    def prepare_stream_for_capture(self, stream: torch.cuda.Stream) -> None:
+        # cuBLAS keeps a handle per thread and a workspace per (handle, stream); creating
+        # them allocates, which a capture must not do. vLLM's ubatch threads do the same
+        # before capturing (`torch.cuda.current_blas_handle()` on compute and comm streams).
+        with torch.cuda.stream(stream):
+            torch.cuda.current_blas_handle()
+
     def new_event(self) -> CudaEvent:
         return CudaEvent()
 

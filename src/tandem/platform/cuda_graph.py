@@ -12,11 +12,31 @@ Not exercised on this project's machines (no GPU): the same contract is tested t
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from tandem.platform.graph import Graph, GraphCaptureError, _capturing, _CaptureState, graph_capture_active
+
+
+def _refuse_empty_capture(graph: torch.cuda.CUDAGraph, out: Any, caught: list) -> None:
+    """PyTorch only warns when a capture recorded no CUDA work, and instantiates the empty
+    graph: every replay would then return the capture step's stale outputs. Refuse it: the
+    warning, or tensor outputs none of which is on a CUDA device (the callable ran on CPU
+    tensors), means nothing was recorded."""
+    empty_warning = any("graph is empty" in str(w.message).lower() for w in caught)
+    tensors = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+    off_device = bool(tensors) and not any(t.is_cuda for t in tensors)
+    if empty_warning or off_device:
+        graph.reset()
+        where = sorted({str(t.device) for t in tensors}) if tensors else []
+        raise GraphCaptureError(
+            "the CUDA graph capture recorded no CUDA work (outputs on "
+            f"{', '.join(where) or 'no device'}): a replay would do nothing and return stale outputs. "
+            "The model, its inputs and its metadata must live on the GPU (--device cuda)."
+        )
 
 
 class _CudaCaptureState(_CaptureState):
@@ -56,8 +76,10 @@ class CudaGraph(Graph):
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with _capturing(_CudaCaptureState()), torch.cuda.graph(graph, pool=self._pool, stream=side):
-                out = fn(*args, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with _capturing(_CudaCaptureState()), torch.cuda.graph(graph, pool=self._pool, stream=side):
+                    out = fn(*args, **kwargs)
         except RuntimeError as exc:
             if "capture" in str(exc).lower():
                 raise GraphCaptureError(
@@ -65,6 +87,10 @@ class CudaGraph(Graph):
                     "(.item(), .tolist(), data-dependent shapes, blocking collectives)."
                 ) from exc
             raise
+        for warning in caught:
+            if "graph is empty" not in str(warning.message).lower():
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        _refuse_empty_capture(graph, out, caught)
         self._graph, self._outputs = graph, out
         return out
 

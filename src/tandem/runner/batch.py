@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from tandem.models.paged_attention import AttentionMetadata
+from tandem.platform.device import to_device_async
 
 
 @dataclass
@@ -38,8 +39,12 @@ class StepInputs:
 
 
 def build_step_inputs(
-    chunks: Sequence[ScheduledChunk], block_size: int, num_tokens_padded: int | None = None
+    chunks: Sequence[ScheduledChunk],
+    block_size: int,
+    num_tokens_padded: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> StepInputs:
+    """Built on the host, then copied to `device` without blocking (one staged copy each)."""
     counts = [len(c.token_ids) for c in chunks]
     total = sum(counts)
     padded = total if num_tokens_padded is None else num_tokens_padded
@@ -68,13 +73,16 @@ def build_step_inputs(
         seq_lens.append(seq_len)
         start += n
     query_start_loc = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()] if counts else [0], dtype=torch.int32)
+    move = lambda t: to_device_async(t, device)  # noqa: E731
     metadata = AttentionMetadata(
-        query_start_loc=query_start_loc,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=move(query_start_loc),
+        seq_lens=move(torch.tensor(seq_lens, dtype=torch.int32)),
         max_query_len=max(counts, default=0),
-        slot_mapping=slot_mapping,
-        block_table=block_table,
+        slot_mapping=move(slot_mapping),
+        block_table=move(block_table),
         block_size=block_size,
         decode_only=bool(counts) and all(n == 1 for n in counts),
+        query_start_loc_host=tuple(query_start_loc.tolist()),
+        seq_lens_host=tuple(seq_lens),
     )
-    return StepInputs(input_ids, positions, metadata, counts)
+    return StepInputs(move(input_ids), move(positions), metadata, counts)

@@ -71,7 +71,7 @@ class Engine:
     ):
         self.runner = runner
         info = runner.info
-        self.future_map = FutureMap(max_num_seqs)
+        self.future_map = FutureMap(max_num_seqs, device=runner.device)
         runner.future_map = self.future_map
         self.scheduler = Scheduler(
             runner.allocator,
@@ -82,6 +82,7 @@ class Engine:
             max_model_len=info.max_model_len,
             eos_token_ids=info.eos_token_ids,
             decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
+            generator_device=runner.device,
         )
         self.overlap_schedule = overlap_schedule
         self.lockstep = lockstep

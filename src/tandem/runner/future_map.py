@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.platform.device import to_device_async
+
 
 def placeholder(slot: int) -> int:
     return -(slot + 1)
@@ -41,11 +43,14 @@ class FutureMap:
         return slots
 
     def store(self, slots: list[int], tokens: list[int] | torch.Tensor) -> None:
-        """Publish a step's sampled tokens (forward worker)."""
+        """Publish a step's sampled tokens (forward worker); a tensor of tokens stays on the
+        device (no host read)."""
         if not slots:
             return
-        values = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.int64)
-        self.buffer[torch.tensor(slots, dtype=torch.int64)] = values.to(self.buffer.device, torch.int64)
+        device = self.buffer.device
+        values = tokens if isinstance(tokens, torch.Tensor) else to_device_async(torch.tensor(tokens, dtype=torch.int64), device)
+        index = to_device_async(torch.tensor(slots, dtype=torch.int64), device)
+        self.buffer.index_copy_(0, index, values.to(torch.int64))
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids` with every placeholder replaced by its token (forward worker)."""

@@ -1,6 +1,12 @@
 """Start data-parallel ranks as local processes joined in one torch.distributed group
 (env:// rendezvous, as `torchrun` sets it up), with every wait bounded: a rank that raises,
-dies or hangs fails the launch with its traceback instead of hanging the parent."""
+dies or hangs fails the launch with its traceback instead of hanging the parent.
+
+Each rank has two groups over the same ranks, chosen by the device it runs on: the default
+(device) group for tensor collectives, NCCL on CUDA and gloo on CPU, and a gloo CPU group
+for the control plane and metadata (step decisions, timing gathers), which are CPU tensors
+whatever the device. On CPU both are the default gloo group.
+"""
 
 from __future__ import annotations
 
@@ -27,24 +33,48 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+#: This process's gloo CPU group, made by `init_rank` (a process joins one default group).
+_CPU_GROUP: dist.ProcessGroup | None = None
 
 
-def init_rank(rank: int, world_size: int, *, backend: str | None = None, timeout_s: float = 120.0) -> None:
-    """Join the group described by MASTER_ADDR / MASTER_PORT (env:// rendezvous)."""
-    backend = backend or default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+def local_rank(rank: int) -> int:
+    """The rank's index on its host: torchrun's LOCAL_RANK, else the global rank (local launch)."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def init_rank(
+    rank: int, world_size: int, *, device: str | torch.device = "cpu", timeout_s: float = 120.0
+) -> torch.device:
+    """Join the group described by MASTER_ADDR / MASTER_PORT (env:// rendezvous) with the
+    backend of this rank's device (`--device` value or a resolved device), and make the
+    gloo CPU group. Returns the rank's device."""
+    global _CPU_GROUP
+    from tandem.platform.device import CPU_GROUP_BACKEND, device_group_backend, resolve_device
+
+    if not isinstance(device, torch.device):
+        device = resolve_device(device, local_rank(rank))
+    backend = device_group_backend(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
         backend, init_method="env://", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )
+    _CPU_GROUP = None if backend == CPU_GROUP_BACKEND else dist.new_group(backend=CPU_GROUP_BACKEND)
+    return device
 
 
-def _rank_main(rank, world_size, env, fn, args, results, timeout_s) -> None:
+def cpu_group() -> dist.ProcessGroup | None:
+    """The gloo group for CPU tensors (control plane, metadata) of this rank: the default
+    group when that is gloo, else the one `init_rank` made; None without a process group."""
+    if not dist.is_initialized():
+        return None
+    return _CPU_GROUP if _CPU_GROUP is not None else dist.group.WORLD
+
+
+def _rank_main(rank, world_size, env, fn, args, results, timeout_s, device) -> None:
     try:
         os.environ.update(env)
-        init_rank(rank, world_size, timeout_s=timeout_s)
+        init_rank(rank, world_size, device=device, timeout_s=timeout_s)
         try:
             results.put((rank, True, fn(rank, world_size, *args)))
         finally:
@@ -53,14 +83,17 @@ def _rank_main(rank, world_size, env, fn, args, results, timeout_s) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-def launch_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list:
+def launch_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0, device: str = "cpu"
+) -> list:
     """Call `fn(rank, world_size, *args)` in `world_size` processes; return the results in
-    rank order. `fn` must be picklable (module level). Collectives get `timeout_s` too."""
+    rank order. `fn` must be picklable (module level). Collectives get `timeout_s` too.
+    `device` (`--device` value) picks each rank's device and so its group backend."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, env, fn, args, results, timeout_s), daemon=True)
+        ctx.Process(target=_rank_main, args=(rank, world_size, env, fn, args, results, timeout_s, device), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:

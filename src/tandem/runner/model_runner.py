@@ -21,7 +21,9 @@ from tandem.models.base import ModelInfo
 from tandem.runner.batch import ScheduledChunk, StepInputs, build_step_inputs
 from tandem.runner.future_map import FutureMap
 from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
-from tandem.runner.sampling import SamplingParams, sample
+from tandem.platform import get_platform
+from tandem.platform.device import host_buffer, to_device_async
+from tandem.runner.sampling import SamplingParams, sample_tokens
 from tandem.runner.ubatch_wrapper import UBatchWrapper
 from tandem.ubatch import check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
 
@@ -83,14 +85,20 @@ class ModelRunner:
         self.overlap = overlap or OverlapConfig()
         self.block_size = block_size
         self.dp_group = dp_group
+        #: Where the model lives; everything the runner makes goes there too.
+        self.device = next(self.model.parameters()).device
+        self.platform = get_platform(self.device)
         self.allocator = BlockAllocator(num_kv_blocks, reserve_null_block=True)
-        self.model.bind_kv_cache(allocate_kv_caches(self.model.kv_cache_specs(), num_kv_blocks, block_size))
+        self.model.bind_kv_cache(
+            allocate_kv_caches(self.model.kv_cache_specs(), num_kv_blocks, block_size, device=self.device)
+        )
         self.wrapper = UBatchWrapper(
             self.model,
             num_ubatches=self.overlap.num_ubatches,
             executor=self.overlap.executor,
             graph_mode=self.overlap.graph_mode,
             max_blocks_per_seq=-(-model_info.max_model_len // block_size),
+            platform=self.platform,
         )
         self.future_map = future_map
         #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`), or None.
@@ -137,7 +145,7 @@ class ModelRunner:
             padded = max(sum(counts), 1)
         if decision.should_ubatch:
             slices = split_by_tokens(counts, self.overlap.num_ubatches, num_tokens_padded=padded)
-        return build_step_inputs(chunks, self.block_size, padded), slices
+        return build_step_inputs(chunks, self.block_size, padded, device=self.device), slices
 
     @torch.no_grad()
     def execute(
@@ -156,7 +164,7 @@ class ModelRunner:
         switch_before = self.wrapper.executor.switch_time_s
         start = time.perf_counter()
         try:
-            with time_model(counters):
+            with time_model(counters), self.platform.use_device(self.device):
                 return self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
         finally:
             elapsed = time.perf_counter() - start
@@ -175,11 +183,11 @@ class ModelRunner:
             self.total_step_times = self.total_step_times + times
 
     def _execute(self, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
+        if self.future_map is None and any(t < 0 for c in chunks for t in c.token_ids):
+            raise ValueError("input ids hold FutureMap placeholders but this ModelRunner has no future_map")
         inputs, slices = self.prepare(chunks)
         if self.future_map is not None:
             inputs.input_ids = self.future_map.resolve(inputs.input_ids)
-        elif bool((inputs.input_ids < 0).any()):
-            raise ValueError("input ids hold FutureMap placeholders but this ModelRunner has no future_map")
         self.steps += 1
         if inputs.input_ids.shape[0] == 0:  # every DP rank is idle
             return StepResult([], 0, 0, False)
@@ -188,15 +196,28 @@ class ModelRunner:
             hidden = self.wrapper(inputs.input_ids, inputs.positions)
         if not chunks:
             return StepResult([], 0, inputs.input_ids.shape[0], slices is not None)
-        last_rows = (inputs.attn_metadata.query_start_loc[1:] - 1).long()
-        logits = self.model.compute_logits(hidden[last_rows])
         wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
         rows = [r for r, w in enumerate(wanted) if w]
-        sampled = sample(logits[rows], [sampling[r] for r in rows], [generators[r] for r in rows])
-        tokens: list[int | None] = [None] * len(chunks)
-        for r, token in zip(rows, sampled):
-            tokens[r] = token
+        # The last row of each sampling request, found on the host: no device read.
+        ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
+        sampled = sample_tokens(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
         if self.future_map is not None and future_slots is not None:
-            published = [(future_slots[r], tokens[r]) for r in rows if future_slots[r] is not None]
-            self.future_map.store([slot for slot, _ in published], [token for _, token in published])
+            published = [(i, future_slots[r]) for i, r in enumerate(rows) if future_slots[r] is not None]
+            if published:
+                picked = sampled[to_device_async(torch.tensor([i for i, _ in published]), self.device)]
+                self.future_map.store([slot for _, slot in published], picked)
+        tokens: list[int | None] = [None] * len(chunks)
+        for r, token in zip(rows, self._read_tokens(sampled)):
+            tokens[r] = token
         return StepResult(tokens, inputs.num_tokens, inputs.input_ids.shape[0], slices is not None)
+
+    def _read_tokens(self, sampled: torch.Tensor) -> list[int]:
+        """The step's one host read: the sampled ids, copied without blocking into page-locked
+        memory behind an event (the overlapped loop's scheduler thread runs meanwhile)."""
+        host = host_buffer(sampled)
+        host.copy_(sampled, non_blocking=True)
+        copied = self.platform.new_event()
+        copied.record()
+        copied.synchronize()
+        return host.tolist()

@@ -73,7 +73,7 @@ def generate(
                 f"model's context length {max_len}"
             )
         sequences.append(_Sequence(index, list(ids), params))
-    generators = {s.index: s.params.make_generator() for s in sequences}
+    generators = {s.index: s.params.make_generator(runner.device) for s in sequences}
     while True:
         active = [s for s in sequences if s.finish_reason is None]
         chunks = []
@@ -96,12 +96,20 @@ def generate(
     return [Completion(s.index, s.text, s.output_ids, s.finish_reason) for s in sequences]
 
 
-def build_runner(config, *, group=None) -> ModelRunner:
-    """Load `config.model` for this rank (its experts only) and wrap it in a ModelRunner."""
+def build_runner(config, *, group=None, cpu_group=None) -> ModelRunner:
+    """Load `config.model` for this rank (its experts only) on the rank's device and wrap it
+    in a ModelRunner. `group` carries the model's tensor collectives (the device group);
+    `cpu_group` the step decisions (default: `launch.cpu_group()` when `group` is given)."""
+    import torch.distributed as dist
+
     from tandem.models.base import MoEOptions
     from tandem.models.loader import load_model
     from tandem.modular_kernels import FabricModel
+    from tandem.runner.launch import cpu_group as default_cpu_group, local_rank
 
+    if group is not None and cpu_group is None:
+        cpu_group = default_cpu_group()
+    device = config.resolve_device(local_rank(dist.get_rank() if dist.is_initialized() else 0))
     par = config.parallel
     moe = MoEOptions(
         all2all_backend=par.all2all_backend,
@@ -112,11 +120,9 @@ def build_runner(config, *, group=None) -> ModelRunner:
         enable_sbo=par.enable_sbo,
         fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
     )
-    info = load_model(config.model, moe=moe)
+    info = load_model(config.model, moe=moe, dtype=config.resolve_dtype(device), device=device)
     tracer = None
     if config.trace_path is not None:
-        import torch.distributed as dist
-
         from tandem.contexts.trace import Tracer
 
         tracer = Tracer(dist.get_rank(group) if group is not None else 0)
@@ -125,7 +131,7 @@ def build_runner(config, *, group=None) -> ModelRunner:
         overlap=config.overlap,
         num_kv_blocks=config.cache.num_kv_blocks,
         block_size=config.cache.block_size,
-        dp_group=group,
+        dp_group=cpu_group,
         tracer=tracer,
     )
 
@@ -147,8 +153,10 @@ def write_rank_trace(runner: ModelRunner, path: str | None, group=None) -> None:
     if runner.tracer is None or path is None:
         return
     from tandem.contexts.trace import gather_trace, write_trace
+    from tandem.runner.launch import cpu_group
 
-    trace = gather_trace(runner.tracer, group)
+    # Gathered on the gloo group: the default group is NCCL when the model is on a GPU.
+    trace = gather_trace(runner.tracer, group if group is not None else cpu_group())
     if trace is not None:
         import sys
 

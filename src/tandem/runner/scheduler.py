@@ -102,6 +102,7 @@ class Scheduler:
         max_model_len: int = 4096,
         eos_token_ids: set[int] | None = None,
         decode: Callable[[list[int]], str] = lambda ids: "",
+        generator_device: torch.device | str = "cpu",
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -113,6 +114,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids or set()
         self.decode = decode
+        #: Where requests' sampling generators live: the device their logits are on.
+        self.generator_device = generator_device
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -137,7 +140,7 @@ class Scheduler:
                 f"({self.allocator.num_blocks * self.block_size} tokens)"
             )
         if request.generator is None:
-            request.generator = request.params.make_generator()
+            request.generator = request.params.make_generator(self.generator_device)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -38,8 +38,9 @@ from tandem.contexts import (
     make_ubatch_contexts,
     set_forward_context,
 )
+from tandem.contexts.ubatch_context import current_ubatch_context
 from tandem.models.paged_attention import AttentionMetadata
-from tandem.platform import Graph, Platform, get_platform
+from tandem.platform import Graph, Platform, get_platform, graph_capture_active
 from tandem.ubatch import UBatchSlice, split_by_tokens
 
 GRAPH_MODES = ("none", "full")
@@ -56,6 +57,13 @@ def merge_outputs(outputs: Sequence[Any]) -> Any:
     if first is None and all(out is None for out in outputs):
         return None
     raise TypeError(f"cannot merge ubatch outputs of type {type(first).__name__}: return tensors or tuples of tensors")
+
+
+def _parameter_device(model: Any) -> torch.device | None:
+    """The device of the model's parameters (None when it has none): the platform follows it."""
+    parameters = getattr(model, "parameters", None)
+    first = next(iter(parameters()), None) if callable(parameters) else None
+    return None if first is None else first.device
 
 
 @dataclass
@@ -91,8 +99,11 @@ class UBatchWrapper:
         self.graph_mode = graph_mode
         self.max_graph_tokens = max_graph_tokens
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.platform = platform or get_platform()
+        self.platform = platform or get_platform(_parameter_device(model))
         self.timeout = timeout
+        #: One comm stream for every run of this wrapper (as vLLM keeps one), made on first use:
+        #: streams are not free to create, and a graph's captured work refers to it.
+        self._comm_stream: Any = None
         self.graphs: dict[tuple[int, int], _StepGraph] = {}
         #: Forwards run, by how: plain eager, eager as ubatches, graph captures, graph replays.
         self.eager_runs = 0
@@ -108,7 +119,9 @@ class UBatchWrapper:
 
     # -- eager ---------------------------------------------------------------------------
 
-    def _run_eager(self, ctx: ForwardContext | None, inputs: Sequence[torch.Tensor], kwargs: dict) -> Any:
+    def _run_eager(
+        self, ctx: ForwardContext | None, inputs: Sequence[torch.Tensor], kwargs: dict, prepare_streams: bool = False
+    ) -> Any:
         slices = ctx.ubatch_slices if ctx is not None else None
         if not slices:
             self.eager_runs += 1
@@ -127,6 +140,8 @@ class UBatchWrapper:
             raise TypeError(f"UBatchWrapper cannot split attention metadata of type {type(metadata).__name__}")
 
         def ubatch(index: int, ub: UBatchSlice):
+            if prepare_streams:
+                self._prepare_streams_for_capture()
             sub_context = ForwardContext(
                 attn_metadata=per_ubatch[index], ubatch_slices=None, extras={**ctx.extras, "ubatch_index": index}
             )
@@ -134,11 +149,23 @@ class UBatchWrapper:
                 return self.model(*(x[ub.token_slice] for x in inputs), **kwargs)
 
         fns = [lambda i=i, ub=ub: ubatch(i, ub) for i, ub in enumerate(slices)]
+        if self._comm_stream is None:
+            self._comm_stream = self.platform.new_stream()
         contexts = make_ubatch_contexts(
-            len(fns), executor=self.executor.kind, platform=self.platform, timeout=self.timeout
+            len(fns), executor=self.executor.kind, comm_stream=self._comm_stream, platform=self.platform, timeout=self.timeout
         )
         self.ubatched_runs += 1
         return merge_outputs(self.executor.run(fns, contexts))
+
+    def _prepare_streams_for_capture(self) -> None:
+        """In a ubatch worker, before a capture: set up its library state (cuBLAS handle and
+        workspaces) on both streams it will issue work on, outside the capture."""
+        if graph_capture_active():
+            return
+        ubatch = current_ubatch_context()
+        if ubatch is not None:
+            self.platform.prepare_stream_for_capture(ubatch.compute_stream)
+            self.platform.prepare_stream_for_capture(ubatch.comm_stream)
 
     # -- graphs --------------------------------------------------------------------------
 
@@ -169,14 +196,24 @@ class UBatchWrapper:
         metadata: AttentionMetadata = ctx.attn_metadata
         num_tokens = inputs[0].shape[0]
         static_inputs = [x.clone() for x in inputs]
+        # On the metadata's device: a replay must not copy from the host or mix devices.
         static_metadata = replace(
             metadata,
-            query_start_loc=torch.arange(num_tokens + 1, dtype=metadata.query_start_loc.dtype),
-            seq_lens=torch.zeros(num_tokens, dtype=metadata.seq_lens.dtype),
+            query_start_loc=torch.arange(
+                num_tokens + 1, dtype=metadata.query_start_loc.dtype, device=metadata.query_start_loc.device
+            ),
+            seq_lens=torch.zeros(num_tokens, dtype=metadata.seq_lens.dtype, device=metadata.seq_lens.device),
             max_query_len=1,
             slot_mapping=torch.empty_like(metadata.slot_mapping),
-            block_table=torch.zeros((num_tokens, self._block_table_width(metadata)), dtype=metadata.block_table.dtype),
+            block_table=torch.zeros(
+                (num_tokens, self._block_table_width(metadata)),
+                dtype=metadata.block_table.dtype,
+                device=metadata.block_table.device,
+            ),
             decode_only=True,
+            # The replayed decode path reads the device tensors only; host copies would go stale.
+            query_start_loc_host=None,
+            seq_lens_host=None,
         )
         step = _StepGraph(self.platform.new_graph(), static_inputs, static_metadata, None)
         self._fill(step, inputs, metadata)
@@ -185,8 +222,9 @@ class UBatchWrapper:
         static_context = ForwardContext(attn_metadata=static_metadata, ubatch_slices=slices, extras=dict(ctx.extras))
 
         def forward() -> Any:
+            # The graph's warm-up run (outside the capture) prepares the workers' streams.
             with set_forward_context(static_context):
-                return self._run_eager(static_context, static_inputs, kwargs)
+                return self._run_eager(static_context, static_inputs, kwargs, prepare_streams=True)
 
         outputs = step.graph.capture(forward)
         if not step.graph.capture_computes_outputs:

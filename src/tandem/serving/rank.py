@@ -162,6 +162,7 @@ def serve_rank(
     """Body of one engine rank, after the default process group (if any) is initialised.
     `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
     from tandem.runner.engine import Engine
+    from tandem.runner.launch import cpu_group
     from tandem.runner.offline import build_runner, write_rank_trace
 
     def report(*message: Any) -> None:
@@ -178,7 +179,9 @@ def serve_rank(
     try:
         control = dist.new_group(backend="gloo") if distributed else None
         report("progress", f"loading {config.model} on {world_size} rank(s)")
-        runner = build_runner(config, group=dist.group.WORLD if distributed else None)
+        # The model's collectives run on the device group; its step decisions on the CPU group
+        # (not `control`: the scheduler thread uses that while the forward worker steps).
+        runner = build_runner(config, group=dist.group.WORLD if distributed else None, cpu_group=cpu_group())
         engine = Engine(
             runner,
             max_num_seqs=options.max_num_seqs,
@@ -300,7 +303,7 @@ def local_rank_main(rank: int, world_size: int, env: dict, config, options: Serv
         if world_size > 1:
             from tandem.runner.launch import init_rank
 
-            init_rank(rank, world_size, timeout_s=options.collective_timeout_s)
+            init_rank(rank, world_size, device=config.device, timeout_s=options.collective_timeout_s)
         serve_rank(rank, world_size, config, options, inbox if rank == 0 else None, outbox if rank == 0 else None)
     except BaseException:  # noqa: BLE001 - reported to the front end by serve_rank (head)
         traceback.print_exc()

@@ -126,7 +126,7 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if config.parallel.data_parallel_size != world_size:
         raise ValueError(f"--data-parallel-size {config.parallel.data_parallel_size} != torchrun's WORLD_SIZE {world_size}")
-    init_rank(rank, world_size, timeout_s=options.collective_timeout_s)
+    init_rank(rank, world_size, device=config.device, timeout_s=options.collective_timeout_s)
     frontend = None
     failed = False
     try:
