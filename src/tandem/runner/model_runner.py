@@ -90,6 +90,7 @@ class ModelRunner:
             executor=self.overlap.executor,
             graph_mode=self.overlap.graph_mode,
             max_blocks_per_seq=-(-model_info.max_model_len // block_size),
+            comm_sms=self.overlap.comm_sms,
         )
         self.future_map = future_map
         self.steps = 0
