@@ -534,7 +534,7 @@ class Buffer:
         self._check_expert_ids(topk_idx, num_experts)
         self._wait_previous(previous_event, async_finish, allocate_on_comm_stream)
         valid = topk_idx >= 0
-        ids = topk_idx.clamp(min=0)
+        ids = topk_idx.clamp(min=0).long()
         num_tokens_per_expert = (F.one_hot(ids, num_experts) * valid.unsqueeze(-1)).sum(dim=(0, 1)).to(torch.int32)
         dest = torch.where(valid, ids // (num_experts // R), -1)
         is_token_in_rank = (dest.unsqueeze(-1) == torch.arange(R)).any(dim=1)
@@ -693,7 +693,7 @@ class Buffer:
         if topk_idx is not None:
             rows = topk_idx[token_index]
             lo = (rank_of_row * num_local_experts).unsqueeze(1)
-            local = torch.where((rows >= lo) & (rows < lo + num_local_experts), rows - lo, -1)
+            local = torch.where((rows >= lo) & (rows < lo + num_local_experts), rows - lo, -1).to(topk_idx.dtype)
             weights = torch.where(local >= 0, topk_weights[token_index], 0.0)
             recv_topk_idx = torch.empty((num_recv, num_topk), dtype=topk_idx.dtype)
             recv_topk_weights = torch.empty((num_recv, num_topk), dtype=torch.float32)
@@ -898,7 +898,7 @@ class Buffer:
 
         # Send side: every (token, k) pair gets the next free row of its expert's T rows.
         valid = (topk_idx >= 0).flatten()
-        ids = topk_idx.clamp(min=0).flatten()
+        ids = topk_idx.clamp(min=0).long().flatten()
         onehot = F.one_hot(ids, num_experts) * valid.unsqueeze(1)
         row_in_expert = ((onehot.cumsum(0) - onehot) * onehot).sum(1)
         send_rows = (ids * T + row_in_expert)[valid]  # = ((dst_rank * El) + e) * T + p
@@ -1050,7 +1050,7 @@ class Buffer:
         def receive() -> None:
             by_expert = received.view(num_experts, T, H)  # row [global expert, my token]
             valid = topk_idx >= 0
-            rows = by_expert[topk_idx.clamp(min=0), torch.arange(N).unsqueeze(1)].float()
+            rows = by_expert[topk_idx.clamp(min=0).long(), torch.arange(N).unsqueeze(1)].float()
             rows = torch.where(valid.unsqueeze(-1), rows, 0.0)
             weights = (topk_weights * valid).unsqueeze(-1)
             combined_x.copy_((rows * weights).sum(1).to(combined_x.dtype))
