@@ -57,7 +57,11 @@ def _matrix(rank, world):
 def _tolerance(all2all: str, moe: str, _mode: str) -> float:
     if all2all == "local":
         return ORACLE_TOLERANCE[moe]
-    return max(PAIR_TOLERANCE[moe], DEEPEP_TOLERANCE if all2all.startswith("deepep") else 0.0)
+    if all2all.startswith("deepep"):
+        # bf16 tokens: DeepGEMM's fp8 casts then round other inputs than on one rank, so
+        # the pair is another fp8 pipeline (the oracle's tolerance), the others bf16-close.
+        return ORACLE_TOLERANCE[moe] if moe == "deep_gemm" else DEEPEP_TOLERANCE
+    return PAIR_TOLERANCE[moe]
 
 
 def test_every_pair_on_two_ranks():

@@ -36,6 +36,7 @@ from tandem.modular_kernels import experts_deep_gemm
 from tandem.modular_kernels.experts_deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
 from tandem.modular_kernels.factory import _make_experts
 from tandem.testing import fake_deep_gemm
+from tests.modular_kernels.moe_cases import failing_import
 
 E, H, I, TOP_K, NUM_TOKENS = 4, 128, 128, 2, 16
 FP8 = torch.float8_e4m3fn
@@ -612,11 +613,7 @@ def test_odd_sm_count_fails_at_gemm_time(deep_gemm):
 def test_import_failures_of_any_kind_get_the_message(monkeypatch, tmp_path):
     """DeepGEMM's import asserts (CUDA_HOME) and initialises its extension; any failure
     there gets the helpful message, not a bare AssertionError."""
-    package = tmp_path / "deep_gemm"
-    package.mkdir()
-    (package / "__init__.py").write_text("assert False, 'CUDA_HOME is not set'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "deep_gemm", raising=False)
+    failing_import(monkeypatch, tmp_path, "deep_gemm", "CUDA_HOME is not set")
     with pytest.raises(ImportError, match=r"(?s)tandem\[gpu\].*AssertionError: CUDA_HOME is not set"):
         DeepGemmBatchedExperts()
 

@@ -29,7 +29,15 @@ from tandem.modular_kernels.prepare_deepep import (
 )
 from tandem.modular_kernels.sm_partition import comm_sm_partition
 from tandem.testing import fake_deep_ep, run_distributed
-from tests.modular_kernels.moe_cases import NUM_EXPERTS, TOP_K, RecordingPrepareFinalize, make_problem, run_kernel
+from tests.modular_kernels.moe_cases import (
+    NUM_EXPERTS,
+    TOP_K,
+    RecordingPrepareFinalize,
+    assert_every_case_passed,
+    failing_import,
+    make_problem,
+    run_kernel,
+)
 
 # DeepEP's low-latency kernels only exist for a few hidden sizes; 2048 is the smallest.
 HIDDEN = 2048
@@ -139,9 +147,7 @@ def _exact_cases(rank, world):
 
 def test_adapters_match_the_oracle_and_the_torch_backends_in_bf16():
     per_rank = run_distributed(_exact_cases, 2, timeout_s=240)
-    failed = [(rank, case) for rank, report in enumerate(per_rank) for case, ok in report.items() if ok is not True]
-    assert failed == [], str(failed)
-    assert len(per_rank[0]) == 2 * (4 * 2 + 5) + 4 * 2 + 1
+    assert_every_case_passed(per_rank, 2 * (4 * 2 + 5) + 4 * 2 + 1)
 
 
 # ------------------------------------------------------------------ strict emulation (bf16, fp8)
@@ -320,9 +326,7 @@ def _strict_cases(rank, world):
 
 def test_strict_emulation_bf16_fp8_layouts_and_constraints():
     per_rank = run_distributed(_strict_cases, 2, timeout_s=150)
-    failed = [(rank, case) for rank, report in enumerate(per_rank) for case, ok in report.items() if ok is not True]
-    assert failed == [], str(failed)
-    assert len(per_rank[0]) == 34
+    assert_every_case_passed(per_rank, 34)
 
 
 # ------------------------------------------------------------------ v2.1 details, HT order and sizing
@@ -394,9 +398,7 @@ def _v21_cases(rank, world):
 
 def test_v21_details_ht_order_and_comm_sms_sizing():
     per_rank = run_distributed(_v21_cases, 2, timeout_s=150)
-    failed = [(rank, case) for rank, report in enumerate(per_rank) for case, ok in report.items() if ok is not True]
-    assert failed == [], str(failed)
-    assert len(per_rank[0]) == 10
+    assert_every_case_passed(per_rank, 10)
 
 
 # ------------------------------------------------------------------ single process
@@ -448,11 +450,7 @@ def test_config_checks_and_size_hints():
 def test_any_import_failure_names_how_to_get_deep_ep(monkeypatch, tmp_path):
     """DeepEP's import checks NCCL and initialises its JIT with asserts: those failures get
     the helpful message too."""
-    package = tmp_path / "deep_ep"
-    package.mkdir()
-    (package / "__init__.py").write_text("assert False, 'Duplicate NCCL runtime found'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    failing_import(monkeypatch, tmp_path, "deep_ep", "Duplicate NCCL runtime found")
     with pytest.raises(ImportError, match=r"(?s)AssertionError: Duplicate NCCL.*tandem\[gpu\]"):
         DeepEPHighThroughputPrepareAndFinalize(NUM_EXPERTS)
 
