@@ -66,5 +66,3 @@ def test_deepep_flags_are_checked_before_any_rank_starts():
         "--comm-sms", "24", timeout=60,
     )
     assert full.returncode != 0 and "deepep_high_throughput" in full.stderr and "Traceback" not in full.stderr
-    odd = _generate("hi", "--comm-sms", "7", timeout=60)
-    assert odd.returncode != 0 and "--comm-sms must be an even" in odd.stderr

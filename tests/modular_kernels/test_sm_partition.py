@@ -60,3 +60,12 @@ def test_deep_ep_never_gets_more_sms_than_its_buffers_were_sized_for(gpu_librari
     monkeypatch.setattr(prepare_deepep, "ht_buffer_sms_limit", lambda: 20)
     with comm_sm_partition(32, total_sms=132):
         assert deep_ep.Buffer.num_sms == 20 and deep_gemm.get_num_sms() == 100
+
+
+@pytest.mark.parametrize("comm_sms", [7, 0])
+def test_the_flag_takes_an_even_count(comm_sms):
+    from tandem.config import OverlapConfig
+
+    with pytest.raises(ValueError, match="--comm-sms must be an even count"):
+        OverlapConfig(comm_sms=comm_sms)
+    assert OverlapConfig(comm_sms=24).comm_sms == 24
