@@ -51,3 +51,18 @@ def test_generate_rejects_a_missing_model_directory(tmp_path):
     assert result.returncode != 0
     assert str(missing) in result.stderr and "does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_deepep_flags_are_checked_before_any_rank_starts():
+    """--deepep-ll-max-tokens-per-rank is checked against DeepEP's own limits and
+    --graph-mode full refuses deepep_high_throughput: one clear error each, no traceback."""
+    too_big = _generate(
+        "hi", "--data-parallel-size", "2", "--all2all-backend", "deepep_low_latency",
+        "--deepep-ll-max-tokens-per-rank", "2048", timeout=60,
+    )
+    assert too_big.returncode != 0 and "NVSHMEM_QP_DEPTH" in too_big.stderr and "Traceback" not in too_big.stderr
+    full = _generate(
+        "hi", "--data-parallel-size", "2", "--all2all-backend", "deepep_high_throughput", "--graph-mode", "full",
+        "--comm-sms", "24", timeout=60,
+    )
+    assert full.returncode != 0 and "deepep_high_throughput" in full.stderr and "Traceback" not in full.stderr

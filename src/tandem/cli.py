@@ -61,6 +61,12 @@ _DEVICE = typer.Option(
     "auto", help="auto | cpu | cuda (auto: CUDA when available; rank i of a host takes cuda:{i % GPUs})."
 )
 _DTYPE = typer.Option("auto", help="auto | bfloat16 | float16 | float32 (auto: bfloat16 on CUDA, float32 on CPU).")
+_DEEPEP_LL_MAX_TOKENS_PER_RANK = typer.Option(
+    128,
+    help="Tokens per rank deepep_low_latency's buffer holds (DeepEP needs (T+1)*2 <= NVSHMEM_QP_DEPTH and "
+    "ranks*T divisible by 4); separate from the step's token budget.",
+)
+_COMM_SMS = typer.Option(None, help="GPU SMs reserved for DeepEP while ubatches overlap (even); DeepGEMM gets the rest.")
 
 
 #: The shared engine flags, by parameter name: commands declare them (typer needs each
@@ -84,6 +90,8 @@ _ENGINE_FLAGS = (
     "trace",
     "device",
     "dtype",
+    "deepep_ll_max_tokens_per_rank",
+    "comm_sms",
 )
 
 
@@ -111,6 +119,8 @@ def _engine_config(
     trace: str | None = None,
     device: str = "auto",
     dtype: str = "auto",
+    deepep_ll_max_tokens_per_rank: int = 128,
+    comm_sms: int | None = None,
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
@@ -129,6 +139,7 @@ def _engine_config(
                 dbo_decode_token_threshold=dbo_decode_token_threshold,
                 dbo_prefill_token_threshold=dbo_prefill_token_threshold,
                 graph_mode=graph_mode,
+                comm_sms=comm_sms,
             ).with_thresholds_file(thresholds_file),
             parallel=ParallelConfig(
                 data_parallel_size=data_parallel_size,
@@ -138,6 +149,7 @@ def _engine_config(
                 fabric_latency_us=fabric_latency_us,
                 fabric_gbps=fabric_gbps,
                 fabric=fabric,
+                deepep_ll_max_tokens_per_rank=deepep_ll_max_tokens_per_rank,
             ),
             cache=cache or CacheConfig(),
             max_num_batched_tokens=max_num_batched_tokens,
@@ -189,6 +201,8 @@ def generate(
     trace: str = _TRACE,
     device: str = _DEVICE,
     dtype: str = _DTYPE,
+    deepep_ll_max_tokens_per_rank: int = _DEEPEP_LL_MAX_TOKENS_PER_RANK,
+    comm_sms: int = _COMM_SMS,
     json_output: bool = typer.Option(False, "--json", help="One JSON object per prompt (text, token_ids) instead of text."),
 ) -> None:
     """Offline generation; completions go to stdout, logs and progress to stderr."""
@@ -263,6 +277,8 @@ def serve(
     trace: str = _TRACE,
     device: str = _DEVICE,
     dtype: str = _DTYPE,
+    deepep_ll_max_tokens_per_rank: int = _DEEPEP_LL_MAX_TOKENS_PER_RANK,
+    comm_sms: int = _COMM_SMS,
     max_num_seqs: int = typer.Option(64, help="Most requests running at once per rank."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one step (prefill is chunked to fit)."),
     kv_cache_tokens: int = typer.Option(32768, help="KV cache size per rank, in tokens."),

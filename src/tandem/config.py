@@ -20,8 +20,12 @@ class OverlapConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     graph_mode: str = "none"
+    #: SMs reserved for communication kernels while ubatches overlap (`--comm-sms`, GPU only).
+    comm_sms: int | None = None
 
     def __post_init__(self) -> None:
+        if self.comm_sms is not None and (self.comm_sms < 2 or self.comm_sms % 2):
+            raise ValueError(f"--comm-sms must be an even count >= 2 (DeepEP uses SMs in pairs), got {self.comm_sms}")
         if self.num_ubatches < 2:
             raise ValueError(f"--num-ubatches must be >= 2, got {self.num_ubatches}")
         if self.executor not in EXECUTORS:
@@ -62,6 +66,8 @@ class ParallelConfig:
     fabric_latency_us: float | None = None
     fabric_gbps: float | None = None
     fabric: str | None = None  # a preset name (`--fabric`), instead of latency + bandwidth
+    #: tokens per rank deepep_low_latency's buffer holds (`--deepep-ll-max-tokens-per-rank`).
+    deepep_ll_max_tokens_per_rank: int = 128
 
     def __post_init__(self) -> None:
         from tandem.modular_kernels.fabric import FabricModel
@@ -73,6 +79,10 @@ class ParallelConfig:
             self.all2all_backend = "local" if self.data_parallel_size == 1 else "torch_a2a"
         if self.all2all_backend == "local" and self.data_parallel_size > 1:
             raise ValueError("--all2all-backend local runs one rank; pick torch_a2a or torch_a2a_ll for --data-parallel-size > 1")
+        if self.all2all_backend == "deepep_low_latency":
+            from tandem.modular_kernels.prepare_deepep import check_low_latency_budget
+
+            check_low_latency_budget(self.deepep_ll_max_tokens_per_rank, self.data_parallel_size)
 
 
 @dataclass
@@ -100,6 +110,10 @@ class EngineConfig:
 
         check_device_flag(self.device)
         check_dtype_flag(self.dtype)
+        if self.overlap.graph_mode == "full":
+            from tandem.modular_kernels.capturable import check_backend_graph_capturable
+
+            check_backend_graph_capturable(self.parallel.all2all_backend)
 
     def resolve_device(self, local_rank: int = 0):
         from tandem.platform.device import resolve_device

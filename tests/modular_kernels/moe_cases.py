@@ -3,6 +3,7 @@ problem from a seed and keeps its own token shard."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +99,20 @@ class RecordingPrepareFinalize:
 
     def finalize_async(self, *args, **kwargs):
         return self._wrap("combine", self._inner.finalize_async(*args, **kwargs))
+
+
+def failing_import(monkeypatch, tmp_path, module: str, assertion: str) -> None:
+    """Make `import <module>` fail with `AssertionError(assertion)`, as DeepEP's and
+    DeepGEMM's imports do when their environment checks fail."""
+    package = tmp_path / module
+    package.mkdir()
+    (package / "__init__.py").write_text(f"assert False, {assertion!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+
+
+def assert_every_case_passed(per_rank: list[dict], num_cases: int) -> None:
+    """Each rank's report maps a case name to True when it passed."""
+    failed = [(rank, case) for rank, report in enumerate(per_rank) for case, ok in report.items() if ok is not True]
+    assert failed == [], str(failed)
+    assert all(len(report) == num_cases for report in per_rank), [len(report) for report in per_rank]

@@ -36,6 +36,7 @@ from tandem.modular_kernels import experts_deep_gemm
 from tandem.modular_kernels.experts_deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
 from tandem.modular_kernels.factory import _make_experts
 from tandem.testing import fake_deep_gemm
+from tests.modular_kernels.moe_cases import failing_import
 
 E, H, I, TOP_K, NUM_TOKENS = 4, 128, 128, 2, 16
 FP8 = torch.float8_e4m3fn
@@ -373,7 +374,7 @@ def test_factory_registers_both_formats(deep_gemm):
 def test_missing_deep_gemm_gives_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # `import deep_gemm` fails even if installed
     for make in (DeepGemmExperts, DeepGemmBatchedExperts):
-        with pytest.raises(ImportError, match="built from its own source") as info:
+        with pytest.raises(ImportError, match=r"tandem\[gpu\].*from its own source") as info:
             make()
         assert "DeepGEMM" in str(info.value) and "README" in str(info.value)
     with pytest.raises(ImportError, match="DeepGEMM"):
@@ -472,7 +473,7 @@ def test_fake_contiguous_asserts_its_contract(deep_gemm, violation, api):
         fn = deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous
     else:
         fn = deep_gemm.m_grouped_fp8_gemm_nt_contiguous
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(RuntimeError, match=message):
         fn(p["a"], p["b"], p["d"], p["layout"])
 
 
@@ -481,11 +482,11 @@ def test_fake_needs_k_and_n_multiples_of_128(deep_gemm, k, n):
     m_indices = torch.zeros(128, dtype=torch.int32)
     a = (torch.zeros(128, k, dtype=FP8), torch.ones(128, (k + 127) // 128))
     b = (torch.zeros(1, n, k, dtype=FP8), torch.ones(1, (n + 127) // 128, (k + 127) // 128))
-    with pytest.raises(AssertionError, match="multiple of 128"):
+    with pytest.raises(RuntimeError, match="multiple of 128"):
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.empty(128, n, dtype=torch.bfloat16), m_indices)
 
 
-def _masked_problem(num_groups=3, m=16, n=128, k=256, counts=(4, 0, 16), seed=0):
+def _masked_problem(num_groups=3, m=64, n=128, k=256, counts=(4, 0, 64), seed=0):
     g = torch.Generator().manual_seed(seed)
     a_q, a_s = _quant_rows(torch.randn(num_groups, m, k, generator=g))
     b_q, b_s = experts_deep_gemm.quantize_fp8_per_block(torch.randn(num_groups, n, k, generator=g))
@@ -529,13 +530,13 @@ MASKED_VIOLATIONS = {
 def test_fake_masked_asserts_its_contract(deep_gemm, violation):
     breaker, message = MASKED_VIOLATIONS[violation]
     p = breaker(_masked_problem())
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(RuntimeError, match=message):
         deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked(p["a"], p["b"], p["d"], p["masked_m"], p["expected_m"])
 
 
 def test_fake_masked_m_must_be_a_multiple_of_the_block_m(deep_gemm):
     p = _masked_problem(num_groups=2, m=200, counts=(3, 200))
-    with pytest.raises(AssertionError, match="multiple of the block M"):
+    with pytest.raises(RuntimeError, match="multiple of the block M"):
         deep_gemm.m_grouped_fp8_gemm_nt_masked(p["a"], p["b"], p["d"], p["masked_m"], 200)
     single = _masked_problem(num_groups=1, m=200, counts=(7,))
     deep_gemm.m_grouped_fp8_gemm_nt_masked(single["a"], single["b"], single["d"], single["masked_m"], 200)
@@ -546,7 +547,7 @@ def test_fake_2x_options(deep_gemm):
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"], recipe=(1, 128, 128))
     with pytest.raises(NotImplementedError, match="psum"):
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"], use_psum_layout=True)
-    with pytest.raises(AssertionError, match="recipe"):
+    with pytest.raises(RuntimeError, match="recipe"):
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"], recipe=(1, 1, 128))
 
 
@@ -566,9 +567,12 @@ def test_fake_helpers(deep_gemm):
     assert deep_gemm.get_num_sms() == fake_deep_gemm.DEVICE_NUM_SMS
     deep_gemm.set_num_sms(64)
     assert deep_gemm.get_num_sms() == 64
-    for bad in (0, fake_deep_gemm.DEVICE_NUM_SMS + 1):
-        with pytest.raises(AssertionError):
+    deep_gemm.set_num_sms(0)  # 0: the whole device again
+    assert deep_gemm.get_num_sms() == fake_deep_gemm.DEVICE_NUM_SMS
+    for bad in (-1, fake_deep_gemm.DEVICE_NUM_SMS + 1):
+        with pytest.raises(RuntimeError, match="multiProcessorCount"):
             deep_gemm.set_num_sms(bad)
+    assert deep_gemm.get_mn_major_tma_aligned_tensor is deep_gemm.get_col_major_tma_aligned_tensor
     fake_deep_gemm.install()  # a fresh install resets the cap
     assert deep_gemm.get_num_sms() == fake_deep_gemm.DEVICE_NUM_SMS
 
@@ -586,3 +590,63 @@ def test_install_and_uninstall_restore_sys_modules(monkeypatch):
     with fake_deep_gemm.installed() as module:
         assert sys.modules["deep_gemm"] is module
     assert "deep_gemm" not in sys.modules
+
+
+# ----------------------------------------------------------------------------- what the real library enforces
+
+
+def test_fake_masked_needs_whole_blocks_even_below_one_block(deep_gemm):
+    """DeepGEMM 2.x stores each group's D in block-M row boxes clipped only at G*M: with
+    several groups a partial block (even M < 64) writes over the next group's rows."""
+    p = _masked_problem(num_groups=2, m=12, counts=(3, 12))
+    with pytest.raises(RuntimeError, match="multiple of the block M"):
+        deep_gemm.m_grouped_fp8_gemm_nt_masked(p["a"], p["b"], p["d"], p["masked_m"], 12)
+
+
+def test_odd_sm_count_fails_at_gemm_time(deep_gemm):
+    p = _masked_problem(num_groups=1, m=200, counts=(7,))
+    deep_gemm.set_num_sms(131)
+    with pytest.raises(RuntimeError, match="num_sms % 2 == 0"):
+        deep_gemm.m_grouped_fp8_gemm_nt_masked(p["a"], p["b"], p["d"], p["masked_m"], 200)
+
+
+def test_import_failures_of_any_kind_get_the_message(monkeypatch, tmp_path):
+    """DeepGEMM's import asserts (CUDA_HOME) and initialises its extension; any failure
+    there gets the helpful message, not a bare AssertionError."""
+    failing_import(monkeypatch, tmp_path, "deep_gemm", "CUDA_HOME is not set")
+    with pytest.raises(ImportError, match=r"(?s)tandem\[gpu\].*AssertionError: CUDA_HOME is not set"):
+        DeepGemmBatchedExperts()
+
+
+def test_prefers_the_2x_tma_helper_and_keeps_lhs_scales_as_they_are(deep_gemm, monkeypatch):
+    monkeypatch.delattr(deep_gemm, "get_col_major_tma_aligned_tensor")  # a 2.x module
+    experts = DeepGemmBatchedExperts()
+    assert experts._tma_align is deep_gemm.get_mn_major_tma_aligned_tensor
+    # DeepEP low-latency scales: [E, R*T, H/128] float32, column-major in the last two dims.
+    q = torch.zeros(E, 128, H, dtype=FP8)
+    column_major = torch.ones(E, H // 128, 128).transpose(1, 2)
+    tokens = ExpertTokens(q, column_major, torch.bfloat16, expert_num_tokens=torch.zeros(E, dtype=torch.int32))
+    xq, xs = experts_deep_gemm._fp8_activations(tokens, power_of_two_scales=False)
+    assert xs is column_major and experts._lhs_scales(xs) is column_major
+
+
+def test_sm100_needs_power_of_two_scales(monkeypatch):
+    """On SM100 DeepGEMM packs float32 scales into UE8M0 and traps on any other value: the
+    adapters quantize with ceil-to-power-of-two scales there (as DeepGEMM's own
+    per_token_cast_to_fp8(use_ue8m0=True) does) and refuse other architectures."""
+    w1, w2 = _weights(seed=1)
+    counts = torch.tensor([5, 0, 16, 1])
+    x = (_activations((E, 16, H), seed=7) * 0.3).to(torch.bfloat16)  # scales that are not powers of two
+    tokens = ExpertTokens(x, None, torch.bfloat16, expert_num_tokens=counts)
+    with fake_deep_gemm.installed(arch_major=10):
+        with pytest.raises(RuntimeError, match="UE8M0"):
+            DeepGemmBatchedExperts(power_of_two_scales=False).apply(tokens, w1, w2)
+        monkeypatch.setattr(experts_deep_gemm, "_arch_major", lambda device: 10)
+        out = DeepGemmBatchedExperts().apply(tokens, w1, w2)
+        standard, *_ = _standard_tokens(False)
+        DeepGemmExperts().apply(standard, w1, w2)
+    oracle = TorchBatchedExperts().apply(tokens, w1, w2)
+    assert _rel_err(out, oracle) < 2 * FP8_REL_TOL
+    monkeypatch.setattr(experts_deep_gemm, "_arch_major", lambda device: 12)
+    with fake_deep_gemm.installed(), pytest.raises(RuntimeError, match="SM90.*SM100"):
+        DeepGemmBatchedExperts().apply(tokens, w1, w2)

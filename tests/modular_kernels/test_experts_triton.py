@@ -89,6 +89,23 @@ def test_align_pairs_by_expert_blocks_hold_one_expert():
     assert used == sorted(used) and 1 not in used
 
 
+def test_align_pairs_by_expert_has_no_host_sync_and_replays_from_a_graph():
+    """No host read of a device value (torch.bincount reads min and max on the host on
+    CUDA): the CPU graph refuses such ops, so a capture proves it, and a replay follows
+    new ids."""
+    from tandem.platform.cpu_graph import CpuGraph
+
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2], [-1, -1], [2, 3]])
+    graph = CpuGraph()
+    static_ids = ids.clone()
+    graph.capture(lambda: align_pairs_by_expert(static_ids, 4, 4))
+    new_ids = torch.tensor([[1, 3], [3, 3], [-1, 0], [1, 1], [0, -1]])
+    static_ids.copy_(new_ids)
+    replayed = graph.replay()
+    for got, want in zip(replayed, align_pairs_by_expert(new_ids, 4, 4)):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------------- standard
 
 

@@ -36,6 +36,8 @@ class MoEOptions:
     enable_sbo: bool = False
     shared_experts_overlap: str = "combine"
     fabric: FabricModel | None = None
+    deepep_ll_max_tokens_per_rank: int = 128
+    comm_sms: int | None = None
 
     @property
     def ep_rank(self) -> int:
@@ -76,6 +78,8 @@ class MoEOptions:
             enable_sbo=self.enable_sbo,
             shared_experts_overlap=self.shared_experts_overlap,
             fabric=self.fabric,
+            deepep_ll_max_tokens_per_rank=self.deepep_ll_max_tokens_per_rank,
+            comm_sms=self.comm_sms,
         )
 
 

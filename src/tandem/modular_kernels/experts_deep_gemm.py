@@ -29,25 +29,32 @@ import torch
 import torch.nn.functional as F
 
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
-from tandem.modular_kernels.quant import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_per_token_group
+from tandem.modular_kernels.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    ceil_to_power_of_two,
+    dequantize_fp8,
+    quantize_fp8_per_token_group,
+)
 
 #: DeepGEMM's scaling block: 1x128 for activations, 128x128 for weights.
 BLOCK = 128
 
 _MISSING_MESSAGE = (
-    "the 'deep_gemm' moe backend needs DeepGEMM (the `deep_gemm` Python module), which is not "
-    "installed. DeepGEMM is not on PyPI: it is built from its own source "
-    "(https://github.com/deepseek-ai/DeepGEMM) against your CUDA toolkit, see README.md "
-    "'GPU extras'. On CPU, tandem.testing.fake_deep_gemm.install() provides an emulation for tests."
+    "the 'deep_gemm' moe backend needs DeepGEMM (the `deep_gemm` Python module), which did not "
+    "import. DeepGEMM is not on PyPI: install tandem's GPU extra (pip install 'tandem[gpu]'), then build "
+    "DeepGEMM from its own source (https://github.com/deepseek-ai/DeepGEMM) against your CUDA toolkit, see "
+    "README.md 'GPU extras'. On CPU, tandem.testing.fake_deep_gemm.install() provides an emulation for tests."
 )
 
 
 def import_deep_gemm() -> types.ModuleType:
-    """`import deep_gemm`, with an error that says how to get it."""
+    """`import deep_gemm`, with an error that says how to get it (DeepGEMM's import also
+    asserts on CUDA_HOME and initialises its extension: any failure gets the message)."""
     try:
         import deep_gemm
-    except ImportError as err:
-        raise ImportError(_MISSING_MESSAGE) from err
+    except Exception as err:  # noqa: BLE001
+        raise ImportError(f"{_MISSING_MESSAGE} (`import deep_gemm` failed: {type(err).__name__}: {err})") from err
     return deep_gemm
 
 
@@ -59,15 +66,20 @@ def _function(dg: types.ModuleType, *names: str):
     raise ImportError(f"the installed deep_gemm provides none of {', '.join(names)}; tandem needs DeepGEMM >= 1.0")
 
 
-def quantize_fp8_per_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_per_block(
+    w: torch.Tensor, block: int = BLOCK, *, power_of_two_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`w [..., N, K]` → `(q fp8 [..., N, K], scales float32 [..., N/block, K/block])` with
-    `w ≈ q * scale` per `block x block` tile."""
+    `w ≈ q * scale` per `block x block` tile (scales rounded up to powers of two with
+    `power_of_two_scales`, as SM100 needs)."""
     n, k = w.shape[-2], w.shape[-1]
     if n % block or k % block:
         raise ValueError(f"block fp8 quantization needs both dims divisible by {block}, got {n}x{k}")
     tiles = w.detach().float().unflatten(-1, (k // block, block)).unflatten(-3, (n // block, block))
     # tiles: [..., N/b, b, K/b, b]
     scales = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-10) / FP8_MAX  # [..., N/b, K/b]
+    if power_of_two_scales:
+        scales = ceil_to_power_of_two(scales)
     q = (tiles / scales.unsqueeze(-1).unsqueeze(-3)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(-2).flatten(-3, -2).contiguous(), scales.contiguous()
 
@@ -106,13 +118,13 @@ class _FP8WeightCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, w: torch.Tensor, power_of_two_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         key = id(w)
-        stamp = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, _version(w))
+        stamp = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, _version(w), power_of_two_scales)
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is w and entry[1] == stamp:
             return entry[2]
-        quantized = quantize_fp8_per_block(w)
+        quantized = quantize_fp8_per_block(w, power_of_two_scales=power_of_two_scales)
         entries = self._entries
 
         def forget(ref, key=key) -> None:
@@ -124,20 +136,45 @@ class _FP8WeightCache:
         return quantized
 
 
-def _fp8_activations(tokens: ExpertTokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dispatched activations as fp8 + 1x128 float32 scales: reused when dispatch
-    already quantized them with 128-wide groups, else (re)quantized here."""
+def _fp8_activations(tokens: ExpertTokens, power_of_two_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatched activations as fp8 + 1x128 float32 scales: reused as they are (DeepEP
+    low-latency's scales are already column-major and TMA-aligned, what the kernels read)
+    when dispatch quantized them with 128-wide groups, else (re)quantized here. Scales that
+    must be powers of two (SM100) are always made here: a device check of the incoming
+    ones would need a host sync."""
     hidden, scales = tokens.hidden, tokens.scales
     if scales is not None:
         if (
-            hidden.dtype == FP8_DTYPE
+            not power_of_two_scales
+            and hidden.dtype == FP8_DTYPE
             and scales.dtype == torch.float32
             and scales.shape[-1] * BLOCK == hidden.shape[-1]
         ):
-            return hidden.contiguous(), scales.contiguous()
+            return hidden.contiguous(), scales
         hidden = dequantize_fp8(hidden, scales, torch.float32)
-    q, s = quantize_fp8_per_token_group(hidden, BLOCK)
+    q, s = quantize_fp8_per_token_group(hidden, BLOCK, power_of_two_scales=power_of_two_scales)
     return q.contiguous(), s.contiguous()
+
+
+def _arch_major(device: torch.device) -> int | None:
+    """Compute capability major of a CUDA device (a host query, no sync); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def _needs_power_of_two_scales(device: torch.device) -> bool:
+    """SM100 takes UE8M0 (power-of-two) scales, SM90 float32 ones; DeepGEMM's fp8 kernels
+    run on nothing else. Off CUDA (the CPU emulation) the SM90 rules apply."""
+    major = _arch_major(device)
+    if major is None or major == 9:
+        return False
+    if major == 10:
+        return True
+    raise RuntimeError(
+        f"DeepGEMM's fp8 grouped GEMMs run on SM90 (Hopper) and SM100 (Blackwell), not on this sm_{major}x "
+        "device: use the triton or torch moe backend"
+    )
 
 
 def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
@@ -148,18 +185,28 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 class _DeepGemmBase(Experts):
     name = "deep_gemm"
 
-    def __init__(self) -> None:
+    def __init__(self, power_of_two_scales: bool | None = None) -> None:
+        """`power_of_two_scales`: UE8M0 scales; None decides per device (SM100: yes)."""
         self._dg = import_deep_gemm()
         self._weights = _FP8WeightCache()
-        self._tma_align = getattr(self._dg, "get_col_major_tma_aligned_tensor", None)
+        self.power_of_two_scales = power_of_two_scales
+        # 2.x name first; 1.x called it get_col_major_tma_aligned_tensor.
+        self._tma_align = getattr(self._dg, "get_mn_major_tma_aligned_tensor", None) or getattr(
+            self._dg, "get_col_major_tma_aligned_tensor", None
+        )
+
+    def _scale_format(self, device: torch.device) -> bool:
+        if self.power_of_two_scales is None:
+            return _needs_power_of_two_scales(device)
+        return self.power_of_two_scales
 
     def _lhs_scales(self, scales: torch.Tensor) -> torch.Tensor:
-        """LHS scales in the column-major TMA-aligned layout the kernels read, so the
-        library does not transpose them on every call."""
+        """LHS scales in the MN-major TMA-aligned layout the kernels read, so the library
+        does not transpose them on every call (a no-op for scales already laid out so)."""
         return scales if self._tma_align is None else self._tma_align(scales)
 
-    def _quantized_weights(self, w1: torch.Tensor, w2: torch.Tensor):
-        return self._weights.get(w1), self._weights.get(w2)
+    def _quantized_weights(self, w1: torch.Tensor, w2: torch.Tensor, power_of_two_scales: bool):
+        return self._weights.get(w1, power_of_two_scales), self._weights.get(w2, power_of_two_scales)
 
 
 class DeepGemmExperts(_DeepGemmBase):
@@ -167,8 +214,8 @@ class DeepGemmExperts(_DeepGemmBase):
 
     activation_format = ActivationFormat.STANDARD
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, power_of_two_scales: bool | None = None) -> None:
+        super().__init__(power_of_two_scales)
         dg = self._dg
         self._gemm = _function(dg, "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous")
         get_alignment = getattr(dg, "get_m_alignment_for_contiguous_layout", None) or getattr(
@@ -183,8 +230,9 @@ class DeepGemmExperts(_DeepGemmBase):
         device = tokens.hidden.device
         if num_tokens == 0:
             return torch.zeros((0, hidden), dtype=tokens.dtype, device=device)
-        xq, xs = _fp8_activations(tokens)
-        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2)
+        ue8m0 = self._scale_format(device)
+        xq, xs = _fp8_activations(tokens, ue8m0)
+        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, ue8m0)
 
         # Contiguous layout: pair p (token p // top_k) goes to row start[e] + its rank among
         # expert e's pairs; every segment is padded to the alignment; rows past the last
@@ -216,7 +264,7 @@ class DeepGemmExperts(_DeepGemmBase):
         self._gemm((lhs, self._lhs_scales(lhs_scales)), (w1q, w1s), h, m_indices)
         act = _silu_and_mul(h)
         act = torch.where((m_indices >= 0).unsqueeze(1), act, torch.zeros_like(act))  # padding rows are unspecified
-        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK)
+        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=ue8m0)
         y = torch.empty((m_sum, hidden), dtype=torch.bfloat16, device=device)
         self._gemm((aq.contiguous(), self._lhs_scales(a_scales)), (w2q, w2s), y, m_indices)
 
@@ -232,8 +280,8 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
 
     activation_format = ActivationFormat.MASKED
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, power_of_two_scales: bool | None = None) -> None:
+        super().__init__(power_of_two_scales)
         self._gemm = _function(self._dg, "m_grouped_fp8_gemm_nt_masked", "m_grouped_gemm_fp8_fp8_bf16_nt_masked")
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -246,14 +294,16 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         device = tokens.hidden.device
         if m == 0:
             return torch.zeros((num_experts, 0, hidden), dtype=tokens.dtype, device=device)
-        xq, xs = _fp8_activations(tokens)
-        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2)
+        ue8m0 = self._scale_format(device)
+        xq, xs = _fp8_activations(tokens, ue8m0)
+        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, ue8m0)
         counts = tokens.expert_num_tokens.to(device=device, dtype=torch.int32).contiguous()
 
-        # With several groups the kernel tiles M by its block M (64 or 128) and needs M to
-        # be a multiple of it once M exceeds one block: pad M up to 128 when that applies.
+        # With several groups the kernel stores each group's output in blocks of its block M
+        # (64 or 128) rows, clipped only at the end of all groups: a partial last block of
+        # expert g would overwrite expert g+1's first rows. Pad M to a multiple of 128.
         m_run = m
-        if num_experts > 1 and m > 64 and m % BLOCK:
+        if num_experts > 1 and m % BLOCK:
             m_run = (m + BLOCK - 1) // BLOCK * BLOCK
             pad = m_run - m
             xq = torch.cat([xq.view(torch.uint8), xq.new_zeros((num_experts, pad, hidden), dtype=torch.uint8)], 1)
@@ -266,7 +316,7 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         self._gemm((xq, self._lhs_scales(xs)), (w1q, w1s), h, counts, expected_m)
         act = _silu_and_mul(h)
         act = torch.where(valid, act, torch.zeros_like(act))  # rows past the count are unspecified
-        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK)
+        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=ue8m0)
         y = torch.empty((num_experts, m_run, hidden), dtype=torch.bfloat16, device=device)
         self._gemm((aq.contiguous(), self._lhs_scales(a_scales)), (w2q, w2s), y, counts, expected_m)
         y = torch.where(valid, y, torch.zeros_like(y))[:, :m]

@@ -215,7 +215,9 @@ def align_pairs_by_expert(
     order = torch.sort(key, stable=True).indices
     sorted_key = key[order]
 
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # Not torch.bincount: on CUDA it reads the min and max of its input on the host.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(counts, 0) - counts
     padded_end = torch.cumsum(padded, 0)

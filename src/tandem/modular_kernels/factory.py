@@ -10,6 +10,7 @@ import torch
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, PrepareAndFinalize
 from tandem.modular_kernels.kernel import FusedMoEModularKernel
+from tandem.modular_kernels.prepare_deepep import DEFAULT_LL_MAX_TOKENS_PER_RANK
 
 #: --all2all-backend choices → "module:class" (imported lazily: some need GPU libraries).
 ALL2ALL_BACKENDS = {
@@ -43,7 +44,14 @@ def _load(path: str):
 
 
 def _make_prepare_finalize(
-    name: str, *, num_experts: int, group, max_tokens_per_rank: int | None, fabric: FabricModel | None
+    name: str,
+    *,
+    num_experts: int,
+    group,
+    max_tokens_per_rank: int | None,
+    fabric: FabricModel | None,
+    deepep_ll_max_tokens_per_rank: int,
+    comm_sms: int | None,
 ) -> PrepareAndFinalize:
     if name not in ALL2ALL_BACKENDS:
         raise ValueError(f"unknown all2all backend {name!r}: expected one of {sorted(ALL2ALL_BACKENDS)}")
@@ -57,8 +65,13 @@ def _make_prepare_finalize(
     if group is None and not torch.distributed.is_initialized():
         raise ValueError(f"all2all backend {name!r} needs an initialised torch.distributed process group")
     kwargs = {"group": group, "fabric": fabric}
-    if name in ("torch_a2a_ll", "deepep_low_latency"):
+    if name == "torch_a2a_ll":
         kwargs["max_tokens_per_rank"] = max_tokens_per_rank
+    elif name == "deepep_low_latency":
+        # Its own budget: DeepEP's buffer and queue-pair limits grow with it (see prepare_deepep).
+        kwargs["max_tokens_per_rank"] = deepep_ll_max_tokens_per_rank
+    elif name == "deepep_high_throughput":
+        kwargs["comm_sms"] = comm_sms
     return cls(num_experts, **kwargs)
 
 
@@ -88,9 +101,15 @@ def build_moe_kernel(
     enable_sbo: bool = False,
     shared_experts_overlap: str = "combine",
     fabric: FabricModel | None = None,
+    deepep_ll_max_tokens_per_rank: int = DEFAULT_LL_MAX_TOKENS_PER_RANK,
+    comm_sms: int | None = None,
 ) -> FusedMoEModularKernel:
     """Rank r of the R ranks in `group` holds experts `[r*E/R, (r+1)*E/R)`; `forward` takes
-    that rank's local weights and global expert ids."""
+    that rank's local weights and global expert ids.
+
+    `max_tokens_per_rank` is torch_a2a_ll's budget, `deepep_ll_max_tokens_per_rank`
+    deepep_low_latency's; `comm_sms` sizes deepep_high_throughput's buffer for that many
+    communication SMs (`--comm-sms`)."""
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
     if use_fp8_dispatch and hidden_size % 128:
@@ -101,6 +120,8 @@ def build_moe_kernel(
         group=group,
         max_tokens_per_rank=max_tokens_per_rank,
         fabric=fabric,
+        deepep_ll_max_tokens_per_rank=deepep_ll_max_tokens_per_rank,
+        comm_sms=comm_sms,
     )
     experts = _make_experts(moe_backend, prepare_finalize.activation_format)
     return FusedMoEModularKernel(

@@ -60,6 +60,9 @@ class PrepareAndFinalize(ABC):
 
     activation_format: ActivationFormat
     name: str
+    #: False when a transfer waits on the CPU for device data, which a captured graph
+    #: never delivers: such a backend cannot run under `graph_mode="full"`.
+    graph_capturable: bool = True
 
     def __init__(self, num_experts: int, rank: int = 0, world_size: int = 1):
         if num_experts % world_size:

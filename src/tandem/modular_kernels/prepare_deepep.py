@@ -1,34 +1,65 @@
 """Dispatch/combine over DeepEP (`deep_ep.Buffer`): low-latency (masked layout, receive
 hooks) and high-throughput (standard layout, events).
 
-DeepEP is imported lazily when an adapter is built; without it the constructor raises an
-ImportError that says how to get it. Both adapters take an existing `deep_ep.Buffer` or
-build one from the process group with DeepEP's own size hints, on first use (the hidden
-size is known then) or at construction when `hidden_size` is given. A Buffer can be shared
-by several adapters (e.g. every MoE layer of a model) as long as they run one at a time.
+DeepEP is imported lazily when an adapter is built; without it (or when its import fails in
+any way: DeepEP asserts on NCCL and CUDA_HOME at import) the constructor raises an
+ImportError that says how to get it.
 
-Under DBO each ubatch has its own Buffer (made on its first use; every rank runs the same
-ubatches in the same order, so the collective set-up matches): DeepEP's low-latency mode
-double-buffers at most two operations in flight, and N ubatches may have N.
+Buffers. A `deep_ep.Buffer` holds NVSHMEM symmetric and IPC memory (GiBs at DeepSeek-V3
+sizes) and NVSHMEM is initialised once per process, so, as vLLM's all2all manager does,
+there is one Buffer per process per (group, mode), built on first use (a collective: every
+rank's first dispatch builds it) and shared by every layer and every ubatch. Only the
+dispatch handles are per ubatch; they travel in `ExpertTokens.handle`. An adapter may also
+be given a Buffer the caller built.
+
+Low-latency budget. The low-latency Buffer is sized for `max_tokens_per_rank` tokens per
+rank (`--deepep-ll-max-tokens-per-rank`, default 128, separate from the step's token
+budget): DeepEP asserts `(T + 1) * 2 <= NVSHMEM_QP_DEPTH` (default 1024) and
+`num_ranks * T % 4 == 0`, and the Buffer grows with T * E * H. `check_low_latency_budget`
+checks both before any Buffer exists.
+
+Dtypes. DeepEP's kernels move bf16 only (fp8 with `use_fp8`): the adapters cast the tokens
+to bf16 before dispatch and the expert output to bf16 before combine, and hand results
+back in the model's dtype. Top-k ids go in as `deep_ep.topk_idx_t`.
+
+No host sync. Dispatch and combine read no device value on the host; the byte count that
+drives a modelled fabric is only computed when a fabric is set and no graph capture runs.
+
+High throughput under DBO follows vLLM's order: record the ubatch's compute on an event,
+yield and move to the comm stream (the dispatch spins the CPU until the peers' counts
+arrive, so the other ubatch queues its compute first), dispatch synchronously on the comm
+stream, then move back to the compute stream behind it; combine likewise. Its CPU wait
+makes it impossible to capture in a CUDA graph (`graph_capturable = False`).
 
 On CPU, `tandem.testing.fake_deep_ep.install()` puts an emulation of DeepEP's API in place.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-from tandem.contexts import dbo_current_ubatch_id
+from tandem.contexts import dbo_enabled, dbo_switch_to_compute_sync, dbo_yield_and_switch_from_compute_to_comm
 from tandem.contexts.time_model import timed_receive
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize, RecvHook
 from tandem.modular_kernels.quant import quantize_fp8_per_token_group
+from tandem.platform import graph_capture_active
+
+#: The only activation dtype DeepEP's kernels take (besides fp8 with scales).
+DEEPEP_DTYPE = torch.bfloat16
+#: `--deepep-ll-max-tokens-per-rank` default (vLLM sizes its buffer by a 128-256 chunk).
+DEFAULT_LL_MAX_TOKENS_PER_RANK = 128
+#: NVSHMEM's queue-pair depth when `NVSHMEM_QP_DEPTH` is not set (DeepEP's default).
+DEFAULT_NVSHMEM_QP_DEPTH = 1024
 
 _HOW_TO_GET_DEEPEP = (
-    "DeepEP is not on PyPI: build and install it from its own source "
-    "(https://github.com/deepseek-ai/DeepEP) against your CUDA toolkit and NVSHMEM, as the README's "
-    "GPU extras section says; CPU tests use tandem.testing.fake_deep_ep.install() instead"
+    "DeepEP is not on PyPI: install tandem's GPU extra (pip install 'tandem[gpu]'), then build and install "
+    "DeepEP from its own source (https://github.com/deepseek-ai/DeepEP) against your CUDA toolkit and NVSHMEM, "
+    "as the README's GPU extras section says; CPU tests use tandem.testing.fake_deep_ep.install() instead"
 )
 
 
@@ -36,11 +67,74 @@ def import_deep_ep(backend: str):
     """`import deep_ep`, or an ImportError naming the backend and how to get DeepEP."""
     try:
         import deep_ep
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - DeepEP's import runs asserts (NCCL, CUDA_HOME) too
         raise ImportError(
-            f"the {backend!r} all2all backend needs DeepEP (`import deep_ep` failed: {exc}). {_HOW_TO_GET_DEEPEP}"
+            f"the {backend!r} all2all backend needs DeepEP (`import deep_ep` failed: {type(exc).__name__}: {exc}). "
+            f"{_HOW_TO_GET_DEEPEP}"
         ) from exc
     return deep_ep
+
+
+def check_low_latency_budget(max_tokens_per_rank: int, num_ranks: int) -> None:
+    """Raise a ValueError unless DeepEP's low-latency kernels accept `max_tokens_per_rank`
+    tokens per rank on `num_ranks` ranks."""
+    T = max_tokens_per_rank
+    if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+        raise ValueError(f"--deepep-ll-max-tokens-per-rank must be an integer >= 1, got {T!r}")
+    qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", DEFAULT_NVSHMEM_QP_DEPTH))
+    if (T + 1) * 2 > qp_depth:
+        raise ValueError(
+            f"--deepep-ll-max-tokens-per-rank={T} is too large for DeepEP's low-latency kernels: they need "
+            f"(T + 1) * 2 <= NVSHMEM_QP_DEPTH={qp_depth}, so T <= {qp_depth // 2 - 1} "
+            "(or raise NVSHMEM_QP_DEPTH)"
+        )
+    if (num_ranks * T) % 4:
+        fits = next(t for t in range(T, T + 4) if (num_ranks * t) % 4 == 0)
+        raise ValueError(
+            f"--deepep-ll-max-tokens-per-rank={T} on {num_ranks} ranks: DeepEP's low-latency kernels need "
+            f"num_ranks * T = {num_ranks * T} to be a multiple of 4 (TMA moves tokens in fours); use T={fits}"
+        )
+
+
+# ---------------------------------------------------------------------------- shared Buffers
+
+#: (Buffer class, group, low-latency mode) -> (Buffer, SM count an HT Buffer was sized for).
+_SHARED_BUFFERS: dict[tuple, tuple[object, int | None]] = {}
+
+
+def _shared_buffer(deep_ep, group, *, low_latency: bool, make: Callable[[], tuple[object, int | None]], needs: dict):
+    """The process's Buffer for (group, mode): made by `make()` on the first call (a
+    collective), afterwards checked to hold `needs` (attribute -> minimum bytes)."""
+    key = (deep_ep.Buffer, group, low_latency)
+    entry = _SHARED_BUFFERS.get(key)
+    if entry is None:
+        entry = _SHARED_BUFFERS[key] = make()
+        return entry[0]
+    buffer = entry[0]
+    short = {name: (getattr(buffer, name), need) for name, need in needs.items() if getattr(buffer, name) < need}
+    if short:
+        detail = ", ".join(f"{name}={have} < {need}" for name, (have, need) in short.items())
+        raise ValueError(
+            f"the process's shared {'low-latency' if low_latency else 'high-throughput'} deep_ep.Buffer is too small "
+            f"for this layer ({detail}): every DeepEP layer of a process must use the same hidden size, expert "
+            "count and token budget (a second Buffer would re-initialise NVSHMEM)"
+        )
+    return buffer
+
+
+def ht_buffer_sms_limit() -> int | None:
+    """The fewest SMs any shared high-throughput Buffer was sized for (None if there is
+    none): DeepEP's HT kernels may not be given more, their NVL buffer would overflow."""
+    sized = [sms for (_, _, low_latency), (_, sms) in _SHARED_BUFFERS.items() if not low_latency and sms is not None]
+    return min(sized) if sized else None
+
+
+def release_shared_buffers() -> None:
+    """Forget the shared Buffers (each is freed once no adapter holds it any more)."""
+    _SHARED_BUFFERS.clear()
+
+
+# ---------------------------------------------------------------------------- adapters
 
 
 class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
@@ -53,15 +147,11 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
         self.group = group
         self.fabric = fabric
-        self._buffers: dict[int, object] = {}
+        self._topk_idx_t = getattr(self._deep_ep, "topk_idx_t", torch.int64)
+        self.buffer = None
         if buffer is not None:
             self._check_buffer(buffer)
-            self._buffers[0] = buffer
-
-    @property
-    def buffer(self):
-        """The calling ubatch's Buffer (ubatch 0's outside DBO), or None before first use."""
-        return self._buffers.get(dbo_current_ubatch_id())
+            self.buffer = buffer
 
     def supports_async(self) -> bool:
         return True
@@ -73,29 +163,42 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
                 f"rank {self.rank} of {self.world_size}"
             )
 
-    def _make_buffer(self, hidden_size: int, dtype: torch.dtype):
+    def _shared(self, hidden_size: int):
         raise NotImplementedError
 
-    def ensure_buffer(self, hidden_size: int, dtype: torch.dtype = torch.bfloat16):
-        """Build the calling ubatch's Buffer now (a collective: every rank must call it),
-        e.g. before a graph capture; returns it. A no-op when that ubatch already has one."""
-        ubatch = dbo_current_ubatch_id()
-        if ubatch not in self._buffers:
-            buffer = self._make_buffer(hidden_size, dtype)
+    def ensure_buffer(self, hidden_size: int):
+        """The Buffer this adapter uses, the process's shared one made now if needed (a
+        collective: every rank must call it), e.g. before a graph capture."""
+        if self.buffer is None:
+            buffer = self._shared(hidden_size)
             self._check_buffer(buffer)
-            self._buffers[ubatch] = buffer
-        return self._buffers[ubatch]
+            self.buffer = buffer
+        return self.buffer
 
-    def _with_fabric(self, hook: RecvHook, nbytes: int) -> RecvHook:
-        if self.fabric is None:
-            return timed_receive(hook)
+    def _topk_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        return topk_ids.to(self._topk_idx_t).contiguous()
+
+    def _modelled_bytes(self, count: Callable[[], int]) -> int | None:
+        """Bytes for the modelled fabric: counting reads a device value on the host, so only
+        when there is a fabric to model and no graph is being captured."""
+        if self.fabric is None or graph_capture_active():
+            return None
+        return count()
+
+    def _with_fabric(self, wait: RecvHook, nbytes: int | None) -> RecvHook:
+        if nbytes is None:
+            return timed_receive(wait)
         deadline = self.fabric.start(nbytes)
 
         def held_back() -> None:
-            hook()
+            wait()
             FabricModel.wait_until(deadline)
 
         return timed_receive(held_back, self.fabric.transfer_time(nbytes))
+
+
+def _row_bytes(hidden_size: int, use_fp8: bool) -> int:
+    return int(hidden_size * (1 + 4 / 128)) if use_fp8 else hidden_size * DEEPEP_DTYPE.itemsize
 
 
 class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
@@ -108,16 +211,15 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     def __init__(
         self,
         num_experts: int,
-        max_tokens_per_rank: int,
+        max_tokens_per_rank: int = DEFAULT_LL_MAX_TOKENS_PER_RANK,
         group=None,
         buffer=None,
         fabric: FabricModel | None = None,
         hidden_size: int | None = None,
     ):
-        if max_tokens_per_rank is None or max_tokens_per_rank < 1:
-            raise ValueError(f"{self.name} needs max_tokens_per_rank >= 1, got {max_tokens_per_rank}")
-        self.max_tokens_per_rank = max_tokens_per_rank
         super().__init__(num_experts, group, buffer, fabric)
+        check_low_latency_budget(max_tokens_per_rank, self.world_size)
+        self.max_tokens_per_rank = max_tokens_per_rank
         if self.buffer is None and hidden_size is not None:
             self.ensure_buffer(hidden_size)
 
@@ -126,38 +228,45 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         if not buffer.low_latency_mode:
             raise ValueError(f"{self.name} needs a deep_ep.Buffer built with low_latency_mode=True")
 
-    def _make_buffer(self, hidden_size: int, dtype: torch.dtype):
+    def _shared(self, hidden_size: int):
         Buffer = self._deep_ep.Buffer
         num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(
             self.max_tokens_per_rank, hidden_size, self.world_size, self.num_experts
         )
-        return Buffer(
-            self.group,
-            num_nvl_bytes=0,
-            num_rdma_bytes=num_rdma_bytes,
-            low_latency_mode=True,
-            num_qps_per_rank=self.num_local_experts,
+
+        def make():
+            buffer = Buffer(
+                self.group,
+                num_nvl_bytes=0,
+                num_rdma_bytes=num_rdma_bytes,
+                low_latency_mode=True,
+                num_qps_per_rank=self.num_local_experts,
+            )
+            return buffer, None
+
+        return _shared_buffer(
+            self._deep_ep, self.group, low_latency=True, make=make, needs={"num_rdma_bytes": num_rdma_bytes}
         )
 
     def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
         num_tokens = hidden.shape[0]
         if num_tokens > self.max_tokens_per_rank:
             raise ValueError(
-                f"{num_tokens} tokens exceed {self.name}'s max_tokens_per_rank={self.max_tokens_per_rank}"
+                f"{num_tokens} tokens exceed {self.name}'s budget of {self.max_tokens_per_rank} tokens per rank "
+                "(--deepep-ll-max-tokens-per-rank); raise it or use smaller steps"
             )
-        buffer = self.ensure_buffer(hidden.shape[1], hidden.dtype)
-        topk_ids = topk_ids.to(torch.int64).contiguous()
+        buffer = self.ensure_buffer(hidden.shape[1])
+        ids = self._topk_ids(topk_ids)
         recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
-            hidden.contiguous(),
-            topk_ids,
+            hidden.to(DEEPEP_DTYPE).contiguous(),
+            ids,
             self.max_tokens_per_rank,
             self.num_experts,
             use_fp8=use_fp8,
             async_finish=False,
             return_recv_hook=True,
         )
-        row_bytes = hidden.shape[1] * (1 + 4 / 128 if use_fp8 else hidden.element_size())
-        nbytes = int((topk_ids >= 0).sum()) * int(row_bytes)
+        nbytes = self._modelled_bytes(lambda: int((ids >= 0).sum()) * _row_bytes(hidden.shape[1], use_fp8))
 
         def receiver() -> ExpertTokens:
             x, scales = recv_x if use_fp8 else (recv_x, None)
@@ -166,17 +275,17 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         return self._with_fabric(hook, nbytes), receiver
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
-        topk_ids = topk_ids.to(torch.int64).contiguous()
+        ids = self._topk_ids(topk_ids)
         combined, _, hook = self.buffer.low_latency_combine(
-            expert_output.contiguous(),
-            topk_ids,
+            expert_output.to(DEEPEP_DTYPE).contiguous(),
+            ids,
             topk_weights.to(torch.float32).contiguous(),
             tokens.handle,
             async_finish=False,
             return_recv_hook=True,
         )
-        nbytes = int((topk_ids >= 0).sum()) * expert_output.shape[-1] * expert_output.element_size()
-        return self._with_fabric(hook, nbytes), lambda: combined
+        nbytes = self._modelled_bytes(lambda: int((ids >= 0).sum()) * _row_bytes(expert_output.shape[-1], False))
+        return self._with_fabric(hook, nbytes), lambda: combined.to(tokens.dtype)
 
 
 class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
@@ -186,6 +295,8 @@ class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     activation_format = ActivationFormat.STANDARD
     name = "deepep_high_throughput"
+    #: dispatch waits on the CPU for the peers' counts, which a captured graph never delivers.
+    graph_capturable = False
 
     def __init__(
         self,
@@ -194,50 +305,96 @@ class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         buffer=None,
         fabric: FabricModel | None = None,
         hidden_size: int | None = None,
-        dtype: torch.dtype = torch.bfloat16,
+        comm_sms: int | None = None,
     ):
         super().__init__(num_experts, group, buffer, fabric)
+        self.comm_sms = comm_sms
         if self.buffer is None and hidden_size is not None:
-            self.ensure_buffer(hidden_size, dtype)
+            self.ensure_buffer(hidden_size)
 
-    def _make_buffer(self, hidden_size: int, dtype: torch.dtype):
+    def _shared(self, hidden_size: int):
         Buffer = self._deep_ep.Buffer
-        hidden_bytes = hidden_size * max(torch.empty((), dtype=dtype).element_size(), 2)
-        configs = (Buffer.get_dispatch_config(self.world_size), Buffer.get_combine_config(self.world_size))
+        # Size for the most SMs the kernels may get (`--comm-sms` raises Buffer.num_sms later):
+        # the NVL buffer holds one chunk set per channel (two SMs).
+        sms = max(Buffer.num_sms, self.comm_sms or 0)
+        previous = Buffer.num_sms
+        Buffer.set_num_sms(sms)
+        try:
+            configs = (Buffer.get_dispatch_config(self.world_size), Buffer.get_combine_config(self.world_size))
+        finally:
+            Buffer.set_num_sms(previous)
+        hidden_bytes = hidden_size * DEEPEP_DTYPE.itemsize
         num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, self.world_size) for c in configs)
         num_rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden_bytes, self.world_size) for c in configs)
-        return Buffer(self.group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, num_qps_per_rank=1)
+
+        def make():
+            buffer = Buffer(self.group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, num_qps_per_rank=1)
+            return buffer, sms
+
+        needs = {"num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes}
+        return _shared_buffer(self._deep_ep, self.group, low_latency=False, make=make, needs=needs)
 
     def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
-        buffer = self.ensure_buffer(hidden.shape[1], hidden.dtype)
-        topk_ids = topk_ids.to(torch.int64).contiguous()
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_ids, self.num_experts)
-        payload = hidden.contiguous()
+        buffer = self.ensure_buffer(hidden.shape[1])
+        ids = self._topk_ids(topk_ids)
+        weights = topk_weights.to(torch.float32).contiguous()
+        payload = hidden.to(DEEPEP_DTYPE).contiguous()
         if use_fp8:
             q, scales = quantize_fp8_per_token_group(payload)
             payload = (q, scales.contiguous())
+        under_dbo = dbo_enabled()
+        # Under DBO: this ubatch's compute is what the dispatch must wait for (recorded before
+        # the yield, so not the other ubatch's); the dispatch then blocks the CPU, so let the
+        # other ubatch queue its compute first, and issue the transfer on the comm stream.
+        previous = buffer.capture() if under_dbo else None
+        dbo_yield_and_switch_from_compute_to_comm()
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+            ids, self.num_experts, previous_event=previous, async_finish=False, allocate_on_comm_stream=False
+        )
         recv, recv_ids, recv_weights, _, handle, event = buffer.dispatch(
             payload,
             num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert,
-            topk_idx=topk_ids,
-            topk_weights=topk_weights.to(torch.float32).contiguous(),
-            async_finish=True,
+            topk_idx=ids,
+            topk_weights=weights,
+            previous_event=previous,
+            async_finish=not under_dbo,
         )
-        row_bytes = hidden.shape[1] * (1 + 4 / 128 if use_fp8 else hidden.element_size())
-        nbytes = int(per_rank.sum()) * int(row_bytes)
+        dbo_switch_to_compute_sync()
+        nbytes = self._modelled_bytes(lambda: int(per_rank.sum()) * _row_bytes(hidden.shape[1], use_fp8))
+        wait = self._with_fabric(_waiter(event), nbytes)
 
         def receiver() -> ExpertTokens:
+            wait()
             x, scales = recv if use_fp8 else (recv, None)
-            return ExpertTokens(
-                x, scales, hidden.dtype, topk_ids=recv_ids, topk_weights=recv_weights, handle=handle
-            )
+            return ExpertTokens(x, scales, hidden.dtype, topk_ids=recv_ids, topk_weights=recv_weights, handle=handle)
 
-        return self._with_fabric(event.current_stream_wait, nbytes), receiver
+        return None, receiver
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
-        combined, _, event = self.buffer.combine(expert_output.contiguous(), tokens.handle, async_finish=True)
-        nbytes = expert_output.shape[0] * expert_output.shape[-1] * expert_output.element_size()
-        return self._with_fabric(event.current_stream_wait, nbytes), lambda: combined
+        buffer = self.buffer
+        x = expert_output.to(DEEPEP_DTYPE).contiguous()
+        under_dbo = dbo_enabled()
+        previous = buffer.capture() if under_dbo else None
+        dbo_yield_and_switch_from_compute_to_comm()
+        combined, _, event = buffer.combine(
+            x, tokens.handle, previous_event=previous, async_finish=not under_dbo, allocate_on_comm_stream=False
+        )
+        dbo_switch_to_compute_sync()
+        nbytes = self._modelled_bytes(lambda: x.shape[0] * x.shape[1] * x.element_size())
+        wait = self._with_fabric(_waiter(event), nbytes)
+
+        def receiver() -> torch.Tensor:
+            wait()
+            return combined.to(tokens.dtype)
+
+        return None, receiver
+
+
+def _waiter(event) -> RecvHook:
+    """Wait for a DeepEP event; nothing to wait for when the call was synchronous."""
+    if event.event is None:
+        return lambda: None
+    return event.current_stream_wait

@@ -9,13 +9,26 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max
 GROUP_SIZE = 128
 
 
-def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x [..., H]` → `(q fp8 [..., H], scales float32 [..., H / group_size])`, x ≈ q * scale."""
+def ceil_to_power_of_two(scales: torch.Tensor) -> torch.Tensor:
+    """Positive float32 scales rounded up to powers of two (UE8M0: the exponent byte alone),
+    as Blackwell's fp8 GEMMs take them."""
+    bits = scales.float().contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+    return (exponent.clamp(1, 254) << 23).view(torch.float32)
+
+
+def quantize_fp8_per_token_group(
+    x: torch.Tensor, group_size: int = GROUP_SIZE, *, power_of_two_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [..., H]` → `(q fp8 [..., H], scales float32 [..., H / group_size])`, x ≈ q * scale;
+    with `power_of_two_scales` every scale is rounded up to a power of two (UE8M0)."""
     hidden = x.shape[-1]
     if hidden % group_size:
         raise ValueError(f"fp8 dispatch needs hidden size divisible by {group_size}, got {hidden}")
     groups = x.float().unflatten(-1, (hidden // group_size, group_size))
     scales = groups.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    if power_of_two_scales:
+        scales = ceil_to_power_of_two(scales)
     q = (groups / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(-2), scales
 

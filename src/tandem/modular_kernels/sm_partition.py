@@ -17,7 +17,7 @@ def _loaded_or_importable(name: str):
         return sys.modules[name]
     try:
         return importlib.import_module(name)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - a library that fails to import (any way) is not there
         return None
 
 
@@ -27,19 +27,30 @@ def device_sm_count() -> int | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+def _deep_ep_sms(comm_sms: int) -> int:
+    """DeepEP's high-throughput buffers are sized for the SM count in force when they were
+    made: more SMs would overflow them, so the count is capped there (as vLLM does)."""
+    from tandem.modular_kernels.prepare_deepep import ht_buffer_sms_limit
+
+    limit = ht_buffer_sms_limit()
+    return comm_sms if limit is None else min(comm_sms, limit)
+
+
 @contextlib.contextmanager
 def comm_sm_partition(comm_sms: int | None, *, total_sms: int | None = None) -> Iterator[None]:
     """Reserve `comm_sms` SMs for communication inside the block.
 
     `total_sms` defaults to the current CUDA device's SM count; without a device (and no
-    explicit count) this is a no-op. DeepEP requires an even SM count.
+    explicit count) this is a no-op. DeepEP requires an even SM count and gets at most what
+    its buffers were sized for; DeepGEMM gets the rest, rounded down to an even count
+    (every GEMM asserts one).
     """
     total = total_sms if total_sms is not None else device_sm_count()
     if not comm_sms or total is None:
         yield
         return
-    if not 0 < comm_sms < total:
-        raise ValueError(f"--comm-sms must lie in [1, {total - 1}] on a device with {total} SMs, got {comm_sms}")
+    if not 0 < comm_sms < total - 1:
+        raise ValueError(f"--comm-sms must lie in [2, {total - 2}] on a device with {total} SMs, got {comm_sms}")
     if comm_sms % 2:
         raise ValueError(f"--comm-sms must be even (DeepEP splits SMs in pairs), got {comm_sms}")
     deep_ep = _loaded_or_importable("deep_ep")
@@ -48,10 +59,10 @@ def comm_sm_partition(comm_sms: int | None, *, total_sms: int | None = None) -> 
     try:
         if deep_ep is not None:
             restore.append((deep_ep.Buffer.set_num_sms, deep_ep.Buffer.num_sms))
-            deep_ep.Buffer.set_num_sms(comm_sms)
+            deep_ep.Buffer.set_num_sms(_deep_ep_sms(comm_sms))
         if deep_gemm is not None:
             restore.append((deep_gemm.set_num_sms, deep_gemm.get_num_sms()))
-            deep_gemm.set_num_sms(total - comm_sms)
+            deep_gemm.set_num_sms((total - comm_sms) // 2 * 2)
         yield
     finally:
         for setter, previous in reversed(restore):

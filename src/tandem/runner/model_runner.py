@@ -99,6 +99,7 @@ class ModelRunner:
             graph_mode=self.overlap.graph_mode,
             max_blocks_per_seq=-(-model_info.max_model_len // block_size),
             platform=self.platform,
+            comm_sms=self.overlap.comm_sms,
         )
         self.future_map = future_map
         #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`), or None.

@@ -119,6 +119,8 @@ def build_runner(config, *, group=None, cpu_group=None) -> ModelRunner:
         use_fp8_dispatch=par.use_fp8_dispatch,
         enable_sbo=par.enable_sbo,
         fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
+        deepep_ll_max_tokens_per_rank=par.deepep_ll_max_tokens_per_rank,
+        comm_sms=config.overlap.comm_sms,
     )
     info = load_model(config.model, moe=moe, dtype=config.resolve_dtype(device), device=device)
     tracer = None

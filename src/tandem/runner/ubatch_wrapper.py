@@ -40,6 +40,8 @@ from tandem.contexts import (
 )
 from tandem.contexts.ubatch_context import current_ubatch_context
 from tandem.models.paged_attention import AttentionMetadata
+from tandem.modular_kernels.capturable import check_graph_capturable
+from tandem.modular_kernels.sm_partition import comm_sm_partition
 from tandem.platform import Graph, Platform, get_platform, graph_capture_active
 from tandem.ubatch import UBatchSlice, split_by_tokens
 
@@ -88,12 +90,17 @@ class UBatchWrapper:
         max_blocks_per_seq: int | None = None,
         platform: Platform | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        comm_sms: int | None = None,
     ):
         if num_ubatches < 2:
             raise ValueError(f"num_ubatches must be at least 2, got {num_ubatches}")
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+        if graph_mode == "full":
+            check_graph_capturable(model)
         self.model = model
+        #: SMs for communication kernels while ubatches overlap (`--comm-sms`; GPU only).
+        self.comm_sms = comm_sms
         self.num_ubatches = num_ubatches
         self.executor = make_executor(executor, timeout) if isinstance(executor, str) else executor
         self.graph_mode = graph_mode
@@ -155,7 +162,8 @@ class UBatchWrapper:
             len(fns), executor=self.executor.kind, comm_stream=self._comm_stream, platform=self.platform, timeout=self.timeout
         )
         self.ubatched_runs += 1
-        return merge_outputs(self.executor.run(fns, contexts))
+        with comm_sm_partition(self.comm_sms):
+            return merge_outputs(self.executor.run(fns, contexts))
 
     def _prepare_streams_for_capture(self) -> None:
         """In a ubatch worker, before a capture: set up its library state (cuBLAS handle and

@@ -5,10 +5,14 @@ instead: it has the same classes, signatures, return tuples, data layouts and ho
 checks as `deep_ep.Buffer`, and moves the data with gloo all-to-alls. Put it in place with
 `install()` (or the `installed()` context manager) and `import deep_ep` returns it.
 
-What is emulated (v1 API, intranode high-throughput + low-latency):
+What is emulated (the legacy `Buffer` API of DeepEP v2.1, intranode high-throughput +
+low-latency):
 
-- `Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank, ...)`:
-  the constructor's checks and its collective handshake (every rank must build it).
+- `Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank, ...,
+  enable_shrink)`: the constructor's checks and its collective handshake (every rank must
+  build it); one NVSHMEM (low-latency) Buffer per process at a time, as `nvshmem::init`
+  allows (beyond 8 ranks a second one fails DeepEP's host assert; below, it costs another
+  full RDMA buffer); `nvshmem_qp_depth` from `NVSHMEM_QP_DEPTH` (default 1024).
 - `get_dispatch_layout` → `(num_tokens_per_rank, None, num_tokens_per_expert,
   is_token_in_rank, event)`.
 - `dispatch` → `(recv_x | (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
@@ -29,7 +33,12 @@ What is emulated (v1 API, intranode high-throughput + low-latency):
   -1 skipped), accumulated in float32.
 - With `return_recv_hook=True` the transfer is only issued: the received tensors hold stale
   data until `hook()` runs (once). `async_finish` and `return_recv_hook` are exclusive.
-- `EventOverlap` (with `current_stream_wait()` and the `with` form), `EventHandle`,
+- Low-latency limits: `(T + 1) * 2 <= nvshmem_qp_depth` (a Python assert in DeepEP),
+  `num_ranks * T % 4 == 0` (TMA), top-k at most 11, the instantiated hidden sizes.
+- `topk_idx_t` (int64 unless `install(topk_idx_dtype=...)` emulates a 32-bit build); every
+  top-k id tensor must have that dtype.
+- `EventOverlap` (with `current_stream_wait(release_handle)`, `register_hook_after_wait`
+  and the `with` form), `EventHandle`,
   `Buffer.capture`, `Config` (+ size hints), `get_dispatch_config`, `get_combine_config`,
   `set_num_sms`, `get_low_latency_rdma_size_hint` (DeepEP's buffer arithmetic),
   `clean_low_latency_buffer`, `get_next_low_latency_combine_buffer` (+ `zero_copy`).
@@ -45,8 +54,8 @@ Not emulated: internode (> 8 ranks) high-throughput kernels, `num_worst_tokens`,
 block the CPU instead of a stream), and the arrival-order nondeterminism of the real
 low-latency packing (here rows are always in source-rank, then token order).
 
-`install(allow_float32=True)` relaxes the bf16-only checks so numerics can be compared to
-float32 references exactly; everything else stays as strict as DeepEP.
+`install(allow_float32=True)` relaxes the bf16-only checks for tests of the emulation's own
+arithmetic; adapters are tested without it, in bf16 as DeepEP requires.
 """
 
 from __future__ import annotations
@@ -54,8 +63,10 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import os
 import threading
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -82,7 +93,10 @@ _INT_MAX = 2**31 - 1
 _SOURCE_META_BYTES = 8  # internode::SourceMeta: two ints
 #: hidden sizes DeepEP's low-latency kernels are instantiated for.
 LL_SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
-LL_MAX_TOPK = 9
+#: `kNumMaxTopK` of the low-latency kernels.
+LL_MAX_TOPK = 11
+#: NVSHMEM queue-pair depth when `NVSHMEM_QP_DEPTH` is not set.
+DEFAULT_NVSHMEM_QP_DEPTH = 1024
 _FP8 = torch.float8_e4m3fn
 _FP8_AMAX = 448.0
 _FP8_MARGIN = 1e-4
@@ -113,6 +127,8 @@ class EmulationOptions:
     allow_float32: bool = False
     #: fill rows that carry no data (and not-yet-received tensors) with a stale value.
     poison: bool = True
+    #: `deep_ep.topk_idx_t`: int64 unless DeepEP was built with `EP_NUM_TOPK_IDX_BITS=32`.
+    topk_idx_dtype: torch.dtype = torch.int64
 
 
 # ---------------------------------------------------------------------------- events
@@ -151,22 +167,40 @@ class EventHandle:
 
 
 class EventOverlap:
-    """`deep_ep.utils.EventOverlap`: wraps an event (None when the call was synchronous)."""
+    """`deep_ep.utils.EventOverlap`: wraps an event (None when the call was synchronous),
+    with v2.1's `current_stream_wait(release_handle)`, `register_hook_after_wait` and the
+    `with event(release_handle=True):` form."""
 
     def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[tuple] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
+        self._release_handle_by_call = False
+        self.hook_after_wait: Optional[Callable[[], None]] = None
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
         assert self.event is not None
         self.event.current_stream_wait()
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], None]) -> None:
+        assert self.hook_after_wait is None, "A hook is already registered on this `EventOverlap`"
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        self._release_handle_by_call = release_handle
+        return self
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
         if self.event is not None:
-            self.event.current_stream_wait()
+            self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False
 
 
 def _recv_hook(transfer: _Transfer) -> Callable[[], None]:
@@ -329,6 +363,8 @@ class Buffer:
 
     num_sms: int = 20
     _options: EmulationOptions = EmulationOptions()
+    #: the live NVSHMEM-initialising Buffers of this install (weakly held).
+    _nvshmem_buffers: "weakref.WeakSet[Buffer]" = weakref.WeakSet()
 
     def __init__(
         self,
@@ -340,6 +376,7 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
         explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
         comm=None,
     ) -> None:
         if group is None:
@@ -353,6 +390,7 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
         R = self.group_size
         _host_assert(
             num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0 and (num_nvl_bytes <= _INT_MAX or num_rdma_bytes == 0),
@@ -374,6 +412,16 @@ class Buffer:
             _host_assert(R > NUM_MAX_NVL_PEERS or low_latency_mode, "num_ranks > NUM_MAX_NVL_PEERS or low_latency_mode")
         if R > NUM_MAX_NVL_PEERS or low_latency_mode:
             assert num_qps_per_rank > 0
+            self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", str(DEFAULT_NVSHMEM_QP_DEPTH)))
+            # NVSHMEM is initialised once per process: DeepEP's second low-latency Buffer fails
+            # `nvshmem::init`'s host assert beyond 8 ranks and costs another full RDMA buffer below.
+            live = [b for b in type(self)._nvshmem_buffers if not b._destroyed]
+            _host_assert(
+                not live,
+                "one NVSHMEM (low-latency) Buffer per process: a second one re-runs nvshmem::init "
+                "(share one Buffer between layers and ubatches, or destroy() the first)",
+            )
+            type(self)._nvshmem_buffers.add(self)
         # The real constructor exchanges device ids, IPC and NVSHMEM handles: a collective.
         peers: list = [None] * R
         dist.all_gather_object(peers, self.rank, group)
@@ -388,6 +436,7 @@ class Buffer:
     def destroy(self) -> None:
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self._destroyed = True
+        type(self)._nvshmem_buffers.discard(self)
 
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
@@ -424,6 +473,13 @@ class Buffer:
 
     def _check_alive(self) -> None:
         _host_assert(not self._destroyed, "the buffer has been destroyed")
+
+    def _check_topk_idx_dtype(self, topk_idx: torch.Tensor) -> None:
+        wanted = self._options.topk_idx_dtype
+        _host_assert(
+            topk_idx.dtype == wanted,
+            f"topk_idx.scalar_type() == deep_ep.topk_idx_t ({wanted}, got {topk_idx.dtype})",
+        )
 
     def _check_compute_dtype(self, x: torch.Tensor, what: str) -> None:
         allowed = (torch.bfloat16, torch.float32) if self._options.allow_float32 else (torch.bfloat16,)
@@ -473,12 +529,12 @@ class Buffer:
         self._check_alive()
         R = self.group_size
         _check_matrix(topk_idx, "topk_idx")
-        _host_assert(topk_idx.dtype == torch.int64, "topk_idx.scalar_type() == torch::kInt64")
+        self._check_topk_idx_dtype(topk_idx)
         _host_assert(num_experts > 0 and num_experts % R == 0, "num_experts > 0 and num_experts % num_ranks == 0")
         self._check_expert_ids(topk_idx, num_experts)
         self._wait_previous(previous_event, async_finish, allocate_on_comm_stream)
         valid = topk_idx >= 0
-        ids = topk_idx.clamp(min=0)
+        ids = topk_idx.clamp(min=0).long()
         num_tokens_per_expert = (F.one_hot(ids, num_experts) * valid.unsqueeze(-1)).sum(dim=(0, 1)).to(torch.int32)
         dest = torch.where(valid, ids // (num_experts // R), -1)
         is_token_in_rank = (dest.unsqueeze(-1) == torch.arange(R)).any(dim=1)
@@ -563,19 +619,20 @@ class Buffer:
                 "num_tokens == topk_idx.size(0) and num_tokens == topk_weights.size(0)",
             )
             _host_assert(topk_weights.shape[1] == num_topk, "num_topk == topk_weights.size(1)")
-            _host_assert(topk_idx.dtype == torch.int64, "topk_idx.scalar_type() == torch::kInt64")
+            self._check_topk_idx_dtype(topk_idx)
             _host_assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32")
             self._check_expert_ids(topk_idx, num_experts)
         num_scales = 0
         if x_scales is not None:
             _host_assert(x.element_size() == 1, "x.element_size() == 1")
-            _host_assert(x_scales.dtype == torch.float32, "x_scales.scalar_type() == torch::kFloat32")
             _host_assert(
-                0 < x_scales.dim() < 3 and x_scales.is_contiguous(),
-                "x_scales.dim() > 0 and x_scales.dim() < 3 and x_scales.is_contiguous()",
+                x_scales.dtype in (torch.float32, torch.int32),
+                "x_scales.scalar_type() == torch::kFloat32 or x_scales.scalar_type() == torch::kInt",
             )
+            # Any strides: the kernel reads them through scale_token_stride / scale_hidden_stride.
+            _host_assert(x_scales.dim() == 2, "x_scales.dim() == 2")
             _host_assert(x_scales.shape[0] == x.shape[0], "x_scales.size(0) == num_tokens")
-            num_scales = 1 if x_scales.dim() == 1 else x_scales.shape[1]
+            num_scales = x_scales.shape[1]
         self._wait_previous(previous_event, async_finish, allocate_on_comm_stream)
 
         # Rows to send: grouped by destination rank, ascending token order inside a rank.
@@ -625,7 +682,7 @@ class Buffer:
         sends, recvs = [x[token_index]], [recv_x]
         recv_x_scales = None
         if x_scales is not None:
-            recv_x_scales = torch.empty((num_recv, *x_scales.shape[1:]), dtype=torch.float32)
+            recv_x_scales = torch.empty((num_recv, num_scales), dtype=x_scales.dtype)
             sends.append(x_scales[token_index])
             recvs.append(recv_x_scales)
         recv_topk_idx = recv_topk_weights = None
@@ -636,9 +693,9 @@ class Buffer:
         if topk_idx is not None:
             rows = topk_idx[token_index]
             lo = (rank_of_row * num_local_experts).unsqueeze(1)
-            local = torch.where((rows >= lo) & (rows < lo + num_local_experts), rows - lo, -1)
+            local = torch.where((rows >= lo) & (rows < lo + num_local_experts), rows - lo, -1).to(topk_idx.dtype)
             weights = torch.where(local >= 0, topk_weights[token_index], 0.0)
-            recv_topk_idx = torch.empty((num_recv, num_topk), dtype=torch.int64)
+            recv_topk_idx = torch.empty((num_recv, num_topk), dtype=topk_idx.dtype)
             recv_topk_weights = torch.empty((num_recv, num_topk), dtype=torch.float32)
             sends += [local, weights]
             recvs += [recv_topk_idx, recv_topk_weights]
@@ -768,6 +825,10 @@ class Buffer:
 
     def _check_low_latency(self, hidden: int, num_topk: int, T: int, num_experts: int) -> None:
         _host_assert(self.low_latency_mode, "low_latency_mode")
+        # A Python assert in DeepEP (`buffers/legacy.py`), hence AssertionError.
+        assert self.nvshmem_qp_depth >= (T + 1) * 2, (
+            f"NVSHMEM_QP_DEPTH={self.nvshmem_qp_depth} < (num_max_dispatch_tokens_per_rank + 1) * 2 = {(T + 1) * 2}"
+        )
         _host_assert(
             hidden in LL_SUPPORTED_HIDDEN,
             f"Unsupported hidden ({hidden}; low-latency kernels take {LL_SUPPORTED_HIDDEN})",
@@ -807,7 +868,7 @@ class Buffer:
             "x.size(0) == topk_idx.size(0) and x.size(0) <= num_max_dispatch_tokens_per_rank "
             f"({x.shape[0]} tokens, limit {T})",
         )
-        _host_assert(topk_idx.dtype == torch.int64, "topk_idx.scalar_type() == torch::kInt64")
+        self._check_topk_idx_dtype(topk_idx)
         _host_assert(num_experts % R == 0, "num_experts % num_ranks == 0")
         El = num_experts // R
         if cumulative_local_expert_recv_stats is not None:
@@ -827,12 +888,17 @@ class Buffer:
         N, H = x.shape
         K = topk_idx.shape[1]
         self._check_low_latency(H, K, T, num_experts)
+        _host_assert(
+            (R * T) % 4 == 0,
+            f"(num_ranks * num_max_dispatch_tokens_per_rank) % 4 == 0 and \"TMA requires the number of tokens to be "
+            f"multiple of 4\" ({R} * {T})",
+        )
         self._check_expert_ids(topk_idx, num_experts)
         slot = self._claim_low_latency_slot()
 
         # Send side: every (token, k) pair gets the next free row of its expert's T rows.
         valid = (topk_idx >= 0).flatten()
-        ids = topk_idx.clamp(min=0).flatten()
+        ids = topk_idx.clamp(min=0).long().flatten()
         onehot = F.one_hot(ids, num_experts) * valid.unsqueeze(1)
         row_in_expert = ((onehot.cumsum(0) - onehot) * onehot).sum(1)
         send_rows = (ids * T + row_in_expert)[valid]  # = ((dst_rank * El) + e) * T + p
@@ -940,7 +1006,7 @@ class Buffer:
         )
         _check_matrix(topk_idx, "topk_idx")
         _host_assert(topk_idx.shape == topk_weights.shape, "topk_idx and topk_weights have the same shape")
-        _host_assert(topk_idx.dtype == torch.int64, "topk_idx.scalar_type() == torch::kInt64")
+        self._check_topk_idx_dtype(topk_idx)
         _check_matrix(topk_weights, "topk_weights")
         _host_assert(topk_weights.shape[0] <= T, "topk_weights.size(0) <= num_max_dispatch_tokens_per_rank")
         _host_assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32")
@@ -984,7 +1050,7 @@ class Buffer:
         def receive() -> None:
             by_expert = received.view(num_experts, T, H)  # row [global expert, my token]
             valid = topk_idx >= 0
-            rows = by_expert[topk_idx.clamp(min=0), torch.arange(N).unsqueeze(1)].float()
+            rows = by_expert[topk_idx.clamp(min=0).long(), torch.arange(N).unsqueeze(1)].float()
             rows = torch.where(valid.unsqueeze(-1), rows, 0.0)
             weights = (topk_weights * valid).unsqueeze(-1)
             combined_x.copy_((rows * weights).sum(1).to(combined_x.dtype))
@@ -1000,12 +1066,19 @@ class Buffer:
 # ---------------------------------------------------------------------------- install
 
 
-def install(*, allow_float32: bool = False, poison: bool = True) -> types.ModuleType:
+def install(
+    *, allow_float32: bool = False, poison: bool = True, topk_idx_dtype: torch.dtype = torch.int64
+) -> types.ModuleType:
     """Register a fresh emulated `deep_ep` (and `deep_ep.utils`, `deep_ep.buffer`) in
     `sys.modules`; returns the module. Options live on that module's `Buffer` class, so two
     installs never share state. `uninstall()` restores whatever was there before."""
-    options = EmulationOptions(allow_float32=allow_float32, poison=poison)
-    attrs = {"_options": options, "num_sms": Buffer.num_sms, "__module__": "deep_ep.buffer"}
+    options = EmulationOptions(allow_float32=allow_float32, poison=poison, topk_idx_dtype=topk_idx_dtype)
+    attrs = {
+        "_options": options,
+        "num_sms": Buffer.num_sms,
+        "_nvshmem_buffers": weakref.WeakSet(),
+        "__module__": "deep_ep.buffer",
+    }
     buffer_cls = type("Buffer", (Buffer,), attrs)
     names = ("deep_ep", "deep_ep.utils", "deep_ep.buffer")
     previous = {name: sys.modules.get(name) for name in names}
@@ -1022,6 +1095,7 @@ def install(*, allow_float32: bool = False, poison: bool = True) -> types.Module
     module.EventOverlap = EventOverlap
     module.utils = utils
     module.buffer = buffer_mod
+    module.topk_idx_t = topk_idx_dtype
     module.emulation_options = options
     module.__tandem_fake__ = True
     module._tandem_previous = previous
@@ -1042,8 +1116,10 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed(*, allow_float32: bool = False, poison: bool = True) -> Iterator[types.ModuleType]:
-    module = install(allow_float32=allow_float32, poison=poison)
+def installed(
+    *, allow_float32: bool = False, poison: bool = True, topk_idx_dtype: torch.dtype = torch.int64
+) -> Iterator[types.ModuleType]:
+    module = install(allow_float32=allow_float32, poison=poison, topk_idx_dtype=topk_idx_dtype)
     try:
         yield module
     finally:

@@ -11,13 +11,19 @@ the library's Python surface and data layout:
   plus the recipe options, of which only the default 1x128 / 128x128 recipe is emulated);
 - the helpers `get_m_alignment_for_contiguous_layout` (and its 2.x spelling
   `get_mk_alignment_for_contiguous_layout`), `get_tma_aligned_size`,
-  `get_col_major_tma_aligned_tensor`, `set_num_sms` / `get_num_sms`, `ceil_div`, `align`;
+  `get_mn_major_tma_aligned_tensor` (2.x; `get_col_major_tma_aligned_tensor` is its 1.x
+  name), `set_num_sms` / `get_num_sms` (0 up to the device's SM count, 0 meaning all of
+  them; every GEMM then needs an even count), `ceil_div`, `align`;
 - the contracts the library asserts on the host, raised here as `DeepGemmContractError`
-  (an `AssertionError`, as DeepGEMM 1.x raises): operand dtypes (fp8 e4m3 data, float32
-  scales, bf16 output, int32 layout), shapes, contiguity, scale shapes `[M, K/128]` and
-  `[G, N/128, K/128]`, `expected_m > 0`, and the masked-layout rule that with several
-  groups `M` is a multiple of the block M the heuristic picks (64 when
-  `expected_m <= 64`, else 128). It also checks, on the host, what the kernels silently
+  (a `RuntimeError`, as 2.x's `DGException` reaches Python): operand dtypes (fp8 e4m3
+  data, float32 scales, bf16 output, int32 layout), shapes, contiguity, scale shapes
+  `[M, K/128]` and `[G, N/128, K/128]`, `expected_m > 0`, and the masked-layout rule that
+  with several groups `M` is a multiple of the block M the heuristic picks (64 when
+  `expected_m <= 64`, else 128): the kernel stores D with a TMA box of block M rows that is
+  only clipped at `G*M`, so a partial last block of group g writes over group g+1;
+- on an SM100 device (`install(arch_major=10)`), the power-of-two (UE8M0) scales the
+  kernels pack the float32 scales into: any other scale traps on the device there (raised
+  here as a `RuntimeError`). It also checks, on the host, what the kernels silently
   assume: `K` and `N` multiples of 128 (the block size of the scaling recipe; vLLM's
   DeepGEMM path requires the same), and in the contiguous layout `M` a multiple of the
   128-row alignment with every aligned block holding one group followed only by `-1`
@@ -56,12 +62,16 @@ DEVICE_NUM_SMS = 132
 #: what the kernels leave in rows they do not define.
 POISON = float("nan")
 
+#: compute capability major of the emulated device: 9 (SM90) or 10 (SM100, UE8M0 scales).
+ARCH_MAJOR = 9
+_DEFAULT_DEVICE = (ARCH_MAJOR, DEVICE_NUM_SMS)
+
 _num_sms: int | None = None
 _previous_module: types.ModuleType | None = None
 _installed = False
 
 
-class DeepGemmContractError(AssertionError):
+class DeepGemmContractError(RuntimeError):
     """A call broke a layout/dtype/shape contract that DeepGEMM asserts or assumes."""
 
 
@@ -74,16 +84,21 @@ def _require(condition: bool, message: str) -> None:
 
 
 def set_num_sms(num_sms: int) -> None:
-    """Cap the number of SMs the GEMM kernels may use (kept for `get_num_sms`)."""
+    """Cap the number of SMs the GEMM kernels may use; 0 means the whole device."""
     global _num_sms
     _require(isinstance(num_sms, int) and not isinstance(num_sms, bool), f"num_sms must be an int, got {num_sms!r}")
-    _require(0 < num_sms <= DEVICE_NUM_SMS, f"num_sms must lie in [1, {DEVICE_NUM_SMS}], got {num_sms}")
-    _num_sms = num_sms
+    _require(0 <= num_sms <= DEVICE_NUM_SMS, f"0 <= new_num_sms <= {DEVICE_NUM_SMS} (multiProcessorCount), got {num_sms}")
+    _num_sms = num_sms or None
 
 
 def get_num_sms() -> int:
     """The SM cap set by `set_num_sms`, else the device's SM count."""
     return DEVICE_NUM_SMS if _num_sms is None else _num_sms
+
+
+def _check_num_sms() -> None:
+    # Every GEMM's heuristics assert it (`heuristics/config.hpp`).
+    _require(get_num_sms() % 2 == 0, f"num_sms % 2 == 0 (the GEMMs use SMs in pairs), got {get_num_sms()}")
 
 
 def ceil_div(x: int, y: int) -> int:
@@ -109,7 +124,7 @@ def get_tma_aligned_size(x: int, element_size: int) -> int:
     return align(x, 16 // element_size)
 
 
-def get_col_major_tma_aligned_tensor(x: torch.Tensor) -> torch.Tensor:
+def get_mn_major_tma_aligned_tensor(x: torch.Tensor) -> torch.Tensor:
     """`x [..., m, n]` (2-D or 3-D) as a column-major view whose column stride is `m`
     rounded up to 16 bytes: the layout the kernels read LHS scales in. Returns `x` itself
     when it already has that layout, else a copy."""
@@ -141,6 +156,23 @@ def _unpack(pair, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scales
 
 
+#: DeepGEMM 1.x name of the same helper.
+get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor
+
+
+def _check_ue8m0(scales: torch.Tensor, name: str) -> None:
+    """SM100 packs float32 scales into their exponent byte and traps unless sign and
+    mantissa are zero (`transpose_and_pack_fp32_into_ue8m0`)."""
+    if ARCH_MAJOR != 10:
+        return
+    bits = scales.contiguous().view(torch.int32)
+    if bool(((bits & 0x807FFFFF) != 0).any()):
+        raise RuntimeError(
+            f"deep_gemm (fake, SM100): device-side assert (values[j] & 0x807fffffu) == 0: {name} scales must be "
+            "positive powers of two (UE8M0) on SM100; quantize with ceil-to-power-of-two scales"
+        )
+
+
 def _check_operands(data, scales, name, expected_scale_shape, *, scales_contiguous: bool) -> None:
     _require(data.dtype == FP8_DTYPE, f"{name} must be torch.float8_e4m3fn, got {data.dtype}")
     _require(data.is_contiguous(), f"{name} must be contiguous")
@@ -151,6 +183,7 @@ def _check_operands(data, scales, name, expected_scale_shape, *, scales_contiguo
     )
     if scales_contiguous:
         _require(scales.is_contiguous(), f"{name} scales must be contiguous")
+    _check_ue8m0(scales, name)
 
 
 def _check_nk(n: int, k: int) -> None:
@@ -215,6 +248,7 @@ def _check_contiguous_layout(m_indices: torch.Tensor, num_groups: int) -> None:
 
 
 def _contiguous_impl(a, b, d, m_indices, *, api: str, scales_contiguous: bool) -> None:
+    _check_num_sms()
     lhs, lhs_scales = _unpack(a, "lhs")
     rhs, rhs_scales = _unpack(b, "rhs")
     _require(
@@ -255,6 +289,7 @@ def _contiguous_impl(a, b, d, m_indices, *, api: str, scales_contiguous: bool) -
 
 
 def _masked_impl(a, b, d, masked_m, expected_m, *, api: str, scales_contiguous: bool) -> None:
+    _check_num_sms()
     lhs, lhs_scales = _unpack(a, "lhs")
     rhs, rhs_scales = _unpack(b, "rhs")
     _require(
@@ -288,8 +323,9 @@ def _masked_impl(a, b, d, masked_m, expected_m, *, api: str, scales_contiguous: 
     _require(d.is_contiguous() and masked_m.is_contiguous(), "out and masked_m must be contiguous")
     block_m = 64 if expected_m <= 64 else 128
     _require(
-        num_groups == 1 or m <= block_m or m % block_m == 0,
-        f"with several groups M={m} must be a multiple of the block M ({block_m} for expected_m={expected_m})",
+        num_groups == 1 or m % block_m == 0,
+        f"with several groups M={m} must be a multiple of the block M ({block_m} for expected_m={expected_m}): "
+        "the output store is not clipped per group",
     )
 
     x = _dequantize_lhs(lhs, lhs_scales)
@@ -385,9 +421,14 @@ def m_grouped_fp8_gemm_nt_masked(
 # --------------------------------------------------------------------------- install
 
 
-def install() -> types.ModuleType:
-    """Make `import deep_gemm` return this emulation (state reset); returns the module."""
-    global _previous_module, _installed, _num_sms
+def install(*, arch_major: int = 9, device_num_sms: int = 132) -> types.ModuleType:
+    """Make `import deep_gemm` return this emulation (state reset) of a device with
+    compute capability `arch_major` (9: SM90, 10: SM100) and `device_num_sms` SMs;
+    returns the module."""
+    global _previous_module, _installed, _num_sms, ARCH_MAJOR, DEVICE_NUM_SMS
+    if arch_major not in (9, 10):
+        raise ValueError(f"the emulated device is SM90 or SM100 (arch_major 9 or 10), got {arch_major}")
+    ARCH_MAJOR, DEVICE_NUM_SMS = arch_major, device_num_sms
     module = sys.modules[__name__]
     if not _installed:
         _previous_module = sys.modules.get("deep_gemm")
@@ -399,7 +440,8 @@ def install() -> types.ModuleType:
 
 def uninstall() -> None:
     """Undo `install()`: restore whatever `sys.modules["deep_gemm"]` held before."""
-    global _previous_module, _installed
+    global _previous_module, _installed, ARCH_MAJOR, DEVICE_NUM_SMS
+    ARCH_MAJOR, DEVICE_NUM_SMS = _DEFAULT_DEVICE
     if not _installed:
         return
     if sys.modules.get("deep_gemm") is sys.modules[__name__]:
@@ -412,9 +454,9 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[types.ModuleType]:
+def installed(*, arch_major: int = 9, device_num_sms: int = 132) -> Iterator[types.ModuleType]:
     """`with installed() as deep_gemm: ...`"""
-    module = install()
+    module = install(arch_major=arch_major, device_num_sms=device_num_sms)
     try:
         yield module
     finally:
