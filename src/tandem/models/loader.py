@@ -149,17 +149,21 @@ def _eos_token_ids(path: Path, config: HFConfig) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype) -> ModelInfo:
+def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype, stage=None) -> ModelInfo:
     build = _import(BUILTIN_MODELS[name])
+    extras = {"stage": stage} if stage is not None else {}
     if "dtype" in inspect.signature(build).parameters:
-        return build(moe, dtype=dtype)
-    return build(moe)
+        return build(moe, dtype=dtype, **extras)
+    return build(moe, **extras)
 
 
-def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32) -> ModelInfo:
-    """Build and fill the model for this rank, with its tokenizer and stop tokens."""
+def load_model(
+    path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, stage=None
+) -> ModelInfo:
+    """Build and fill the model for this rank, with its tokenizer and stop tokens. `stage`
+    (a `tandem.distributed.StageLayers`) builds and reads only that pipeline stage's layers."""
     if str(path_or_name) in BUILTIN_MODELS:
-        return _load_builtin(str(path_or_name), moe, dtype)
+        return _load_builtin(str(path_or_name), moe, dtype, stage)
     path = Path(path_or_name).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -174,8 +178,8 @@ def load_model(path_or_name: str, moe: MoEOptions | None = None, dtype: torch.dt
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}: tandem reads the fast-tokenizer file")
 
-    model = cls(config, moe=moe, dtype=dtype)
-    select = getattr(model, "checkpoint_selection", None)
+    model = cls(config, moe=moe, dtype=dtype, **({"stage": stage} if stage is not None else {}))
+    select = getattr(model, "checkpoint_selection", None) or model.owns_checkpoint_tensor
     read: set[str] = set()
     tensors = iter_checkpoint(shards, select, read)
     if (moe is None or moe.ep_rank == 0) and sys.stderr.isatty():
@@ -254,3 +258,14 @@ def load_tokenizer_info(path_or_name: str) -> TokenizerInfo:
         chat_template,
         path.name,
     )
+
+
+def num_hidden_layers(path_or_name: str) -> int:
+    """The decoder layer count of a model directory (or a built-in model), from its config
+    alone: what a pipeline stage needs to know which layers are its own before loading."""
+    if str(path_or_name) == "tiny-moe":
+        from tandem.models import tiny_moe
+
+        return int(tiny_moe.CONFIG["num_hidden_layers"])
+    path = Path(path_or_name).expanduser()
+    return int(config_value(read_config(path), "num_hidden_layers"))
