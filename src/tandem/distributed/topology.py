@@ -98,6 +98,8 @@ class StageGroups:
     dp_group: object
     device_group: object
     cpu_group: object
+    #: gloo over the first stage's ranks: the control plane of the scheduling ranks.
+    first_stage_cpu_group: object = None
 
     @property
     def stage(self) -> int:
@@ -130,7 +132,8 @@ def init_stage_groups(topology: Topology, *, device: torch.device | str = "cpu",
     default_is_device = dist.get_backend() == backend
     device_group = dist.group.WORLD if default_is_device else dist.new_group(backend=backend, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    return StageGroups(topology, rank, dp_group, device_group, cpu_group)
+    first_stage_cpu_group = dist.new_group(topology.stage_ranks(0), backend="gloo", timeout=timeout)
+    return StageGroups(topology, rank, dp_group, device_group, cpu_group, first_stage_cpu_group)
 
 
 __all__ = ["StageGroups", "Topology", "backend_for_device", "init_stage_groups"]

@@ -183,15 +183,22 @@ class ModelRunner:
             hidden = self.wrapper(inputs.input_ids, inputs.positions)
         if not chunks:
             return StepResult([], 0, inputs.input_ids.shape[0], slices is not None)
-        last_rows = (inputs.attn_metadata.query_start_loc[1:] - 1).long()
-        logits = self.model.compute_logits(hidden[last_rows])
         wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
+        tokens = self.sample_tokens(hidden, inputs, sampling, generators, wanted)
         rows = [r for r, w in enumerate(wanted) if w]
-        sampled = sample(logits[rows], [sampling[r] for r in rows], [generators[r] for r in rows])
-        tokens: list[int | None] = [None] * len(chunks)
-        for r, token in zip(rows, sampled):
-            tokens[r] = token
         if self.future_map is not None and future_slots is not None:
             published = [(future_slots[r], tokens[r]) for r in rows if future_slots[r] is not None]
             self.future_map.store([slot for slot, _ in published], [token for _, token in published])
         return StepResult(tokens, inputs.num_tokens, inputs.input_ids.shape[0], slices is not None)
+
+    def sample_tokens(self, hidden, inputs: StepInputs, sampling, generators, wanted: Sequence[bool]) -> list[int | None]:
+        """The next token of every request whose `wanted` is set (None elsewhere), from the
+        final hidden state of its last scheduled token."""
+        last_rows = (inputs.attn_metadata.query_start_loc[1:] - 1).long()
+        logits = self.model.compute_logits(hidden[last_rows])
+        rows = [r for r, w in enumerate(wanted) if w]
+        sampled = sample(logits[rows], [sampling[r] for r in rows], [generators[r] for r in rows])
+        tokens: list[int | None] = [None] * len(wanted)
+        for r, token in zip(rows, sampled):
+            tokens[r] = token
+        return tokens

@@ -96,8 +96,10 @@ def generate(
     return [Completion(s.index, s.text, s.output_ids, s.finish_reason) for s in sequences]
 
 
-def build_runner(config, *, group=None) -> ModelRunner:
-    """Load `config.model` for this rank (its experts only) and wrap it in a ModelRunner."""
+def build_runner(config, *, group=None, stage=None) -> ModelRunner:
+    """Load `config.model` for this rank (its experts only; with `stage`, a
+    `tandem.distributed.StageLayers`, only that pipeline stage's layers) and wrap it in a
+    ModelRunner."""
     from tandem.models.base import MoEOptions
     from tandem.models.loader import load_model
     from tandem.modular_kernels import FabricModel
@@ -112,7 +114,7 @@ def build_runner(config, *, group=None) -> ModelRunner:
         enable_sbo=par.enable_sbo,
         fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
     )
-    info = load_model(config.model, moe=moe)
+    info = load_model(config.model, moe=moe, stage=stage)
     return ModelRunner(
         info,
         overlap=config.overlap,
@@ -123,8 +125,14 @@ def build_runner(config, *, group=None) -> ModelRunner:
 
 
 def generate_on_rank(rank: int, world_size: int, config, prompts: list[str], params: SamplingParams) -> list[Completion]:
-    """One DP rank of `tandem generate`: prompt i runs on rank i % world_size."""
+    """One DP rank of `tandem generate`: prompt i runs on rank i % world_size (with pipeline
+    parallelism: on the i % D-th rank of the first stage)."""
     import torch.distributed as dist
+
+    if config.parallel.pipeline_parallel_size > 1:
+        from tandem.runner.pipeline import generate_pipeline_rank
+
+        return generate_pipeline_rank(rank, world_size, config, prompts, params)
 
     runner = build_runner(config, group=dist.group.WORLD if world_size > 1 else None)
     tokenizer = runner.info.tokenizer
