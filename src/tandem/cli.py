@@ -52,6 +52,13 @@ _FABRIC = typer.Option(
     None, help="Modelled interconnect preset, e.g. deepep-ll-h800 (DeepEP low-latency, H800, EP8) or deepep-ll-h800-ep64."
 )
 
+_PIPELINE_PARALLEL_SIZE = typer.Option(1, help="Pipeline stages (processes); the decoder layers are split over them.")
+_PP_LAYER_PARTITION = typer.Option(None, help="Decoder layers per pipeline stage, e.g. 10,14 (default: even).")
+_PP_ASYNC_BATCH_DEPTH = typer.Option(0, help="Micro-batches in flight beyond one per pipeline stage.")
+_ENABLE_DYNAMIC_CHUNKING = typer.Option(
+    False, help="Size prompt chunks from a latency model fitted at start-up, so each chunk costs about the same."
+)
+
 
 #: The shared engine flags, by parameter name: commands declare them (typer needs each
 #: parameter spelled out) and hand them over with `_engine_flags(locals())`.
@@ -71,6 +78,10 @@ _ENGINE_FLAGS = (
     "fabric_latency_us",
     "fabric_gbps",
     "fabric",
+    "pipeline_parallel_size",
+    "pp_layer_partition",
+    "pp_async_batch_depth",
+    "enable_dynamic_chunking",
 )
 
 
@@ -95,6 +106,10 @@ def _engine_config(
     fabric_latency_us: float | None,
     fabric_gbps: float | None,
     fabric: str | None = None,
+    pipeline_parallel_size: int = 1,
+    pp_layer_partition: str | None = None,
+    pp_async_batch_depth: int = 0,
+    enable_dynamic_chunking: bool = False,
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
@@ -102,6 +117,8 @@ def _engine_config(
     from tandem.config import CacheConfig, EngineConfig, OverlapConfig, ParallelConfig
 
     try:
+        if pipeline_parallel_size > 1:
+            _check_pipeline_partition(model, pipeline_parallel_size, pp_layer_partition)
         return EngineConfig(
             model=model,
             overlap=OverlapConfig(
@@ -120,12 +137,28 @@ def _engine_config(
                 fabric_latency_us=fabric_latency_us,
                 fabric_gbps=fabric_gbps,
                 fabric=fabric,
+                pipeline_parallel_size=pipeline_parallel_size,
+                pp_layer_partition=_int_list(pp_layer_partition, "--pp-layer-partition", sort=False) if pp_layer_partition else None,
+                pp_async_batch_depth=pp_async_batch_depth,
+                enable_dynamic_chunking=enable_dynamic_chunking,
             ),
             cache=cache or CacheConfig(),
             max_num_batched_tokens=max_num_batched_tokens,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def _check_pipeline_partition(model: str, stages: int, partition: str | None) -> None:
+    """A partition that cannot fit the model fails here, before any rank starts."""
+    from tandem.distributed import partition_layers
+    from tandem.models.loader import num_hidden_layers
+
+    try:
+        layers = num_hidden_layers(model)
+    except (OSError, KeyError):
+        return  # a bad model directory gets its own error where it is loaded
+    partition_layers(layers, stages, _int_list(partition, "--pp-layer-partition", sort=False) if partition else None)
 
 
 @app.command()
@@ -152,6 +185,10 @@ def generate(
     fabric_latency_us: float = _FABRIC_LATENCY_US,
     fabric_gbps: float = _FABRIC_GBPS,
     fabric: str = _FABRIC,
+    pipeline_parallel_size: int = _PIPELINE_PARALLEL_SIZE,
+    pp_layer_partition: str = _PP_LAYER_PARTITION,
+    pp_async_batch_depth: int = _PP_ASYNC_BATCH_DEPTH,
+    enable_dynamic_chunking: bool = _ENABLE_DYNAMIC_CHUNKING,
     json_output: bool = typer.Option(False, "--json", help="One JSON object per prompt (text, token_ids) instead of text."),
 ) -> None:
     """Offline generation; completions go to stdout, logs and progress to stderr."""
@@ -176,16 +213,17 @@ def generate(
         f"dbo={'on' if o.enable_dbo else 'off'} (ubatches={o.num_ubatches}, executor={o.executor}, "
         f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold}) "
         f"sbo={'on' if p.enable_sbo else 'off'} graph={o.graph_mode}"
+        + (f" pp={p.pipeline_parallel_size} (depth {p.pp_async_batch_depth})" if p.pipeline_parallel_size > 1 else "")
     )
     start = time.perf_counter()
     from tandem.runner.launch import RankFailedError, launch_ranks
     from tandem.runner.offline import generate_on_rank
 
     try:
-        if p.data_parallel_size == 1:
+        if p.world_size == 1:
             per_rank = [generate_on_rank(0, 1, config, prompts, params)]
         else:
-            per_rank = launch_ranks(generate_on_rank, p.data_parallel_size, config, prompts, params)
+            per_rank = launch_ranks(generate_on_rank, p.world_size, config, prompts, params)
     except (ValueError, ImportError, OSError) as exc:
         log(f"error: {exc}")
         raise typer.Exit(code=2) from None
@@ -223,6 +261,10 @@ def serve(
     fabric_latency_us: float = _FABRIC_LATENCY_US,
     fabric_gbps: float = _FABRIC_GBPS,
     fabric: str = _FABRIC,
+    pipeline_parallel_size: int = _PIPELINE_PARALLEL_SIZE,
+    pp_layer_partition: str = _PP_LAYER_PARTITION,
+    pp_async_batch_depth: int = _PP_ASYNC_BATCH_DEPTH,
+    enable_dynamic_chunking: bool = _ENABLE_DYNAMIC_CHUNKING,
     max_num_seqs: int = typer.Option(64, help="Most requests running at once per rank."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one step (prefill is chunked to fit)."),
     kv_cache_tokens: int = typer.Option(32768, help="KV cache size per rank, in tokens."),
@@ -256,7 +298,7 @@ def serve(
         # torchrun decides the ranks: one process each, WORLD_SIZE of them.
         import os
 
-        data_parallel_size = int(os.environ["WORLD_SIZE"])
+        data_parallel_size = int(os.environ["WORLD_SIZE"]) // max(pipeline_parallel_size, 1)
     if kv_cache_tokens < block_size or block_size < 1:
         raise typer.BadParameter(f"--kv-cache-tokens ({kv_cache_tokens}) must hold at least one block of {block_size}")
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -320,9 +362,10 @@ _BENCH_CONTEXT_LEN = typer.Option(128, help="Decode: cached tokens each request 
 _BENCH_PREFILL_LEN = typer.Option(512, help="Prefill: new tokens per request (a batch is several).")
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def _int_list(text: str, flag: str, *, sort: bool = True) -> list[int]:
     try:
-        values = sorted({int(v) for v in text.split(",") if v.strip()})
+        values = [int(v) for v in text.split(",") if v.strip()]
+        values = sorted(set(values)) if sort else values
     except ValueError:
         raise typer.BadParameter(f"{flag} takes comma-separated integers, got {text!r}") from None
     if not values or values[0] < 1:
