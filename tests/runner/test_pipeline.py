@@ -27,16 +27,16 @@ def _config(model: str, **parallel) -> EngineConfig:
     )
 
 
-def one_process_tokens(model: str) -> list[list[int]]:
+def one_process_tokens(model: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
     info = load_model(model)
     engine = Engine(ModelRunner(info, num_kv_blocks=96, block_size=4), max_num_batched_tokens=BUDGET, overlap_schedule=False)
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         engine.add_request(str(i), info.tokenizer.encode(prompt).ids, PARAMS)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_work:
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-    return [tokens[str(i)] for i in range(len(PROMPTS))]
+    return [tokens[str(i)] for i in range(len(prompts))]
 
 
 def _pipeline_rank(rank, world, cases):
@@ -62,3 +62,38 @@ def test_two_stages_give_one_process_greedy_tokens_for_every_family(family_model
     expected = {m: one_process_tokens(m) for m in family_models}
     for (model, parallel), got in zip(cases, first_stage):
         assert got == expected[model], (model, parallel)
+
+
+DBO_PROMPTS = [f"micro-batch {i} flows through the stages" for i in range(8)]
+
+
+def test_two_stages_by_two_dp_ranks_with_dbo_give_one_process_greedy_tokens(family_models):
+    """World = PP 2 x DP 2 (4 processes), the MoE layers expert-parallel over each stage's
+    two ranks, DBO on (thresholds 2): the tokens of one process, and both stages did split
+    steps into ubatches."""
+    dbo = {"enable_dbo": True, "dbo_decode_token_threshold": 2, "dbo_prefill_token_threshold": 2}
+    parallel = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "all2all_backend": "torch_a2a", "pp_async_batch_depth": 1}
+    models = [family_models[0], family_models[-1]]  # tiny-moe (DeepSeek, MLA) and Mixtral
+    results = run_distributed(_pipeline_rank_dbo, 4, [(m, parallel) for m in models], dbo, timeout_s=200)
+    for index, model in enumerate(models):
+        got = {}
+        for tokens, _ in results[:2]:  # the first stage's two DP ranks
+            got.update(tokens[index])
+        assert [got[i] for i in range(len(DBO_PROMPTS))] == one_process_tokens(model, DBO_PROMPTS), model
+    assert all(r == {} for tokens, _ in results[2:] for r in tokens)
+    assert all(ubatched > 0 for _, counts in results for ubatched in counts), [c for _, c in results]
+
+
+def _pipeline_rank_dbo(rank, world, cases, dbo):
+    from tandem.config import OverlapConfig
+    from tandem.runner.pipeline import generate_pipeline_rank
+
+    tokens, ubatched = [], []
+    for model, parallel in cases:
+        config = _config(model, **parallel)
+        config.overlap = OverlapConfig(**dbo)
+        completions = generate_pipeline_rank(
+            rank, world, config, DBO_PROMPTS, PARAMS, on_finish=lambda runner: ubatched.append(runner.ubatched_steps)
+        )
+        tokens.append({c.index: c.token_ids for c in completions})
+    return tokens, ubatched

@@ -399,14 +399,19 @@ def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
     return bool(value.item())
 
 
-def generate_pipeline_rank(rank: int, world_size: int, config, prompts: list[str], params: SamplingParams):
+def generate_pipeline_rank(
+    rank: int, world_size: int, config, prompts: list[str], params: SamplingParams, *, on_finish=None
+):
     """One rank of `tandem generate --pipeline-parallel-size P`: prompt i runs on DP column
-    i % D; the first stage returns its completions, the other stages an empty list."""
+    i % D; the first stage returns its completions, the other stages an empty list.
+    `on_finish(runner)` is called at the end (its counters: steps, ubatched steps)."""
     from tandem.runner.offline import Completion
 
     runner, groups = build_pipeline_stage(config)
     if groups.stage != 0:
         run_stage(runner, groups, num_micro_batches=config.parallel.num_micro_batches)
+        if on_finish is not None:
+            on_finish(runner)
         return []
     engine = pipeline_engine(runner, groups, config)
     tokenizer = runner.info.tokenizer
@@ -427,6 +432,8 @@ def generate_pipeline_rank(rank: int, world_size: int, config, prompts: list[str
                     raise RuntimeError(f"prompt {completion.index}: {output.error}")
                 completion.finish_reason = output.finish_reason
     engine.close()
+    if on_finish is not None:
+        on_finish(runner)
     return list(done.values())
 
 
