@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.contexts import ForwardContext, set_forward_context
-from tandem.distributed import StageGroups, recv_tensor_dict, send_tensor_dict
+from tandem.distributed import StageGroups, StageLinkError, recv_tensor_dict, send_tensor_dict
 from tandem.runner.batch import ScheduledChunk, build_step_inputs
 from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, EngineStats
 from tandem.runner.model_runner import ModelRunner, StepResult
@@ -258,7 +258,14 @@ class PipelineEngine(Engine):
         planned, send = self._in_flight.popleft()
         worker = self.worker
         start = time.perf_counter()
-        message = worker.recv(worker.prev_rank)
+        try:
+            message = worker.recv(worker.prev_rank)
+        except StageLinkError as exc:
+            last = worker.topology.pipeline_parallel_size - 1
+            raise StageLinkError(
+                f"pipeline stage {last} ({worker.topology.describe(worker.prev_rank)}) returned no results within "
+                f"{self.step_timeout_s:g} s: it, or a stage before it, is dead or hung ({exc})"
+            ) from exc
         waited = time.perf_counter() - start
         worker.counters.idle_s += waited
         send.wait(self.step_timeout_s)  # the micro-batch came back: every stage has read its inputs
