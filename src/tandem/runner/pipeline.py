@@ -387,12 +387,19 @@ def build_pipeline_stage(config, *, timeout_s: float = 600.0) -> tuple[ModelRunn
 
 
 def pipeline_engine(runner: ModelRunner, groups: StageGroups, config, **options) -> PipelineEngine:
-    """The first stage's engine for `config` (ring size, lockstep over the stage's DP ranks)."""
+    """The first stage's engine for `config` (ring size, lockstep over the stage's DP ranks;
+    with `enable_dynamic_chunking`, prompt chunks sized from a latency model fitted here)."""
     par = config.parallel
-    return PipelineEngine(
+    engine = PipelineEngine(
         runner, groups, num_micro_batches=par.num_micro_batches, max_num_batched_tokens=config.max_num_batched_tokens,
         lockstep=par.data_parallel_size > 1, **options,
     )
+    if par.enable_dynamic_chunking:
+        from tandem.runner.chunking import fit_chunker
+
+        # Only this stage's layers are timed: the stages are assumed balanced.
+        engine.scheduler.chunk_limit = fit_chunker(runner, config.max_num_batched_tokens, engine.worker.forward_first)
+    return engine
 
 
 def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:

@@ -196,6 +196,10 @@ def serve_rank(
                 lockstep=distributed,
                 step_timeout_s=options.step_timeout_s,
             )
+            if config.parallel.enable_dynamic_chunking:
+                from tandem.runner.chunking import fit_chunker
+
+                engine.scheduler.chunk_limit = fit_chunker(runner, config.max_num_batched_tokens)
         if options.warmup:
             report("progress", "warming up")
             _warm_up(engine)
