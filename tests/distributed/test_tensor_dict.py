@@ -37,10 +37,12 @@ def _exchange(rank, world, depth):
                 pending.pop(0).wait()
         for send in pending:
             send.wait()
+        # A send whose handle is dropped at once still arrives whole (dropping it finishes it).
+        send_tensor_dict(_payload(count), 1, cpu_group=groups.cpu_group, device_group=groups.device_group)
         ack = recv_tensor_dict(1, cpu_group=groups.cpu_group, device_group=groups.device_group, timeout_s=60)
         return ack["ok"]
     received = []
-    for i in range(count):
+    for i in range(count + 1):
         time.sleep(0.05)  # a slow receiver: the sender runs ahead by `depth`
         received.append(recv_tensor_dict(0, cpu_group=groups.cpu_group, device_group=groups.device_group, timeout_s=60))
     ok = all(

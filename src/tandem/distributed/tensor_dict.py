@@ -26,6 +26,10 @@ import torch
 import torch.distributed as dist
 
 
+#: How long dropping an unfinished `PendingSend` waits for it to complete.
+DROP_TIMEOUT_S = 30.0
+
+
 class StageLinkError(RuntimeError):
     """A transfer between stages failed or timed out: a peer stage is dead or hung."""
 
@@ -53,6 +57,15 @@ class PendingSend:
     @property
     def done(self) -> bool:
         return not self.works
+
+    def __del__(self) -> None:
+        # Dropping the works of an unfinished gloo send cancels it mid-message (the receiver
+        # then waits for a body that never comes): finish it first, bounded.
+        if self.works:
+            try:
+                self.wait(DROP_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a dead peer: nothing left to protect
+                pass
 
 
 def _wait_all(works: list, timeout_s: float, what: str) -> None:

@@ -192,7 +192,6 @@ class PipelineEngine(Engine):
         self._in_flight: deque[tuple[SchedulerStep, object]] = deque()
         self._finished: list[str] = []
         self._last_send = time.monotonic()
-        self._heartbeat = None
         self._pipeline_was_busy = False
         #: stage -> that stage's latest counters (this stage's own under index 0).
         self.stage_stats: dict[int, dict] = {}
@@ -280,9 +279,12 @@ class PipelineEngine(Engine):
     def idle(self) -> None:
         if self._in_flight or time.monotonic() - self._last_send < HEARTBEAT_INTERVAL_S:
             return
-        if self._heartbeat is not None:
-            self._heartbeat.wait(self.step_timeout_s)
-        self._heartbeat = self.worker.send({"plan": MicroBatchPlan(kind=HEARTBEAT)}, self.worker.next_rank)
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Tell the later stages the pipeline is alive and idle (their next wait is no bubble).
+        Sent only with nothing in flight, so the next stage is waiting for it: completed here."""
+        self.worker.send({"plan": MicroBatchPlan(kind=HEARTBEAT)}, self.worker.next_rank).wait(self.step_timeout_s)
         self._last_send = time.monotonic()
 
     def stats(self) -> EngineStats:
@@ -298,8 +300,6 @@ class PipelineEngine(Engine):
             return
         self._closed = True
         self.drain()
-        if self._heartbeat is not None:
-            self._heartbeat.wait(self.step_timeout_s)
         self.worker.send({"plan": MicroBatchPlan(kind=STOP)}, self.worker.next_rank).wait(self.step_timeout_s)
 
 
