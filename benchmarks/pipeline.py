@@ -96,6 +96,28 @@ def _ttft(engine, args, tag: str) -> float:
     return first
 
 
+def _link_round_trip_ms(groups, count: int = 40) -> float:
+    """Median round trip of a decode-sized tensor dict (32 x 64 hidden states and a plan)
+    between the two stages: the transfer cost every micro-batch pays twice."""
+    import torch
+
+    from tandem.distributed import recv_tensor_dict, send_tensor_dict
+
+    peer = 1 - groups.rank
+    links = {"cpu_group": groups.cpu_group, "device_group": groups.device_group}
+    message = {"plan": list(range(200)), "hidden": torch.randn(32, 64)}
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        if groups.rank == 0:
+            send_tensor_dict(message, peer, **links).wait()
+            recv_tensor_dict(peer, **links)
+        else:
+            send_tensor_dict(recv_tensor_dict(peer, **links), peer, **links).wait()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def bench_rank(rank: int, world: int, args) -> dict:
     import torch
     import torch.distributed as dist
@@ -108,11 +130,13 @@ def bench_rank(rank: int, world: int, args) -> dict:
 
     torch.set_num_threads(1)
     blocks = (args.prompt_len + args.streams * 64) // 16 + 64
+    partition = [int(n) for n in args.pp_layer_partition.split(",")] if args.pp_layer_partition else None
     config = EngineConfig(
-        model=args.model_dir, parallel=ParallelConfig(pipeline_parallel_size=2), cache=CacheConfig(num_kv_blocks=blocks, block_size=16),
-        max_num_batched_tokens=args.chunk,
+        model=args.model_dir, parallel=ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=partition),
+        cache=CacheConfig(num_kv_blocks=blocks, block_size=16), max_num_batched_tokens=args.chunk,
     )
     runner, groups = build_pipeline_stage(config)
+    link_rtt_ms = _link_round_trip_ms(groups)
     # pp1 runs on rank 0 alone: its DP agreement must not wait for rank 1 (new_group is collective).
     alone = dist.new_group([0], backend="gloo")
     if groups.stage == 1:
@@ -161,7 +185,7 @@ def bench_rank(rank: int, world: int, args) -> dict:
             print(f"[pipeline bench] run {r + 1} {name}: TTFT {prefill[name][-1]:.2f} s", file=sys.stderr, flush=True)
     probe.close()  # stops stage 1
     return {
-        "decode": decode, "prefill": prefill,
+        "decode": decode, "prefill": prefill, "link_rtt_ms": link_rtt_ms,
         "chunkers": {"pp1": [chunk_pp1(n) for n in (0, 2048, 4096, 6144)], "pp2": [chunk_pp2(n) for n in (0, 2048, 4096, 6144)]},
     }
 
@@ -177,6 +201,11 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=1024, help="Fixed chunk / step token budget.")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--pp-layer-partition", default="1,2",
+        help="tiny-moe's 3 layers over the 2 stages; 1,2 balances them (the first stage also embeds and "
+        "schedules); '' for the even default (2,1).",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "pipeline.json")
     args = parser.parse_args()
 
@@ -207,7 +236,9 @@ def main() -> int:
         "pp2 dynamic / pp1 fixed": ttft["pp2 dynamic"]["median_s"] / ttft["pp1 fixed"]["median_s"],
     }
 
-    print(f"tiny-moe decode, {args.streams} streams x {args.decode_tokens} tokens, median of {args.repeat} (min-max)")
+    partition = args.pp_layer_partition or "even"
+    print(f"tiny-moe decode, {args.streams} streams x {args.decode_tokens} tokens, pp2 layers {partition}, "
+          f"median of {args.repeat} (min-max)")
     print(f"{'mode':<20} {'in flight':>9} {'tok/s':>9} {'min-max':>15} {'stage0 idle':>12} {'stage1 idle':>12}")
     for row in rows:
         idle = row["idle_fraction"]
@@ -215,6 +246,7 @@ def main() -> int:
         print(f"{row['mode']:<20} {row['micro_batches']:>9} {row['tok_s']:>9.0f} {row['min']:>7.0f}-{row['max']:<7.0f} {idle_text}")
     for name, value in ratios.items():
         print(f"  {name}: {value:.2f}x")
+    print(f"  stage-to-stage round trip of a decode-sized tensor dict: {result['link_rtt_ms']:.2f} ms (median)")
     print(f"\none {args.prompt_len}-token prompt, chunk {args.chunk}: time to first token, median of {args.repeat} (min-max)")
     for name, value in ttft.items():
         print(f"{name:<20} {value['median_s']:>8.2f} s  ({value['min_s']:.2f}-{value['max_s']:.2f})")
@@ -227,7 +259,7 @@ def main() -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "model_dir")},
         "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
         "decode": rows, "decode_ratios": ratios, "ttft": ttft, "ttft_ratios": ttft_ratios,
-        "chunkers": result["chunkers"], "wall_s": time.time() - started,
+        "chunkers": result["chunkers"], "link_rtt_ms": result["link_rtt_ms"], "wall_s": time.time() - started,
     }, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
