@@ -192,7 +192,6 @@ class PipelineEngine(Engine):
         self._in_flight: deque[tuple[SchedulerStep, object]] = deque()
         self._finished: list[str] = []
         self._last_send = time.monotonic()
-        self._pipeline_was_busy = False
         #: stage -> that stage's latest counters (this stage's own under index 0).
         self.stage_stats: dict[int, dict] = {}
         self._closed = False
@@ -380,8 +379,14 @@ def build_pipeline_stage(config, *, timeout_s: float = 600.0) -> tuple[ModelRunn
     from tandem.models.loader import num_hidden_layers
     from tandem.runner.offline import build_runner
 
+    import torch.distributed as dist
+
     par = config.parallel
-    groups = init_stage_groups(Topology(par.pipeline_parallel_size, par.data_parallel_size), timeout_s=timeout_s)
+    # The tensors between stages live where the model does; until the config names a device,
+    # follow the default group's backend (NCCL: CUDA).
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    topology = Topology(par.pipeline_parallel_size, par.data_parallel_size)
+    groups = init_stage_groups(topology, device=device, timeout_s=timeout_s)
     stage = stage_layers(num_hidden_layers(config.model), groups.stage, par.pipeline_parallel_size, par.pp_layer_partition)
     return build_runner(config, group=groups.dp_group, stage=stage), groups
 
