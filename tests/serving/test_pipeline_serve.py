@@ -70,6 +70,9 @@ def test_a_failing_stage_fails_its_requests_and_a_hung_stage_is_bounded_by_the_s
         assert failed.status_code == 500
         assert "stage 1: InjectedFault" in failed.json()["error"]["message"]
         assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200
+        # Idle for longer than the step timeout: heartbeats keep stage 1's bounded wait alive.
+        time.sleep(step_timeout + 2)
+        assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200
 
         started = time.monotonic()
         hung = _complete(server, "hi", 4)  # micro-batch 4 prefills, 5 hangs
