@@ -8,9 +8,11 @@ Groups (`init_stage_groups`, called by every rank in the same order, as torch.di
 requires for `new_group`):
 
 - `dp_group`: the stage's D ranks on the device backend (EP all-to-alls, DP agreement);
+  `dp_cpu_group` the same ranks on gloo (host-side step decisions);
 - `device_group`: the world on the device backend, for the tensors between stages;
 - `cpu_group`: the world on gloo, for the metadata between stages (keys, shapes, dtypes,
-  non-tensor values), so no host value ever rides the device group.
+  non-tensor values), so no host value ever rides the device group;
+- `first_stage_cpu_group`: gloo over the first stage (the scheduling ranks' control plane).
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class StageGroups:
     cpu_group: object
     #: gloo over the first stage's ranks: the control plane of the scheduling ranks.
     first_stage_cpu_group: object = None
+    #: gloo over this stage's DP ranks: host-side step decisions of the stage.
+    dp_cpu_group: object = None
 
     @property
     def stage(self) -> int:
@@ -124,16 +128,17 @@ def init_stage_groups(topology: Topology, *, device: torch.device | str = "cpu",
     rank = dist.get_rank()
     backend = backend_for_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dp_group = None
+    dp_group = dp_cpu_group = None
     for stage in range(topology.pipeline_parallel_size):
         group = dist.new_group(topology.stage_ranks(stage), backend=backend, timeout=timeout)
+        cpu = dist.new_group(topology.stage_ranks(stage), backend="gloo", timeout=timeout)
         if stage == topology.stage_of(rank):
-            dp_group = group
+            dp_group, dp_cpu_group = group, cpu
     default_is_device = dist.get_backend() == backend
     device_group = dist.group.WORLD if default_is_device else dist.new_group(backend=backend, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     first_stage_cpu_group = dist.new_group(topology.stage_ranks(0), backend="gloo", timeout=timeout)
-    return StageGroups(topology, rank, dp_group, device_group, cpu_group, first_stage_cpu_group)
+    return StageGroups(topology, rank, dp_group, device_group, cpu_group, first_stage_cpu_group, dp_cpu_group)
 
 
 __all__ = ["StageGroups", "Topology", "backend_for_device", "init_stage_groups"]
