@@ -68,6 +68,13 @@ _DEEPEP_LL_MAX_TOKENS_PER_RANK = typer.Option(
 )
 _COMM_SMS = typer.Option(None, help="GPU SMs reserved for DeepEP while ubatches overlap (even); DeepGEMM gets the rest.")
 
+_PIPELINE_PARALLEL_SIZE = typer.Option(1, help="Pipeline stages (processes); the decoder layers are split over them.")
+_PP_LAYER_PARTITION = typer.Option(None, help="Decoder layers per pipeline stage, e.g. 10,14 (default: even).")
+_PP_ASYNC_BATCH_DEPTH = typer.Option(0, help="Micro-batches in flight beyond one per pipeline stage.")
+_ENABLE_DYNAMIC_CHUNKING = typer.Option(
+    False, help="Size prompt chunks from a latency model fitted at start-up, so each chunk costs about the same."
+)
+
 
 #: The shared engine flags, by parameter name: commands declare them (typer needs each
 #: parameter spelled out) and hand them over with `_engine_flags(locals())`.
@@ -92,6 +99,10 @@ _ENGINE_FLAGS = (
     "dtype",
     "deepep_ll_max_tokens_per_rank",
     "comm_sms",
+    "pipeline_parallel_size",
+    "pp_layer_partition",
+    "pp_async_batch_depth",
+    "enable_dynamic_chunking",
 )
 
 
@@ -121,6 +132,10 @@ def _engine_config(
     dtype: str = "auto",
     deepep_ll_max_tokens_per_rank: int = 128,
     comm_sms: int | None = None,
+    pipeline_parallel_size: int = 1,
+    pp_layer_partition: str | None = None,
+    pp_async_batch_depth: int = 0,
+    enable_dynamic_chunking: bool = False,
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
@@ -130,6 +145,8 @@ def _engine_config(
 
     _check_device(device)
     try:
+        if pipeline_parallel_size > 1:
+            _check_pipeline_partition(model, pipeline_parallel_size, pp_layer_partition)
         return EngineConfig(
             model=model,
             overlap=OverlapConfig(
@@ -150,6 +167,10 @@ def _engine_config(
                 fabric_gbps=fabric_gbps,
                 fabric=fabric,
                 deepep_ll_max_tokens_per_rank=deepep_ll_max_tokens_per_rank,
+                pipeline_parallel_size=pipeline_parallel_size,
+                pp_layer_partition=_int_list(pp_layer_partition, "--pp-layer-partition", sort=False) if pp_layer_partition else None,
+                pp_async_batch_depth=pp_async_batch_depth,
+                enable_dynamic_chunking=enable_dynamic_chunking,
             ),
             cache=cache or CacheConfig(),
             max_num_batched_tokens=max_num_batched_tokens,
@@ -172,6 +193,18 @@ def _check_device(device: str) -> None:
         raise typer.Exit(code=2) from None
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def _check_pipeline_partition(model: str, stages: int, partition: str | None) -> None:
+    """A partition that cannot fit the model fails here, before any rank starts."""
+    from tandem.distributed import partition_layers
+    from tandem.models.loader import num_hidden_layers
+
+    try:
+        layers = num_hidden_layers(model)
+    except (OSError, KeyError):
+        return  # a bad model directory gets its own error where it is loaded
+    partition_layers(layers, stages, _int_list(partition, "--pp-layer-partition", sort=False) if partition else None)
 
 
 @app.command()
@@ -203,6 +236,10 @@ def generate(
     dtype: str = _DTYPE,
     deepep_ll_max_tokens_per_rank: int = _DEEPEP_LL_MAX_TOKENS_PER_RANK,
     comm_sms: int = _COMM_SMS,
+    pipeline_parallel_size: int = _PIPELINE_PARALLEL_SIZE,
+    pp_layer_partition: str = _PP_LAYER_PARTITION,
+    pp_async_batch_depth: int = _PP_ASYNC_BATCH_DEPTH,
+    enable_dynamic_chunking: bool = _ENABLE_DYNAMIC_CHUNKING,
     json_output: bool = typer.Option(False, "--json", help="One JSON object per prompt (text, token_ids) instead of text."),
 ) -> None:
     """Offline generation; completions go to stdout, logs and progress to stderr."""
@@ -227,16 +264,17 @@ def generate(
         f"dbo={'on' if o.enable_dbo else 'off'} (ubatches={o.num_ubatches}, executor={o.executor}, "
         f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold}) "
         f"sbo={'on' if p.enable_sbo else 'off'} graph={o.graph_mode} device={config.device} dtype={config.dtype}"
+        + (f" pp={p.pipeline_parallel_size} (depth {p.pp_async_batch_depth})" if p.pipeline_parallel_size > 1 else "")
     )
     start = time.perf_counter()
     from tandem.runner.launch import RankFailedError, launch_ranks
     from tandem.runner.offline import generate_on_rank
 
     try:
-        if p.data_parallel_size == 1:
+        if p.world_size == 1:
             per_rank = [generate_on_rank(0, 1, config, prompts, params)]
         else:
-            per_rank = launch_ranks(generate_on_rank, p.data_parallel_size, config, prompts, params, device=config.device)
+            per_rank = launch_ranks(generate_on_rank, p.world_size, config, prompts, params, device=config.device)
     except (ValueError, ImportError, OSError) as exc:
         log(f"error: {exc}")
         raise typer.Exit(code=2) from None
@@ -279,6 +317,10 @@ def serve(
     dtype: str = _DTYPE,
     deepep_ll_max_tokens_per_rank: int = _DEEPEP_LL_MAX_TOKENS_PER_RANK,
     comm_sms: int = _COMM_SMS,
+    pipeline_parallel_size: int = _PIPELINE_PARALLEL_SIZE,
+    pp_layer_partition: str = _PP_LAYER_PARTITION,
+    pp_async_batch_depth: int = _PP_ASYNC_BATCH_DEPTH,
+    enable_dynamic_chunking: bool = _ENABLE_DYNAMIC_CHUNKING,
     max_num_seqs: int = typer.Option(64, help="Most requests running at once per rank."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one step (prefill is chunked to fit)."),
     kv_cache_tokens: int = typer.Option(32768, help="KV cache size per rank, in tokens."),
@@ -312,7 +354,7 @@ def serve(
         # torchrun decides the ranks: one process each, WORLD_SIZE of them.
         import os
 
-        data_parallel_size = int(os.environ["WORLD_SIZE"])
+        data_parallel_size = int(os.environ["WORLD_SIZE"]) // max(pipeline_parallel_size, 1)
     if kv_cache_tokens < block_size or block_size < 1:
         raise typer.BadParameter(f"--kv-cache-tokens ({kv_cache_tokens}) must hold at least one block of {block_size}")
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -376,9 +418,10 @@ _BENCH_CONTEXT_LEN = typer.Option(128, help="Decode: cached tokens each request 
 _BENCH_PREFILL_LEN = typer.Option(512, help="Prefill: new tokens per request (a batch is several).")
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def _int_list(text: str, flag: str, *, sort: bool = True) -> list[int]:
     try:
-        values = sorted({int(v) for v in text.split(",") if v.strip()})
+        values = [int(v) for v in text.split(",") if v.strip()]
+        values = sorted(set(values)) if sort else values
     except ValueError:
         raise typer.BadParameter(f"{flag} takes comma-separated integers, got {text!r}") from None
     if not values or values[0] < 1:

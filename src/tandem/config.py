@@ -68,9 +68,42 @@ class ParallelConfig:
     fabric: str | None = None  # a preset name (`--fabric`), instead of latency + bandwidth
     #: tokens per rank deepep_low_latency's buffer holds (`--deepep-ll-max-tokens-per-rank`).
     deepep_ll_max_tokens_per_rank: int = 128
+    #: Pipeline parallelism: stage processes (world = PP x DP), the layers per stage (None:
+    #: even), micro-batches in flight beyond one per stage, and an explicit ring size
+    #: (None: PP + depth; 1 is the one-micro-batch baseline the benchmark compares with).
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
+    pp_async_batch_depth: int = 0
+    pp_num_micro_batches: int | None = None
+    #: Size prompt chunks from a latency model fitted at start-up (chunked pipeline prefill).
+    enable_dynamic_chunking: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def num_micro_batches(self) -> int:
+        if self.pp_num_micro_batches is not None:
+            return self.pp_num_micro_batches
+        return self.pipeline_parallel_size + self.pp_async_batch_depth
 
     def __post_init__(self) -> None:
         from tandem.modular_kernels.fabric import FabricModel
+
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pp_async_batch_depth < 0:
+            raise ValueError(f"--pp-async-batch-depth must be >= 0, got {self.pp_async_batch_depth}")
+        if self.pp_num_micro_batches is not None and self.pp_num_micro_batches < 1:
+            raise ValueError(f"pp_num_micro_batches must be >= 1, got {self.pp_num_micro_batches}")
+        if self.pp_layer_partition is not None:
+            self.pp_layer_partition = tuple(int(c) for c in self.pp_layer_partition)
+            if len(self.pp_layer_partition) != self.pipeline_parallel_size:
+                raise ValueError(
+                    f"--pp-layer-partition has {len(self.pp_layer_partition)} entries for "
+                    f"--pipeline-parallel-size {self.pipeline_parallel_size}"
+                )
 
         FabricModel.from_flags(self.fabric_latency_us, self.fabric_gbps, self.fabric)  # validates
         if self.data_parallel_size < 1:

@@ -109,6 +109,14 @@ class CausalLM(nn.Module, ABC):
     def bind_kv_cache(self, caches: list[dict[str, torch.Tensor]]) -> None:
         """Give each attention layer its cache tensors (same order as `kv_cache_specs`)."""
 
+    def owns_checkpoint_tensor(self, name: str) -> bool:
+        """Whether this model's pipeline stage (`self.stage`, all layers when unset) needs
+        checkpoint tensor `name`."""
+        stage = getattr(self, "stage", None)
+        if stage is None or (stage.is_first and stage.is_last):
+            return True  # the whole model: unknown names stay the loader's error
+        return stage.owns_checkpoint_tensor(name, tied=getattr(self, "lm_head", None) is None)
+
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the model; tensors of experts this rank does not hold

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from tandem.distributed.partition import MissingLayer, StageLayers, build_layers
 from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
 from tandem.models.hf_config import as_config, check_silu, config_value, rope_theta
 from tandem.models.layers import Attention, RMSNorm, StackedExperts
@@ -34,11 +35,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBackbone(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], eps: float, dtype: torch.dtype):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, layers: nn.ModuleList, eps: float, dtype: torch.dtype,
+        stage: StageLayers, tied: bool,
+    ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps, dtype)
+        owns_embedding = stage.owns_embedding(tied)
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size, dtype=dtype) if owns_embedding else MissingLayer()
+        self.layers = layers
+        self.norm = RMSNorm(hidden_size, eps, dtype) if stage.is_last else MissingLayer()
 
 
 class MoEDecoderForCausalLM(CausalLM):
@@ -49,7 +54,9 @@ class MoEDecoderForCausalLM(CausalLM):
     #: attribute name of the MLP / MoE block in a decoder layer (Mixtral: block_sparse_moe).
     mlp_name = "mlp"
 
-    def __init__(self, config: Any, moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, config: Any, moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, stage: StageLayers | None = None
+    ):
         super().__init__()
         self.config = config = as_config(config)
         self.moe = moe or MoEOptions()
@@ -57,16 +64,22 @@ class MoEDecoderForCausalLM(CausalLM):
         check_silu(config)
         hidden = config_value(config, "hidden_size")
         eps = config_value(config, "rms_norm_eps", default=1e-6)
-        layers = [
-            DecoderLayer(self.build_attention(i), self.build_mlp(i), hidden, eps, dtype, self.mlp_name)
-            for i in range(config_value(config, "num_hidden_layers"))
-        ]
-        self.model = DecoderBackbone(config_value(config, "vocab_size"), hidden, layers, eps, dtype)
+        num_layers = config_value(config, "num_hidden_layers")
+        self.stage = stage or StageLayers.whole(num_layers)
+        layers = build_layers(
+            num_layers,
+            lambda i: DecoderLayer(self.build_attention(i), self.build_mlp(i), hidden, eps, dtype, self.mlp_name),
+            self.stage,
+        )
         self.tie_word_embeddings = bool(config_value(config, "tie_word_embeddings", default=False))
+        vocab = config_value(config, "vocab_size")
+        self.model = DecoderBackbone(vocab, hidden, layers, eps, dtype, self.stage, self.tie_word_embeddings)
         if self.tie_word_embeddings:
             self.lm_head = None
+        elif self.stage.is_last:
+            self.lm_head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
         else:
-            self.lm_head = nn.Linear(hidden, config_value(config, "vocab_size"), bias=False, dtype=dtype)
+            self.lm_head = MissingLayer()
         self.requires_grad_(False)
         self.eval()
 
@@ -115,13 +128,14 @@ class MoEDecoderForCausalLM(CausalLM):
     # -- CausalLM -------------------------------------------------------------------------
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.layers[self.stage.start : self.stage.end]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        """On a later pipeline stage `input_ids` are the previous stage's hidden states."""
+        hidden = self.model.embed_tokens(input_ids) if self.stage.is_first else input_ids
+        for layer in self.model.layers[self.stage.start : self.stage.end]:
             hidden = layer(positions, hidden)
-        return self.model.norm(hidden)
+        return self.model.norm(hidden) if self.stage.is_last else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -149,6 +163,8 @@ class MoEDecoderForCausalLM(CausalLM):
         """What the loader should read of checkpoint tensor `name`: `True` all of it,
         `False` nothing (an expert another rank holds), a range: only those rows of dim 0
         (this rank's experts of a fused expert tensor)."""
+        if not self.owns_checkpoint_tensor(name):
+            return False
         target = self.rename(name)
         experts = self._stacked_experts()
         match = _PER_EXPERT.match(target)
@@ -165,6 +181,8 @@ class MoEDecoderForCausalLM(CausalLM):
         experts = self._stacked_experts()
         loaded: set[str] = set()
         for name, tensor in weights:
+            if not self.owns_checkpoint_tensor(name):
+                continue  # another pipeline stage's
             target = self.rename(name)
             if target in params:
                 param = params[target]

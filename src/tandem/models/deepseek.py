@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.contexts import get_forward_context
+from tandem.distributed.partition import MissingLayer, StageLayers, build_layers
 from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
 from tandem.models.paged_attention import AttentionMetadata, paged_attention, write_to_cache
 from tandem.modular_kernels import select_experts
@@ -442,15 +443,16 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, moe: MoEOptions, dtype: torch.dtype, kv_cache_mode: str):
+    def __init__(self, cfg: DeepseekConfig, moe: MoEOptions, dtype: torch.dtype, kv_cache_mode: str, stage: StageLayers):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        nn.init.zeros_(self.embed_tokens.weight)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, moe, dtype, kv_cache_mode) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if stage.owns_embedding(cfg.tie_word_embeddings):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.embed_tokens.weight.requires_grad_(False)
+            nn.init.zeros_(self.embed_tokens.weight)
+        else:
+            self.embed_tokens = MissingLayer()
+        self.layers = build_layers(cfg.num_hidden_layers, lambda i: DecoderLayer(cfg, i, moe, dtype, kv_cache_mode), stage)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else MissingLayer()
 
 
 # --------------------------------------------------------------------------- model
@@ -475,6 +477,7 @@ class _DeepseekForCausalLM(CausalLM):
         config: Any,
         moe: MoEOptions | None = None,
         dtype: torch.dtype = torch.float32,
+        stage: StageLayers | None = None,
         *,
         kv_cache_mode: str = "latent",
     ):
@@ -485,11 +488,17 @@ class _DeepseekForCausalLM(CausalLM):
         self.hf_config = config
         self.moe = moe if moe is not None else MoEOptions()
         self.dtype = dtype
-        self.model = DeepseekModel(self.config, self.moe, dtype, kv_cache_mode)
+        self.stage = stage or StageLayers.whole(self.config.num_hidden_layers)
+        self.model = DeepseekModel(self.config, self.moe, dtype, kv_cache_mode, self.stage)
         if self.config.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif self.stage.is_last:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, dtype=dtype)
+        else:
+            self.lm_head = MissingLayer()
+
+    def _own_layers(self) -> nn.ModuleList:
+        return self.model.layers[self.stage.start : self.stage.end]
 
     # -- CausalLM
 
@@ -498,23 +507,24 @@ class _DeepseekForCausalLM(CausalLM):
         metadata = None if ctx is None else ctx.attn_metadata
         if metadata is None:
             raise RuntimeError("DeepSeek forward needs attention metadata: run it inside set_forward_context()")
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        # On a later pipeline stage `input_ids` are the previous stage's hidden states.
+        h = self.model.embed_tokens(input_ids) if self.stage.is_first else input_ids
+        for layer in self._own_layers():
             h = layer(h, positions, metadata)
-        return self.model.norm(h)
+        return self.model.norm(h) if self.stage.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return [layer.self_attn.kv_cache_spec() for layer in self.model.layers]
+        return [layer.self_attn.kv_cache_spec() for layer in self._own_layers()]
 
     def bind_kv_cache(self, caches: list[dict[str, torch.Tensor]]) -> None:
         specs = self.kv_cache_specs()
         if len(caches) != len(specs):
             raise ValueError(f"{len(caches)} caches for {len(specs)} attention layers")
-        for i, (layer, cache, spec) in enumerate(zip(self.model.layers, caches, specs)):
+        for i, (layer, cache, spec) in enumerate(zip(self._own_layers(), caches, specs), start=self.stage.start):
             if set(cache) != set(spec.shapes):
                 raise ValueError(f"layer {i} cache has tensors {sorted(cache)}, expected {sorted(spec.shapes)}")
             for name, shape in spec.shapes.items():
@@ -542,6 +552,8 @@ class _DeepseekForCausalLM(CausalLM):
             loaded.add(target)
 
         for source, tensor in weights:
+            if not self.owns_checkpoint_tensor(source):
+                continue  # another pipeline stage's
             if source.endswith("rotary_emb.inv_freq") or source.endswith("rotary_emb.cos_cached") or source.endswith("rotary_emb.sin_cached"):
                 continue  # HF buffers, recomputed here
             if source in ("model.embed_tokens.weight", "model.norm.weight"):

@@ -155,10 +155,14 @@ def _eos_token_ids(path: Path, config: HFConfig) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype, device: torch.device) -> ModelInfo:
+def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype, device: torch.device, stage=None) -> ModelInfo:
     build = _import(BUILTIN_MODELS[name])
     accepted = inspect.signature(build).parameters
     kwargs = {key: value for key, value in (("dtype", dtype), ("device", device)) if key in accepted}
+    if stage is not None:
+        if "stage" not in accepted:
+            raise ValueError(f"the built-in model {name!r} cannot be split into pipeline stages")
+        kwargs["stage"] = stage
     if "device" not in accepted:
         with torch.device(device):
             return build(moe, **kwargs)
@@ -170,12 +174,14 @@ def load_model(
     moe: MoEOptions | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    stage=None,
 ) -> ModelInfo:
     """Build and fill the model for this rank on `device`, with its tokenizer and stop tokens.
-    Parameters are allocated on `device` and the checkpoint is read straight onto it."""
+    Parameters are allocated on `device` and the checkpoint is read straight onto it. `stage`
+    (a `tandem.distributed.StageLayers`) builds and reads only that pipeline stage's layers."""
     device = torch.device(device)
     if str(path_or_name) in BUILTIN_MODELS:
-        return _load_builtin(str(path_or_name), moe, dtype, device)
+        return _load_builtin(str(path_or_name), moe, dtype, device, stage)
     path = Path(path_or_name).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -191,8 +197,8 @@ def load_model(
         raise FileNotFoundError(f"no tokenizer.json in {path}: tandem reads the fast-tokenizer file")
 
     with torch.device(device):
-        model = cls(config, moe=moe, dtype=dtype)
-    select = getattr(model, "checkpoint_selection", None)
+        model = cls(config, moe=moe, dtype=dtype, **({"stage": stage} if stage is not None else {}))
+    select = getattr(model, "checkpoint_selection", None) or model.owns_checkpoint_tensor
     read: set[str] = set()
     tensors = iter_checkpoint(shards, select, read, device)
     if (moe is None or moe.ep_rank == 0) and sys.stderr.isatty():
@@ -273,3 +279,14 @@ def load_tokenizer_info(path_or_name: str) -> TokenizerInfo:
         chat_template,
         path.name,
     )
+
+
+def num_hidden_layers(path_or_name: str) -> int:
+    """The decoder layer count of a model directory (or a built-in model), from its config
+    alone: what a pipeline stage needs to know which layers are its own before loading."""
+    if str(path_or_name) == "tiny-moe":
+        from tandem.models import tiny_moe
+
+        return int(tiny_moe.CONFIG["num_hidden_layers"])
+    path = Path(path_or_name).expanduser()
+    return int(config_value(read_config(path), "num_hidden_layers"))

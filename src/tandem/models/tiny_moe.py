@@ -157,25 +157,26 @@ def build_tokenizer():
 
 
 def build_tiny_moe(
-    moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", stage=None
 ) -> ModelInfo:
-    """The tiny-moe model for this expert-parallel rank (`moe` says which experts it holds),
-    its parameters allocated on `device`. The weights are drawn on the CPU from one seeded
-    generator, so every device and rank layout gets the same model."""
+    """The tiny-moe model for this expert-parallel rank (`moe` says which experts it holds)
+    and pipeline stage (`stage`, a `StageLayers`: which layers; default all), its parameters
+    allocated on `device`. The weights are drawn on the CPU from one seeded generator, so
+    every device and rank layout gets the same model."""
     from tandem.models.deepseek import DeepseekV3ForCausalLM
 
     with torch.device(device):
-        model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype)
+        model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype, stage=stage)
     experts_of = {
         name: int(name.split(".experts.")[1].split(".")[0]) for name in tiny_moe_weights() if ".experts." in name
     }
     held = {
-        i: layer.mlp.experts.experts for i, layer in enumerate(model.model.layers) if layer.is_moe
+        i: layer.mlp.experts.experts for i, layer in enumerate(model.model.layers) if getattr(layer, "is_moe", False)
     }
     selected = (
         (name, tensor)
         for name, tensor in tiny_moe_weights().items()
-        if name not in experts_of or experts_of[name] in held[int(name.split(".")[2])]
+        if model.owns_checkpoint_tensor(name) and (name not in experts_of or experts_of[name] in held[int(name.split(".")[2])])
     )
     model.load_weights(selected)
     model.eval()

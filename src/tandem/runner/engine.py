@@ -56,6 +56,8 @@ class EngineStats:
     comm_time_s: float = 0.0
     ubatch_switch_s: float = 0.0
     failed_steps: int = 0
+    #: Pipeline parallelism: each stage's idle (bubble) fraction, stage order; None without PP.
+    pipeline_stage_idle_fraction: list | None = None
 
 
 class Engine:
@@ -141,6 +143,10 @@ class Engine:
             outputs = self._apply(previous, self._result(future))
         self._pending = running
         return outputs
+
+    def idle(self) -> None:
+        """Called by the rank loop while no rank has work (the pipeline engine keeps its
+        stages' links alive from here)."""
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight (overlap loop) and apply it."""

@@ -199,19 +199,27 @@ class ModelRunner:
             return StepResult([], 0, inputs.input_ids.shape[0], slices is not None)
         wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
         rows = [r for r, w in enumerate(wanted) if w]
-        # The last row of each sampling request, found on the host: no device read.
-        ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
-        sampled = sample_tokens(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
+        sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
         if self.future_map is not None and future_slots is not None:
             published = [(i, future_slots[r]) for i, r in enumerate(rows) if future_slots[r] is not None]
             if published:
                 picked = sampled[to_device_async(torch.tensor([i for i, _ in published]), self.device)]
                 self.future_map.store([slot for _, slot in published], picked)
-        tokens: list[int | None] = [None] * len(chunks)
-        for r, token in zip(rows, self._read_tokens(sampled)):
-            tokens[r] = token
+        tokens = _scatter_rows(len(chunks), rows, self._read_tokens(sampled))
         return StepResult(tokens, inputs.num_tokens, inputs.input_ids.shape[0], slices is not None)
+
+    def sample_tokens(self, hidden, inputs: StepInputs, sampling, generators, wanted: Sequence[bool]) -> list[int | None]:
+        """The next token of every request whose `wanted` is set (None elsewhere), from the
+        final hidden state of its last scheduled token."""
+        rows = [r for r, w in enumerate(wanted) if w]
+        return _scatter_rows(len(wanted), rows, self._read_tokens(self._sample_rows(hidden, inputs, sampling, generators, rows)))
+
+    def _sample_rows(self, hidden, inputs: StepInputs, sampling, generators, rows: list[int]) -> torch.Tensor:
+        """The sampled ids of requests `rows`, on the device."""
+        # The last row of each sampling request, found on the host: no device read.
+        ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
+        return sample_tokens(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
 
     def _read_tokens(self, sampled: torch.Tensor) -> list[int]:
         """The step's one host read: the sampled ids, copied without blocking into page-locked
@@ -222,3 +230,10 @@ class ModelRunner:
         copied.record()
         copied.synchronize()
         return host.tolist()
+
+
+def _scatter_rows(num_requests: int, rows: list[int], values: list[int]) -> list[int | None]:
+    tokens: list[int | None] = [None] * num_requests
+    for r, token in zip(rows, values):
+        tokens[r] = token
+    return tokens

@@ -96,10 +96,11 @@ def generate(
     return [Completion(s.index, s.text, s.output_ids, s.finish_reason) for s in sequences]
 
 
-def build_runner(config, *, group=None, cpu_group=None) -> ModelRunner:
-    """Load `config.model` for this rank (its experts only) on the rank's device and wrap it
-    in a ModelRunner. `group` carries the model's tensor collectives (the device group);
-    `cpu_group` the step decisions (default: `launch.cpu_group()` when `group` is given)."""
+def build_runner(config, *, group=None, cpu_group=None, stage=None) -> ModelRunner:
+    """Load `config.model` for this rank (its experts only; with `stage`, a
+    `tandem.distributed.StageLayers`, only that pipeline stage's layers) on the rank's device
+    and wrap it in a ModelRunner. `group` carries the model's tensor collectives (the device
+    group); `cpu_group` the step decisions (default: `launch.cpu_group()` when `group` is given)."""
     import torch.distributed as dist
 
     from tandem.models.base import MoEOptions
@@ -122,7 +123,7 @@ def build_runner(config, *, group=None, cpu_group=None) -> ModelRunner:
         deepep_ll_max_tokens_per_rank=par.deepep_ll_max_tokens_per_rank,
         comm_sms=config.overlap.comm_sms,
     )
-    info = load_model(config.model, moe=moe, dtype=config.resolve_dtype(device), device=device)
+    info = load_model(config.model, moe=moe, dtype=config.resolve_dtype(device), device=device, stage=stage)
     tracer = None
     if config.trace_path is not None:
         from tandem.contexts.trace import Tracer
@@ -139,8 +140,14 @@ def build_runner(config, *, group=None, cpu_group=None) -> ModelRunner:
 
 
 def generate_on_rank(rank: int, world_size: int, config, prompts: list[str], params: SamplingParams) -> list[Completion]:
-    """One DP rank of `tandem generate`: prompt i runs on rank i % world_size."""
+    """One DP rank of `tandem generate`: prompt i runs on rank i % world_size (with pipeline
+    parallelism: on the i % D-th rank of the first stage)."""
     import torch.distributed as dist
+
+    if config.parallel.pipeline_parallel_size > 1:
+        from tandem.runner.pipeline import generate_pipeline_rank
+
+        return generate_pipeline_rank(rank, world_size, config, prompts, params)
 
     runner = build_runner(config, group=dist.group.WORLD if world_size > 1 else None)
     tokenizer = runner.info.tokenizer

@@ -120,6 +120,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        #: Largest prompt chunk for a request with this many tokens already computed
+        #: (dynamic chunking); None: only the step's token budget limits it.
+        self.chunk_limit: Callable[[int], int] | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -162,13 +165,22 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerStep:
+    def schedule(self, *, max_requests: int | None = None, skip_in_flight: bool = False) -> SchedulerStep:
+        """Plan one step. The pipeline loop keeps several steps (micro-batches) in flight: it
+        caps the requests per step (`max_requests`) so they spread over the micro-batches,
+        and skips requests whose sampled token is still in flight (`skip_in_flight`); a
+        prompt whose earlier chunk is in flight samples nothing, so its next chunk can follow
+        at once in the next micro-batch (chunked pipeline prefill)."""
         budget = self.max_num_batched_tokens
         step = SchedulerStep([])
         scheduled_ids: set[str] = set()
+        room = lambda: max_requests is None or len(step.scheduled) < max_requests  # noqa: E731
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and room():
             request = self.running[index]
+            if skip_in_flight and request.in_flight:
+                index += 1
+                continue
             entry = self._plan(request, budget, step, scheduled_ids)
             if entry is None:
                 if request.status is RequestStatus.RUNNING:
@@ -179,7 +191,7 @@ class Scheduler:
             budget -= len(entry.chunk.token_ids)
             index += 1
         waiting_index = 0
-        while waiting_index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while waiting_index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and room():
             request = self.waiting[waiting_index]
             if request.in_flight:
                 waiting_index += 1  # preempted with a token still in flight: wait for it
@@ -212,6 +224,8 @@ class Scheduler:
             if remaining <= 0:
                 return None
             n = min(remaining, budget)
+            if self.chunk_limit is not None:
+                n = min(n, max(1, int(self.chunk_limit(request.num_computed))))
             token_ids = known[request.num_computed : request.num_computed + n]
             start = request.num_computed
             samples = start + n == len(known)

@@ -43,6 +43,8 @@ class EngineStats:
     ubatch_switch_s: float = 0.0  # time model: ubatch hand-over latency
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    #: Pipeline parallelism: each stage's idle (bubble) fraction, mean over the DP ranks.
+    pipeline_stage_idle_fraction: list[float] = field(default_factory=list)
     per_rank: list[dict[str, Any]] = field(default_factory=list)
 
 

@@ -18,7 +18,9 @@ Engine (read from `EngineClient.stats()` / `health()` at scrape time):
   tandem_engine_generated_tokens_total, tandem_engine_prompt_tokens_total (counters);
   time model: tandem_engine_compute_seconds_total, tandem_engine_recv_wait_seconds_total,
   tandem_engine_comm_seconds_total, tandem_engine_ubatch_switch_seconds_total (counters),
-  tandem_engine_overlap_efficiency (gauge: hidden / total communication so far).
+  tandem_engine_overlap_efficiency (gauge: hidden / total communication so far);
+  pipeline parallelism: tandem_engine_pipeline_stage_idle_ratio{stage} (gauge: the stage's
+  idle (bubble) share of its time while the pipeline had work, mean over the DP ranks).
 """
 
 from __future__ import annotations
@@ -112,6 +114,15 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
+        if stats.pipeline_stage_idle_fraction:
+            idle = GaugeMetricFamily(
+                "tandem_engine_pipeline_stage_idle_ratio",
+                "Pipeline stage idle (bubble) share of its time while the pipeline had work",
+                labels=["stage"],
+            )
+            for stage, value in enumerate(stats.pipeline_stage_idle_fraction):
+                idle.add_metric([str(stage)], float(value))
+            yield idle
         counters = [
             ("tandem_engine_steps", "Model steps run (summed over ranks)", stats.steps),
             ("tandem_engine_ubatched_steps", "Model steps split into micro-batches", stats.ubatched_steps),

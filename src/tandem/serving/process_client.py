@@ -71,13 +71,19 @@ class ProcessEngineClient(EngineClient):
             log(f"context length limited to {kv_tokens} tokens by the KV cache size (asked for {wanted})")
         self.chat_template = info.chat_template
         self.model_name = info.name
-        self.world_size = world_size or config.parallel.data_parallel_size
+        from tandem.distributed import Topology
+
+        par = config.parallel
+        self.topology = Topology(par.pipeline_parallel_size, world_size // par.pipeline_parallel_size if world_size else par.data_parallel_size)
+        self.world_size = self.topology.world_size
+        #: Requests go to the first pipeline stage's ranks (global ranks 0 .. D-1).
+        self.num_request_ranks = self.topology.data_parallel_size
         self._attached = queues is not None
         self._ctx = mp.get_context("spawn")
         self._inbox, self._outbox = queues if queues is not None else (self._ctx.Queue(), self._ctx.Queue())
         self._procs: list = []
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, int]] = {}
-        self._in_flight = [0] * self.world_size
+        self._in_flight = [0] * self.num_request_ranks
         self._lock = threading.Lock()
         self._rank_stats: list[dict] = []
         self._last_heard = time.monotonic()
@@ -108,7 +114,7 @@ class ProcessEngineClient(EngineClient):
                 )
                 proc.start()
                 self._procs.append(proc)
-            self.log("rank processes: " + ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self._procs)))
+            self.log("rank processes: " + ", ".join(f"{self.topology.describe(r)} pid {p.pid}" for r, p in enumerate(self._procs)))
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if time.monotonic() > deadline:
@@ -177,8 +183,8 @@ class ProcessEngineClient(EngineClient):
                         name = signal.Signals(-code).name
                     except ValueError:
                         name = f"signal {-code}"
-                    return f"rank {rank} (pid {proc.pid}) was killed by {name}"
-                return f"rank {rank} (pid {proc.pid}) exited with code {code}"
+                    return f"{self.topology.describe(rank)} (pid {proc.pid}) was killed by {name}"
+                return f"{self.topology.describe(rank)} (pid {proc.pid}) exited with code {code}"
         return None
 
     # -- output pump ----------------------------------------------------------------------
@@ -249,7 +255,7 @@ class ProcessEngineClient(EngineClient):
         with self._lock:
             entries = list(self._streams.items())
             self._streams.clear()
-            self._in_flight = [0] * self.world_size
+            self._in_flight = [0] * self.num_request_ranks
         for request_id, (stream, loop, _) in entries:
             output = RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
             try:
@@ -273,7 +279,7 @@ class ProcessEngineClient(EngineClient):
                 raise EngineOverloadedError(
                     f"the server is at capacity ({self.max_queue_len} requests in flight); retry later"
                 )
-            rank = min(range(self.world_size), key=lambda r: self._in_flight[r])
+            rank = min(range(self.num_request_ranks), key=lambda r: self._in_flight[r])
             self._in_flight[rank] += 1
             self._streams[request_id] = (stream, loop, rank)
         self._inbox.put(("add", rank, request_id, list(prompt_ids), params))
@@ -326,11 +332,17 @@ class ProcessEngineClient(EngineClient):
             generated_tokens=total("generated_tokens"),
             prompt_tokens=total("prompt_tokens"),
             per_rank=per_rank,
+            pipeline_stage_idle_fraction=_mean_per_stage([s.get("pipeline_stage_idle_fraction") for s in per_rank]),
         )
 
     @property
     def in_flight(self) -> list[int]:
         return list(self._in_flight)
+
+
+def _mean_per_stage(rows: list) -> list[float]:
+    rows = [row for row in rows if row]
+    return [sum(column) / len(rows) for column in zip(*rows)] if rows else []
 
 
 __all__ = ["ProcessEngineClient"]

@@ -177,19 +177,32 @@ def serve_rank(
         # keeps the forward close to its solo speed.
         sys.setswitchinterval(options.gil_switch_interval_s)
     try:
-        control = dist.new_group(backend="gloo") if distributed else None
         report("progress", f"loading {config.model} on {world_size} rank(s)")
-        # The model's collectives run on the device group; its step decisions on the CPU group
-        # (not `control`: the scheduler thread uses that while the forward worker steps).
-        runner = build_runner(config, group=dist.group.WORLD if distributed else None, cpu_group=cpu_group())
-        engine = Engine(
-            runner,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            overlap_schedule=options.overlap_schedule,
-            lockstep=distributed,
-            step_timeout_s=options.step_timeout_s,
-        )
+        if config.parallel.pipeline_parallel_size > 1:
+            engine = _pipeline_stage(rank, config, options)
+            if engine is None:
+                return  # a later stage: its loop ran until the first stage said stop
+            runner = engine.runner
+            # The scheduling (first-stage) ranks keep the control plane among themselves.
+            world_size = config.parallel.data_parallel_size
+            control = engine.worker.groups.first_stage_cpu_group if world_size > 1 else None
+        else:
+            control = dist.new_group(backend="gloo") if distributed else None
+            # The model's collectives run on the device group; its step decisions on the CPU group
+            # (not `control`: the scheduler thread uses that while the forward worker steps).
+            runner = build_runner(config, group=dist.group.WORLD if distributed else None, cpu_group=cpu_group())
+            engine = Engine(
+                runner,
+                max_num_seqs=options.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                overlap_schedule=options.overlap_schedule,
+                lockstep=distributed,
+                step_timeout_s=options.step_timeout_s,
+            )
+            if config.parallel.enable_dynamic_chunking:
+                from tandem.runner.chunking import fit_chunker
+
+                engine.scheduler.chunk_limit = fit_chunker(runner, config.max_num_batched_tokens)
         if options.warmup:
             report("progress", "warming up")
             _warm_up(engine)
@@ -216,6 +229,30 @@ def serve_rank(
     except BaseException as exc:  # noqa: BLE001 - tell the front end before dying
         report("fatal", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         raise
+
+
+def _pipeline_stage(rank: int, config, options: ServeOptions):
+    """Pipeline parallelism: the first stage's engine, or (a later stage) run the stage loop
+    to its end, under the watchdog, and return None."""
+    from tandem.runner.pipeline import build_pipeline_stage, pipeline_engine, run_stage
+
+    runner, groups = build_pipeline_stage(config, timeout_s=options.collective_timeout_s)
+    if groups.stage == 0:
+        return pipeline_engine(runner, groups, config, max_num_seqs=options.max_num_seqs, step_timeout_s=options.step_timeout_s)
+    where = groups.topology.describe(rank)
+
+    def stuck(stalled_s: float) -> None:
+        print(f"[tandem] {where}: no micro-batch or heartbeat for {stalled_s:.0f} s (step timeout "
+              f"{options.step_timeout_s:g} s): the pipeline is stuck; exiting", file=sys.stderr, flush=True)
+        hard_exit(3)
+
+    watchdog = Watchdog(options.step_timeout_s, stuck).start()
+    try:
+        run_stage(runner, groups, num_micro_batches=config.parallel.num_micro_batches,
+                  step_timeout_s=options.step_timeout_s, on_message=watchdog.beat)
+    finally:
+        watchdog.stop()
+    return None
 
 
 def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbox, frontend_alive=None,
@@ -260,7 +297,10 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
                 stop = True
         if stop:
             return
-        if run_step if control is not None else engine.has_work:
+        stepping = run_step if control is not None else engine.has_work
+        if not stepping:
+            engine.idle()
+        if stepping:
             failed_before = engine.failed_steps
             outputs += engine.step()
             if engine.failed_steps != failed_before:

@@ -124,8 +124,11 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
     from tandem.serving.rank import serve_rank
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if config.parallel.data_parallel_size != world_size:
-        raise ValueError(f"--data-parallel-size {config.parallel.data_parallel_size} != torchrun's WORLD_SIZE {world_size}")
+    if config.parallel.world_size != world_size:
+        raise ValueError(
+            f"--pipeline-parallel-size {config.parallel.pipeline_parallel_size} x --data-parallel-size "
+            f"{config.parallel.data_parallel_size} != torchrun's WORLD_SIZE {world_size}"
+        )
     init_rank(rank, world_size, device=config.device, timeout_s=options.collective_timeout_s)
     frontend = None
     failed = False

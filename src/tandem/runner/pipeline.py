@@ -1,0 +1,469 @@
+"""Pipeline parallelism: P stage processes, several micro-batches in flight (SGLang's
+`event_loop_pp` semantics).
+
+The first stage owns the scheduler. Each `PipelineEngine.step()` plans one micro-batch (a
+scheduler step capped to about 1/S of the live requests, S = P + async depth, skipping
+requests whose sampled token is still in flight), runs the stage's layers on it and sends
+the hidden states on with an asynchronous send, then, once S micro-batches are in flight
+(or when it had nothing to launch), receives the sampled ids of the oldest one from the
+last stage and applies them (stop checks, detokenization, freeing KV) while the later
+stages work on the younger micro-batches.
+
+Every stage learns a micro-batch's requests by *forwarding*: the plan (each request's chunk
+tokens, positions and KV block ids, its sampling parameters, the padded size and the ubatch
+decision the first stage's DP group agreed on) travels as the metadata of the tensor dict
+that carries the hidden states. No stage schedules or allocates: every stage has a KV cache
+of the same block count for its own layers and writes the blocks the first stage chose.
+Micro-batches flow in order through every stage, so a block freed and reused by a later
+micro-batch is always written after the earlier one read it, and successive chunks of one
+prompt can ride back-to-back micro-batches (chunked pipeline prefill).
+
+The last stage samples with per-request generators it keeps (created from the request's
+seed on first sight, dropped when the first stage reports the request finished) and sends
+the ids back to the first stage. A stage whose forward raises passes the error on instead
+of hidden states; the first stage fails that micro-batch's requests and goes on. A dead
+stage breaks the links: its neighbours' transfers fail (or time out after the step
+timeout), they exit, and the front end reports the engine unavailable. While idle the first
+stage sends heartbeats down the pipeline so an idle stage's bounded receive never expires.
+
+Send buffers are released only when a micro-batch's results came back around the ring (the
+first stage) or S sends later (the other stages), when the receiver has surely read them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.contexts import ForwardContext, set_forward_context
+from tandem.distributed import StageGroups, StageLinkError, recv_tensor_dict, send_tensor_dict
+from tandem.runner.batch import ScheduledChunk, build_step_inputs
+from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, EngineStats
+from tandem.runner.model_runner import ModelRunner, StepResult
+from tandem.runner.sampling import SamplingParams
+from tandem.runner.scheduler import SchedulerStep
+from tandem.serving.outputs import RequestOutput
+from tandem.ubatch import split_by_tokens
+
+#: How often an idle first stage tells the others it is alive.
+HEARTBEAT_INTERVAL_S = 1.0
+
+STEP, HEARTBEAT, STOP = "step", "heartbeat", "stop"
+
+
+@dataclass
+class MicroBatchPlan:
+    """What every stage needs to run one micro-batch; the metadata of its tensor dict."""
+
+    kind: str = STEP
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    sampling: list[SamplingParams] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    num_tokens_padded: int = 0
+    ubatched: bool = False
+    #: Requests finished since the previous micro-batch (the last stage drops their generators).
+    finished_ids: list[str] = field(default_factory=list)
+    error: str | None = None
+    #: stage -> its counters, filled in on the way (the first stage reads them at the end).
+    stage_stats: dict[int, dict] = field(default_factory=dict)
+
+
+@dataclass
+class StageCounters:
+    """Where one stage's time went while the pipeline had work: `busy_s` running its layers
+    (and sampling), `idle_s` waiting for its next micro-batch (for the first stage: for the
+    results of its oldest one). Waits that follow an idle pipeline are not bubbles."""
+
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    micro_batches: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"busy_s": self.busy_s, "idle_s": self.idle_s, "micro_batches": self.micro_batches,
+                "idle_fraction": self.idle_fraction}
+
+
+class StageWorker:
+    """One stage's model work on a micro-batch, on top of a `ModelRunner` whose model holds
+    only the stage's layers."""
+
+    def __init__(self, runner: ModelRunner, groups: StageGroups, *, timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+        self.runner = runner
+        self.groups = groups
+        self.topology = groups.topology
+        self.rank = groups.rank
+        self.stage = groups.stage
+        self.is_first = self.topology.is_first_stage(self.rank)
+        self.is_last = self.topology.is_last_stage(self.rank)
+        self.next_rank = self.topology.next_rank(self.rank)
+        self.prev_rank = self.topology.prev_rank(self.rank)
+        self.timeout_s = timeout_s
+        self.counters = StageCounters()
+        self.device = next(iter(runner.model.parameters())).device
+        self.hidden_size = int(runner.model.config.hidden_size)
+        self.dtype = runner.model.dtype
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def send(self, data: dict, dst: int):
+        return send_tensor_dict(data, dst, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group)
+
+    def recv(self, src: int) -> dict:
+        return recv_tensor_dict(
+            src, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group, device=self.device,
+            timeout_s=self.timeout_s,
+        )
+
+    # -- compute --------------------------------------------------------------------------
+
+    def _run(self, x: torch.Tensor, inputs, slices) -> torch.Tensor:
+        runner = self.runner
+        start = time.perf_counter()
+        runner.steps += 1
+        runner.ubatched_steps += slices is not None
+        try:
+            with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices)):
+                return runner.wrapper(x, inputs.positions)
+        finally:
+            runner.step_time_s += time.perf_counter() - start
+
+    @torch.no_grad()
+    def forward_first(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, int, bool]:
+        """Embed and run the first stage's layers; the padding and ubatch split are agreed
+        with the stage's other DP ranks here and forwarded to the later stages."""
+        inputs, slices = self.runner.prepare(chunks)
+        padded = inputs.input_ids.shape[0]
+        if padded == 0:
+            return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0, False
+        return self._run(inputs.input_ids.to(self.device), inputs, slices), padded, slices is not None
+
+    @torch.no_grad()
+    def forward_later(self, plan: MicroBatchPlan, hidden: torch.Tensor):
+        """Run this stage's layers on the previous stage's hidden states; returns the hidden
+        states and the step inputs (the last stage samples from both)."""
+        inputs = build_step_inputs(plan.chunks, self.runner.block_size, plan.num_tokens_padded)
+        if plan.num_tokens_padded == 0:
+            return hidden, inputs
+        slices = None
+        if plan.ubatched:
+            counts = [len(c.token_ids) for c in plan.chunks]
+            slices = split_by_tokens(counts, self.runner.overlap.num_ubatches, num_tokens_padded=plan.num_tokens_padded)
+        return self._run(hidden, inputs, slices), inputs
+
+
+class PipelineEngine(Engine):
+    """The first stage's loop: an `Engine` whose steps are micro-batches in a ring of
+    `num_micro_batches` (P + async depth; 1 is the no-overlap baseline)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        groups: StageGroups,
+        *,
+        num_micro_batches: int,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        lockstep: bool = False,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        chunk_limit=None,
+    ):
+        if num_micro_batches < 1:
+            raise ValueError(f"the pipeline needs at least one micro-batch in flight, got {num_micro_batches}")
+        super().__init__(
+            runner, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, overlap_schedule=False,
+            lockstep=lockstep, step_timeout_s=step_timeout_s,
+        )
+        if chunk_limit is not None:
+            self.scheduler.chunk_limit = chunk_limit
+        self.worker = StageWorker(runner, groups, timeout_s=step_timeout_s)
+        if not self.worker.is_first:
+            raise ValueError("PipelineEngine runs on the first pipeline stage; later stages run run_stage()")
+        self.num_micro_batches = num_micro_batches
+        self._in_flight: deque[tuple[SchedulerStep, object]] = deque()
+        self._finished: list[str] = []
+        self._last_send = time.monotonic()
+        #: stage -> that stage's latest counters (this stage's own under index 0).
+        self.stage_stats: dict[int, dict] = {}
+        self._closed = False
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished or any(step.scheduled for step, _ in self._in_flight)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        output = super().abort(request_id)
+        if output is not None:
+            self._finished.append(request_id)
+        return output
+
+    def step(self) -> list[RequestOutput]:
+        live = len(self.scheduler.running) + len(self.scheduler.waiting)
+        planned = self.scheduler.schedule(
+            max_requests=max(1, math.ceil(live / self.num_micro_batches)), skip_in_flight=True
+        )
+        launched = bool(planned.scheduled) or self.lockstep  # DP peers of a stage run every micro-batch together
+        if launched:
+            self._launch(planned)
+        outputs: list[RequestOutput] = []
+        while self._in_flight and (len(self._in_flight) >= self.num_micro_batches or not launched):
+            outputs += self._retire()
+            if not launched:
+                break
+        self._finished += [o.request_id for o in outputs if o.finished]
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while self._in_flight:
+            outputs += self._retire()
+        self._finished += [o.request_id for o in outputs if o.finished]
+        return outputs
+
+    def _launch(self, planned: SchedulerStep) -> None:
+        worker = self.worker
+        chunks = [entry.chunk for entry in planned.scheduled]
+        plan = MicroBatchPlan(
+            chunks=chunks,
+            request_ids=[entry.request.request_id for entry in planned.scheduled],
+            sampling=[entry.request.params for entry in planned.scheduled],
+            samples=[entry.slot is not None for entry in planned.scheduled],
+            finished_ids=self._finished,
+        )
+        self._finished = []
+        start = time.perf_counter()
+        try:
+            hidden, plan.num_tokens_padded, plan.ubatched = worker.forward_first(chunks)
+        except Exception as exc:  # noqa: BLE001 - the micro-batch's requests fail, the pipeline goes on
+            plan.error = f"stage 0: {type(exc).__name__}: {exc}"
+            hidden = torch.empty(0, dtype=worker.dtype, device=worker.device)
+        worker.counters.busy_s += time.perf_counter() - start
+        worker.counters.micro_batches += 1
+        self.forward_busy_s += time.perf_counter() - start
+        self._in_flight.append((planned, worker.send({"plan": plan, "hidden": hidden}, worker.next_rank)))
+        self._last_send = time.monotonic()
+
+    def _retire(self) -> list[RequestOutput]:
+        planned, send = self._in_flight.popleft()
+        worker = self.worker
+        start = time.perf_counter()
+        try:
+            message = worker.recv(worker.prev_rank)
+        except StageLinkError as exc:
+            last = worker.topology.pipeline_parallel_size - 1
+            raise StageLinkError(
+                f"pipeline stage {last} ({worker.topology.describe(worker.prev_rank)}) returned no results within "
+                f"{self.step_timeout_s:g} s: it, or a stage before it, is dead or hung ({exc})"
+            ) from exc
+        waited = time.perf_counter() - start
+        worker.counters.idle_s += waited
+        send.wait(self.step_timeout_s)  # the micro-batch came back: every stage has read its inputs
+        plan: MicroBatchPlan = message["plan"]
+        self.stage_stats.update(plan.stage_stats)
+        self.stage_stats[0] = worker.counters.as_dict()
+        if plan.error is not None:
+            return self._fail(planned, RuntimeError(plan.error))
+        tokens = [int(t) if t >= 0 else None for t in message["tokens"].tolist()]
+        return self._apply(planned, StepResult(tokens, 0, plan.num_tokens_padded, plan.ubatched))
+
+    def idle(self) -> None:
+        if self._in_flight or time.monotonic() - self._last_send < HEARTBEAT_INTERVAL_S:
+            return
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Tell the later stages the pipeline is alive and idle (their next wait is no bubble).
+        Sent only with nothing in flight, so the next stage is waiting for it: completed here."""
+        self.worker.send({"plan": MicroBatchPlan(kind=HEARTBEAT)}, self.worker.next_rank).wait(self.step_timeout_s)
+        self._last_send = time.monotonic()
+
+    def stats(self) -> EngineStats:
+        stats = super().stats()
+        stats.pipeline_stage_idle_fraction = [
+            self.stage_stats.get(s, {}).get("idle_fraction", 0.0) for s in range(self.worker.topology.pipeline_parallel_size)
+        ]
+        return stats
+
+    def close(self) -> None:
+        """Finish what is in flight and stop the later stages."""
+        if self._closed:
+            return
+        self._closed = True
+        self.drain()
+        self.worker.send({"plan": MicroBatchPlan(kind=STOP)}, self.worker.next_rank).wait(self.step_timeout_s)
+
+
+def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: int,
+              step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S, on_message=None) -> StageCounters:
+    """The loop of a stage after the first: receive a micro-batch, run the stage's layers,
+    send the hidden states on (the last stage: sample and send the ids back to the first
+    stage), until the first stage says stop. `on_message()` is called on every message
+    (a watchdog beat). Returns the stage's counters."""
+    worker = StageWorker(runner, groups, timeout_s=step_timeout_s)
+    if worker.is_first:
+        raise ValueError("run_stage runs the stages after the first; the first runs a PipelineEngine")
+    generators: dict[str, torch.Generator | None] = {}
+    pending: deque = deque()
+    counters = worker.counters
+    previous_was_step = False
+    while True:
+        start = time.perf_counter()
+        message = worker.recv(worker.prev_rank)
+        waited = time.perf_counter() - start
+        if on_message is not None:
+            on_message()
+        plan: MicroBatchPlan = message["plan"]
+        if plan.kind != STEP:
+            previous_was_step = False
+            if not worker.is_last:
+                pending.append(worker.send(message, worker.next_rank))
+            if plan.kind == STOP:
+                break
+            continue
+        if previous_was_step:
+            counters.idle_s += waited
+        previous_was_step = True
+        start = time.perf_counter()
+        for request_id in plan.finished_ids:
+            generators.pop(request_id, None)
+        out: dict = {"plan": plan}
+        if plan.error is None:
+            try:
+                hidden, inputs = worker.forward_later(plan, message["hidden"])
+                if worker.is_last:
+                    out["tokens"] = _sample(worker, plan, hidden, inputs, generators)
+                else:
+                    out["hidden"] = hidden
+            except Exception as exc:  # noqa: BLE001 - reported to the first stage, which fails the requests
+                plan.error = f"stage {worker.stage}: {type(exc).__name__}: {exc}"
+        if plan.error is not None:
+            out = {"plan": plan, "hidden" if not worker.is_last else "tokens": torch.empty(0, dtype=torch.int64)}
+        counters.busy_s += time.perf_counter() - start
+        counters.micro_batches += 1
+        plan.stage_stats[worker.stage] = counters.as_dict()
+        pending.append(worker.send(out, worker.next_rank))
+        while len(pending) > num_micro_batches:
+            pending.popleft().wait(step_timeout_s)
+    for send in pending:
+        send.wait(step_timeout_s)
+    return counters
+
+
+def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, generators) -> torch.Tensor:
+    if not plan.chunks:
+        return torch.empty(0, dtype=torch.int64)
+    for request_id, params in zip(plan.request_ids, plan.sampling):
+        if request_id not in generators:
+            generators[request_id] = params.make_generator(worker.runner.device)
+    tokens = worker.runner.sample_tokens(
+        hidden, inputs, plan.sampling, [generators[r] for r in plan.request_ids], plan.samples
+    )
+    return torch.tensor([-1 if t is None else t for t in tokens], dtype=torch.int64)
+
+
+
+
+def build_pipeline_stage(config, *, timeout_s: float = 600.0) -> tuple[ModelRunner, StageGroups]:
+    """This rank's groups and its stage's model (its layers, and its experts of the MoE
+    layers sharded over the stage's DP ranks). The default process group must be up."""
+    from tandem.distributed import Topology, init_stage_groups, stage_layers
+    from tandem.models.loader import num_hidden_layers
+    from tandem.runner.offline import build_runner
+
+    import torch.distributed as dist
+
+    from tandem.runner.launch import local_rank
+
+    par = config.parallel
+    device = config.resolve_device(local_rank(dist.get_rank()))
+    topology = Topology(par.pipeline_parallel_size, par.data_parallel_size)
+    groups = init_stage_groups(topology, device=device, timeout_s=timeout_s)
+    stage = stage_layers(num_hidden_layers(config.model), groups.stage, par.pipeline_parallel_size, par.pp_layer_partition)
+    # The stage's DP agreement runs on its own gloo group: the other stages never join it.
+    return build_runner(config, group=groups.dp_group, cpu_group=groups.dp_cpu_group, stage=stage), groups
+
+
+def pipeline_engine(runner: ModelRunner, groups: StageGroups, config, **options) -> PipelineEngine:
+    """The first stage's engine for `config` (ring size, lockstep over the stage's DP ranks;
+    with `enable_dynamic_chunking`, prompt chunks sized from a latency model fitted here)."""
+    par = config.parallel
+    engine = PipelineEngine(
+        runner, groups, num_micro_batches=par.num_micro_batches, max_num_batched_tokens=config.max_num_batched_tokens,
+        lockstep=par.data_parallel_size > 1, **options,
+    )
+    if par.enable_dynamic_chunking:
+        from tandem.runner.chunking import fit_chunker
+
+        # Only this stage's layers are timed: the stages are assumed balanced.
+        engine.scheduler.chunk_limit = fit_chunker(runner, config.max_num_batched_tokens, engine.worker.forward_first)
+    return engine
+
+
+def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
+    """Whether `flag` holds on any rank of the first stage (one small gloo all-reduce)."""
+    import torch.distributed as dist
+
+    if groups.topology.data_parallel_size == 1:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=groups.first_stage_cpu_group)
+    return bool(value.item())
+
+
+def generate_pipeline_rank(
+    rank: int, world_size: int, config, prompts: list[str], params: SamplingParams, *, on_finish=None
+):
+    """One rank of `tandem generate --pipeline-parallel-size P`: prompt i runs on DP column
+    i % D; the first stage returns its completions, the other stages an empty list.
+    `on_finish(runner)` is called at the end (its counters: steps, ubatched steps)."""
+    from tandem.runner.offline import Completion
+
+    runner, groups = build_pipeline_stage(config)
+    if groups.stage != 0:
+        run_stage(runner, groups, num_micro_batches=config.parallel.num_micro_batches)
+        if on_finish is not None:
+            on_finish(runner)
+        return []
+    engine = pipeline_engine(runner, groups, config)
+    tokenizer = runner.info.tokenizer
+    mine = {str(i): i for i in range(len(prompts)) if i % groups.topology.data_parallel_size == groups.dp_rank}
+    done: dict[str, Completion] = {}
+    for request_id, index in mine.items():
+        rejected = engine.add_request(request_id, tokenizer.encode(prompts[index]).ids, params)
+        if rejected is not None:
+            raise ValueError(f"prompt {index}: {rejected.error}")
+        done[request_id] = Completion(index, "", [], "")
+    while any_first_stage_rank(groups, engine.has_work):
+        for output in engine.step():
+            completion = done[output.request_id]
+            completion.text += output.new_text
+            completion.token_ids += output.new_token_ids
+            if output.finished:
+                if output.finish_reason == "error":
+                    raise RuntimeError(f"prompt {completion.index}: {output.error}")
+                completion.finish_reason = output.finish_reason
+    engine.close()
+    if on_finish is not None:
+        on_finish(runner)
+    return list(done.values())
+
+
+__all__ = [
+    "MicroBatchPlan",
+    "PipelineEngine",
+    "StageCounters",
+    "StageWorker",
+    "build_pipeline_stage",
+    "generate_pipeline_rank",
+    "pipeline_engine",
+    "run_stage",
+]
