@@ -401,8 +401,8 @@ def bench(
     tokens: str = typer.Option("32,128,512", help="Tokens per rank to sweep, comma-separated."),
     modes: str = typer.Option(
         "none,dbo,dbo-greenlet,sbo,dbo+sbo",
-        help="none | dbo (threads) | dbo-greenlet | sbo | dbo+sbo (under DBO the kernel already runs the shared "
-        "experts in the transfer window, so dbo+sbo schedules like dbo).",
+        help="none | dbo (threads) | dbo-greenlet | sbo (--sbo-mode auto) | dbo+sbo | sbo-combine-down-gemm | "
+        "sbo-combine-shared | sbo-dispatch-shared (one SGLang SBO mode each).",
     ),
     phase: str = typer.Option("decode", help="decode (one new token per request) | prefill (long requests)."),
     repeat: int = _BENCH_REPEAT,
