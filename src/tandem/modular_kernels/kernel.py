@@ -246,14 +246,9 @@ class FusedMoEModularKernel:
             dbo_register_recv_hook(hook)
         dbo_yield()
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states, w1, w2, topk_weights, topk_ids) -> torch.Tensor:
+        """The whole layer (inputs as `dispatch_send`): the steps in order, with the DBO
+        handover at each transfer and the shared experts where the SBO mode puts them."""
         dbo_maybe_run_recv_hook()
         state = self.dispatch_send(hidden_states, w1, w2, topk_weights, topk_ids)
         shared_at = self.shared_experts_placement(state.sbo_mode)
