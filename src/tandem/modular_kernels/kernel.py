@@ -1,14 +1,55 @@
-"""`FusedMoEModularKernel`: prepare (dispatch) → experts → finalize (combine), with the DBO
-yield points where vLLM puts them and single-batch overlap (SBO) of the shared experts."""
+"""`FusedMoEModularKernel`: prepare (dispatch) → experts → finalize (combine) as SGLang's
+steps, with the DBO yield points where vLLM puts them and single-batch overlap (SBO) in
+SGLang's three modes (`tandem.modular_kernels.sbo`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from tandem.contexts import dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
-from tandem.modular_kernels.interfaces import Experts, PrepareAndFinalize, RecvHook
+from tandem.modular_kernels.interfaces import BlockCombine, Experts, ExpertTokens, PrepareAndFinalize, RecvHook
+from tandem.modular_kernels.sbo import (
+    COMBINE_DOWN_GEMM,
+    COMBINE_SHARED,
+    DISPATCH_SHARED,
+    CommStream,
+    check_block_combine,
+    check_sbo_mode,
+    resolve_sbo_mode,
+)
+from tandem.modular_kernels.sm_partition import comm_sm_partition
+
+
+@dataclass(eq=False)
+class MoEStepState:
+    """One MoE layer call of one (micro-)batch between its steps: the inputs, then what
+    each step leaves for the next. A TBO stage keeps it in its per-micro-batch state."""
+
+    hidden_states: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    #: the SBO mode this call runs (None: SBO off), fixed when the dispatch is sent.
+    sbo_mode: str | None = None
+    #: dispatch in flight: the receive hook (None once run or handed to another ubatch)
+    #: and the receiver that waits and returns the tokens.
+    dispatch_hook: RecvHook | None = None
+    dispatch_receiver: Callable[[], ExpertTokens] | None = None
+    tokens: ExpertTokens | None = None
+    expert_out: torch.Tensor | None = None
+    #: combine-down-gemm: the combine already sent block by block, and the blocks'
+    #: outputs (kept alive until the combine has read them on its stream).
+    block_combine: BlockCombine | None = None
+    expert_blocks: list[torch.Tensor] | None = None
+    combine_hook: RecvHook | None = None
+    combine_receiver: Callable[[], torch.Tensor] | None = None
+    #: `[T, H]` weighted sum over the routed experts.
+    routed_output: torch.Tensor | None = None
+    shared_output: torch.Tensor | None = None
 
 
 class FusedMoEModularKernel:
@@ -17,12 +58,9 @@ class FusedMoEModularKernel:
     Under DBO each transfer is split around a yield: the sending ubatch registers the
     receive hook on the next ubatch and yields; that ubatch issues the receive after it
     has queued its own work, and the sender picks up the result when its turn returns.
-    Without DBO the receive happens in place, unless `enable_sbo` asks to overlap the
-    shared experts with a transfer in flight.
-
-    `shared_experts_overlap` picks that transfer: `"combine"` (vLLM's placement, between
-    the combine send and the yield) or `"dispatch"` (SGLang TBO's, between the dispatch
-    send and the yield), whichever balances the model's compute around its transfers.
+    Without DBO the receive happens in place, unless `enable_sbo` overlaps work with a
+    transfer in flight, in `sbo_mode` (see `tandem.modular_kernels.sbo`); `comm_sms` SMs
+    go to the combine and the rest to the GEMMs while the down projection overlaps it.
     """
 
     def __init__(
@@ -33,10 +71,9 @@ class FusedMoEModularKernel:
         *,
         use_fp8_dispatch: bool = False,
         enable_sbo: bool = False,
-        shared_experts_overlap: str = "combine",
+        sbo_mode: str = "auto",
+        comm_sms: int | None = None,
     ):
-        if shared_experts_overlap not in ("combine", "dispatch"):
-            raise ValueError(f"shared_experts_overlap must be 'combine' or 'dispatch', got {shared_experts_overlap!r}")
         if prepare_finalize.activation_format != experts.activation_format:
             raise ValueError(
                 f"{prepare_finalize.name!r} dispatch produces {prepare_finalize.activation_format.value} "
@@ -48,13 +85,44 @@ class FusedMoEModularKernel:
         self.shared_experts = shared_experts
         self.use_fp8_dispatch = use_fp8_dispatch
         self.enable_sbo = enable_sbo
-        self.shared_experts_overlap = shared_experts_overlap
+        self.sbo_mode = sbo_mode
+        self.comm_sms = comm_sms
+        self._comm_stream = CommStream()
+
+    @property
+    def sbo_mode(self) -> str:
+        return self._sbo_mode
+
+    @sbo_mode.setter
+    def sbo_mode(self, mode: str) -> None:
+        check_block_combine(check_sbo_mode(mode), self.prepare_finalize)
+        self._sbo_mode = mode
 
     def __repr__(self) -> str:
+        sbo = self.sbo_mode if self.enable_sbo else "off"
         return (
             f"FusedMoEModularKernel({self.prepare_finalize.name}+{self.experts.name}, "
-            f"format={self.experts.activation_format.value}, fp8={self.use_fp8_dispatch}, sbo={self.enable_sbo})"
+            f"format={self.experts.activation_format.value}, fp8={self.use_fp8_dispatch}, sbo={sbo})"
         )
+
+    def active_sbo_mode(self, device: torch.device) -> str | None:
+        """The SBO mode a call on `device` runs: None when SBO is off, or when the backend's
+        transfers complete before they return (nothing to overlap) outside DBO."""
+        if not self.enable_sbo or not (self.prepare_finalize.supports_async() or dbo_enabled()):
+            return None
+        return resolve_sbo_mode(self.sbo_mode, self.prepare_finalize, self.experts, device)
+
+    def shared_experts_placement(self, sbo_mode: str | None) -> str | None:
+        """Where `forward` runs the shared experts: "dispatch" (between the dispatch send
+        and its receive), "combine" (between the combine send and its receive) or None (at
+        the output). Under DBO without SBO they go in the combine window, as in vLLM."""
+        if self.shared_experts is None:
+            return None
+        if sbo_mode in (DISPATCH_SHARED, COMBINE_DOWN_GEMM):
+            return "dispatch"
+        if sbo_mode == COMBINE_SHARED or dbo_enabled():
+            return "combine"
+        return None
 
     def _check(self, hidden, w1, w2, topk_weights, topk_ids) -> None:
         local = self.prepare_finalize.num_local_experts
@@ -75,56 +143,143 @@ class FusedMoEModularKernel:
                 f"must both be [tokens={num_tokens}, top_k]"
             )
 
-    @staticmethod
-    def _receive(hook: RecvHook | None, overlap: Callable[[], None] | None = None) -> None:
-        """Complete a transfer: hand it to the next ubatch under DBO, else wait in place,
-        running `overlap` (work that does not depend on the transfer) in between."""
-        if overlap is not None:
-            overlap()
-        if dbo_enabled():
-            if hook is not None:
-                dbo_register_recv_hook(hook)
-            # A synchronous backend still yields so every ubatch keeps the same schedule.
-            dbo_yield()
-        elif hook is not None:
-            hook()
+    # -- the steps (SGLang's names); `forward` and the TBO operation lists both run these --
 
-    def forward(
+    def dispatch_send(
         self,
         hidden_states: torch.Tensor,
         w1: torch.Tensor,
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> MoEStepState:
+        """Validate the inputs and issue the dispatch; never yields. The receive hook (if
+        the backend has one) stays in the returned state for `dispatch_recv`."""
         self._check(hidden_states, w1, w2, topk_weights, topk_ids)
-        pf = self.prepare_finalize
-        overlap_shared = self.shared_experts is not None and (
-            dbo_enabled() or (self.enable_sbo and pf.supports_async())
+        state = MoEStepState(
+            hidden_states, w1, w2, topk_weights, topk_ids, sbo_mode=self.active_sbo_mode(hidden_states.device)
         )
-        shared_out: list[torch.Tensor] = []
+        state.dispatch_hook, state.dispatch_receiver = self.prepare_finalize.prepare_async(
+            hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch
+        )
+        return state
 
-        def run_shared() -> None:
-            shared_out.append(self.shared_experts(hidden_states))
+    def dispatch_recv(self, state: MoEStepState) -> None:
+        """Run the receive hook unless it was handed to another ubatch, wait, keep the tokens."""
+        _run_hook(state, "dispatch_hook")
+        state.tokens = _take(state, "dispatch_receiver", "dispatch_send")()
 
-        overlap_at = self.shared_experts_overlap if overlap_shared else None
+    def compute_experts(self, state: MoEStepState) -> None:
+        """The expert GEMMs. In combine-down-gemm, block by block: each block's combine is
+        issued on the comm stream as soon as its down projection is done."""
+        if state.tokens is None:
+            raise RuntimeError("compute_experts needs the dispatched tokens: call dispatch_recv first")
+        if state.sbo_mode != COMBINE_DOWN_GEMM:
+            state.expert_out = self.experts.apply(state.tokens, state.w1, state.w2)
+            return
+        device = state.hidden_states.device
+        combine = self.prepare_finalize.finalize_in_blocks(
+            state.tokens, state.topk_weights, state.topk_ids, num_sms=self.comm_sms
+        )
+        state.expert_blocks = []
+        with comm_sm_partition(self.comm_sms):
+            for index, block_out in self.experts.apply_blocks(state.tokens, state.w1, state.w2, combine.blocks):
+                state.expert_blocks.append(block_out)
+                with self._comm_stream.issue(device):
+                    combine.send(index, block_out)
+        state.block_combine = combine
+
+    def combine_send(self, state: MoEStepState) -> None:
+        """Issue the combine: in combine-shared on the comm stream; in combine-down-gemm
+        its blocks are out already and this closes it."""
+        if state.block_combine is None and state.expert_out is None:
+            raise RuntimeError("combine_send needs the expert output: call compute_experts first")
+        if state.sbo_mode not in (COMBINE_SHARED, COMBINE_DOWN_GEMM):
+            state.combine_hook, state.combine_receiver = self._issue_combine(state)
+            return
+        device = state.hidden_states.device
+        with self._comm_stream.issue(device):
+            hook, state.combine_receiver = self._issue_combine(state)
+        state.combine_hook = self._comm_stream.joined(hook, device)
+
+    def _issue_combine(self, state: MoEStepState):
+        if state.block_combine is not None:
+            combine, state.block_combine = state.block_combine, None
+            return combine.finish()
+        return self.prepare_finalize.finalize_async(state.expert_out, state.tokens, state.topk_weights, state.topk_ids)
+
+    def combine_recv(self, state: MoEStepState) -> None:
+        """Run the receive hook unless it was handed to another ubatch, wait, keep the
+        routed output `[T, H]`."""
+        if state.sbo_mode in (COMBINE_SHARED, COMBINE_DOWN_GEMM):
+            self._comm_stream.join(state.hidden_states.device)
+        _run_hook(state, "combine_hook")
+        state.routed_output = _take(state, "combine_receiver", "combine_send")()
+        state.expert_blocks = None
+
+    def compute_shared(self, state: MoEStepState) -> None:
+        """The shared experts on this ubatch's tokens; once, wherever the schedule puts it."""
+        if self.shared_experts is not None and state.shared_output is None:
+            state.shared_output = self.shared_experts(state.hidden_states)
+
+    def output(self, state: MoEStepState) -> torch.Tensor:
+        """Routed plus shared output (the shared experts run now if no step ran them yet)."""
+        if state.routed_output is None:
+            raise RuntimeError("output needs the routed output: call combine_recv first")
+        self.compute_shared(state)
+        if state.shared_output is None:
+            return state.routed_output
+        return state.routed_output + state.shared_output
+
+    # -- DBO: the steps with the yield / receive-hook handover between them ---------------
+
+    @staticmethod
+    def _hand_over(state: MoEStepState, hook_field: str) -> None:
+        """Under DBO, park this transfer's receive hook on the next ubatch and yield (a
+        synchronous backend yields too, so every ubatch keeps the same schedule); outside
+        DBO the receive step runs the hook in place."""
+        if not dbo_enabled():
+            return
+        hook = getattr(state, hook_field)
+        if hook is not None:
+            setattr(state, hook_field, None)
+            dbo_register_recv_hook(hook)
+        dbo_yield()
+
+    def forward(self, hidden_states, w1, w2, topk_weights, topk_ids) -> torch.Tensor:
+        """The whole layer (inputs as `dispatch_send`): the steps in order, with the DBO
+        handover at each transfer and the shared experts where the SBO mode puts them."""
+        dbo_maybe_run_recv_hook()
+        state = self.dispatch_send(hidden_states, w1, w2, topk_weights, topk_ids)
+        shared_at = self.shared_experts_placement(state.sbo_mode)
+        if shared_at == "dispatch":
+            self.compute_shared(state)
+        self._hand_over(state, "dispatch_hook")
+        self.dispatch_recv(state)
+
+        self.compute_experts(state)
 
         dbo_maybe_run_recv_hook()
-        hook, receive_tokens = pf.prepare_async(hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch)
-        self._receive(hook, overlap=run_shared if overlap_at == "dispatch" else None)
-        tokens = receive_tokens()
-
-        expert_out = self.experts.apply(tokens, w1, w2)
-
-        dbo_maybe_run_recv_hook()
-        hook, receive_output = pf.finalize_async(expert_out, tokens, topk_weights, topk_ids)
-        self._receive(hook, overlap=run_shared if overlap_at == "combine" else None)
-        out = receive_output()
-
-        if self.shared_experts is not None:
-            if not shared_out:
-                run_shared()
-            out = out + shared_out[0]
-        return out
+        self.combine_send(state)
+        if shared_at == "combine":
+            self.compute_shared(state)
+        self._hand_over(state, "combine_hook")
+        self.combine_recv(state)
+        return self.output(state)
 
     __call__ = forward
+
+
+def _run_hook(state: MoEStepState, field: str) -> None:
+    hook = getattr(state, field)
+    if hook is not None:
+        setattr(state, field, None)
+        hook()
+
+
+def _take(state: MoEStepState, field: str, sender: str):
+    receiver = getattr(state, field)
+    if receiver is None:
+        raise RuntimeError(f"nothing to receive: call {sender} first (each transfer is received once)")
+    setattr(state, field, None)
+    return receiver

@@ -119,6 +119,7 @@ def build_runner(config, *, group=None, cpu_group=None, stage=None) -> ModelRunn
         max_tokens_per_rank=config.max_num_batched_tokens,
         use_fp8_dispatch=par.use_fp8_dispatch,
         enable_sbo=par.enable_sbo,
+        sbo_mode=par.sbo_mode,
         fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
         deepep_ll_max_tokens_per_rank=par.deepep_ll_max_tokens_per_rank,
         comm_sms=config.overlap.comm_sms,
