@@ -36,7 +36,13 @@ _MODEL = typer.Option("tiny-moe", help="A Hugging Face model directory, or the b
 _DATA_PARALLEL_SIZE = typer.Option(1, help="DP ranks (processes); experts are sharded across them.")
 _ENABLE_DBO = typer.Option(False, help="Split large steps into ubatches that overlap communication.")
 _NUM_UBATCHES = typer.Option(2, help="Ubatches per DBO step.")
-_UBATCH_EXECUTOR = typer.Option("thread", help="thread | greenlet")
+_UBATCH_EXECUTOR = typer.Option("thread", help="thread | greenlet | stages (TBO: operation lists, no threads)")
+_ENABLE_TWO_BATCH_OVERLAP = typer.Option(
+    False, help="SGLang's name for two-batch overlap: the same as --enable-dbo --ubatch-executor stages."
+)
+_TBO_THRESHOLD = typer.Option(
+    0.48, help="TBO prefill split: cut inside a sequence when no sequence boundary gives each ubatch this share."
+)
 _DBO_DECODE_THRESHOLD = typer.Option(32, help="Smallest uniform-decode step that uses DBO.")
 _DBO_PREFILL_THRESHOLD = typer.Option(512, help="Smallest other step that uses DBO.")
 _THRESHOLDS_FILE = typer.Option(None, help="JSON from `tandem tune`; overrides the two thresholds.")
@@ -59,8 +65,10 @@ _ENGINE_FLAGS = (
     "model",
     "data_parallel_size",
     "enable_dbo",
+    "enable_two_batch_overlap",
     "num_ubatches",
     "ubatch_executor",
+    "tbo_token_distribution_threshold",
     "dbo_decode_token_threshold",
     "dbo_prefill_token_threshold",
     "thresholds_file",
@@ -95,12 +103,20 @@ def _engine_config(
     fabric_latency_us: float | None,
     fabric_gbps: float | None,
     fabric: str | None = None,
+    enable_two_batch_overlap: bool = False,
+    tbo_token_distribution_threshold: float = 0.48,
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
     """The EngineConfig for the shared flags; a bad value raises `typer.BadParameter`."""
     from tandem.config import CacheConfig, EngineConfig, OverlapConfig, ParallelConfig
 
+    if enable_two_batch_overlap:
+        if ubatch_executor not in ("thread", "stages"):  # "thread" is the default: not a choice
+            raise typer.BadParameter(
+                f"--enable-two-batch-overlap runs the stages executor; it contradicts --ubatch-executor {ubatch_executor}"
+            )
+        enable_dbo, ubatch_executor = True, "stages"
     try:
         return EngineConfig(
             model=model,
@@ -111,6 +127,7 @@ def _engine_config(
                 dbo_decode_token_threshold=dbo_decode_token_threshold,
                 dbo_prefill_token_threshold=dbo_prefill_token_threshold,
                 graph_mode=graph_mode,
+                tbo_token_distribution_threshold=tbo_token_distribution_threshold,
             ).with_thresholds_file(thresholds_file),
             parallel=ParallelConfig(
                 data_parallel_size=data_parallel_size,
@@ -134,8 +151,10 @@ def generate(
     model: str = _MODEL,
     data_parallel_size: int = _DATA_PARALLEL_SIZE,
     enable_dbo: bool = _ENABLE_DBO,
+    enable_two_batch_overlap: bool = _ENABLE_TWO_BATCH_OVERLAP,
     num_ubatches: int = _NUM_UBATCHES,
     ubatch_executor: str = _UBATCH_EXECUTOR,
+    tbo_token_distribution_threshold: float = _TBO_THRESHOLD,
     dbo_decode_token_threshold: int = _DBO_DECODE_THRESHOLD,
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
@@ -211,8 +230,10 @@ def serve(
     port: int = typer.Option(8000),
     data_parallel_size: int = _DATA_PARALLEL_SIZE,
     enable_dbo: bool = _ENABLE_DBO,
+    enable_two_batch_overlap: bool = _ENABLE_TWO_BATCH_OVERLAP,
     num_ubatches: int = _NUM_UBATCHES,
     ubatch_executor: str = _UBATCH_EXECUTOR,
+    tbo_token_distribution_threshold: float = _TBO_THRESHOLD,
     dbo_decode_token_threshold: int = _DBO_DECODE_THRESHOLD,
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,

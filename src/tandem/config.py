@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-EXECUTORS = ("thread", "greenlet")
+EXECUTORS = ("thread", "greenlet", "stages")
 GRAPH_MODES = ("none", "full")
 
 
@@ -20,6 +20,9 @@ class OverlapConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     graph_mode: str = "none"
+    #: TBO prefill split: sequences are cut inside one when no sequence boundary leaves
+    #: each part at least this share of the tokens (SGLang's tbo_token_distribution_threshold).
+    tbo_token_distribution_threshold: float = 0.48
 
     def __post_init__(self) -> None:
         if self.num_ubatches < 2:
@@ -28,6 +31,10 @@ class OverlapConfig:
             raise ValueError(f"--ubatch-executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"--graph-mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}")
+        if not 0.0 <= self.tbo_token_distribution_threshold <= 0.5:
+            raise ValueError(
+                f"--tbo-token-distribution-threshold must lie in [0, 0.5], got {self.tbo_token_distribution_threshold}"
+            )
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

@@ -23,7 +23,7 @@ from tandem.runner.future_map import FutureMap
 from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.runner.sampling import SamplingParams, sample
 from tandem.runner.ubatch_wrapper import UBatchWrapper
-from tandem.ubatch import check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
+from tandem.ubatch import balanced_split, check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
 
 
 @dataclass
@@ -133,8 +133,20 @@ class ModelRunner:
             # Own tokens only; an idle rank runs one padding token to join the collectives.
             padded = max(sum(counts), 1)
         if decision.should_ubatch:
-            slices = split_by_tokens(counts, self.overlap.num_ubatches, num_tokens_padded=padded)
+            slices = split_by_tokens(
+                counts, self.overlap.num_ubatches, num_tokens_padded=padded, split_point=self._tbo_split_point(counts)
+            )
         return build_step_inputs(chunks, self.block_size, padded), slices
+
+    def _tbo_split_point(self, counts: list[int]) -> int | None:
+        """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split
+        by sequences, or inside one sequence when no boundary is balanced enough; None (cut
+        by tokens) for decode batches and for the other executors."""
+        num_tokens = sum(counts)
+        if self.overlap.executor != "stages" or self.overlap.num_ubatches != 2 or all(n == 1 for n in counts):
+            return None
+        split = balanced_split(counts, self.overlap.tbo_token_distribution_threshold)
+        return split.token_index if 0 < split.token_index < num_tokens else None
 
     @torch.no_grad()
     def execute(

@@ -7,7 +7,12 @@ MoE layers use `FusedMoEModularKernel`. It reads the forward context:
 - `ubatch_slices`: each positional tensor is cut along dim 0 by the slices' token ranges,
   the attention metadata is split per ubatch (`AttentionMetadata.split`), every ubatch runs
   the model on its own executor worker (thread or greenlet) under its own forward context,
-  and the outputs (tensors, or tuples / lists of tensors) are concatenated back.
+  and the outputs (tensors, or tuples / lists of tensors) are concatenated back;
+- `ubatch_slices` with the `"stages"` executor (TBO): the model's `operations_inputs` runs
+  on the whole batch (embedding, leading dense layers), its per-ubatch inputs are
+  interleaved stage by stage through `operations_strategy(decode)` on the caller's thread,
+  each stage under its ubatch's forward context, and `operations_output` finishes the
+  concatenated result.
 
 `graph_mode="full"` captures one graph per (padded token count, ubatch count) for
 decode-only batches (`AttentionMetadata.decode_only`) of up to `max_graph_tokens` tokens,
@@ -32,6 +37,7 @@ import torch
 from tandem.contexts import (
     DEFAULT_TIMEOUT_S,
     ForwardContext,
+    StageExecutor,
     UBatchExecutor,
     get_forward_context,
     make_executor,
@@ -74,7 +80,7 @@ class UBatchWrapper:
         model: Any,
         *,
         num_ubatches: int = 2,
-        executor: str | UBatchExecutor = "thread",
+        executor: str | UBatchExecutor | StageExecutor = "thread",
         graph_mode: str = "none",
         max_graph_tokens: int = 512,
         max_blocks_per_seq: int | None = None,
@@ -87,6 +93,8 @@ class UBatchWrapper:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
         self.model = model
         self.num_ubatches = num_ubatches
+        if executor == "stages":
+            executor = StageExecutor()
         self.executor = make_executor(executor, timeout) if isinstance(executor, str) else executor
         self.graph_mode = graph_mode
         self.max_graph_tokens = max_graph_tokens
@@ -125,12 +133,16 @@ class UBatchWrapper:
             per_ubatch = metadata.split(list(slices))
         else:
             raise TypeError(f"UBatchWrapper cannot split attention metadata of type {type(metadata).__name__}")
+        sub_contexts = [
+            ForwardContext(attn_metadata=m, ubatch_slices=None, extras={**ctx.extras, "ubatch_index": i})
+            for i, m in enumerate(per_ubatch)
+        ]
+        if isinstance(self.executor, StageExecutor):
+            self.ubatched_runs += 1
+            return self._run_stages(ctx, inputs, slices, sub_contexts, kwargs)
 
         def ubatch(index: int, ub: UBatchSlice):
-            sub_context = ForwardContext(
-                attn_metadata=per_ubatch[index], ubatch_slices=None, extras={**ctx.extras, "ubatch_index": index}
-            )
-            with set_forward_context(sub_context):
+            with set_forward_context(sub_contexts[index]):
                 return self.model(*(x[ub.token_slice] for x in inputs), **kwargs)
 
         fns = [lambda i=i, ub=ub: ubatch(i, ub) for i, ub in enumerate(slices)]
@@ -139,6 +151,25 @@ class UBatchWrapper:
         )
         self.ubatched_runs += 1
         return merge_outputs(self.executor.run(fns, contexts))
+
+    def _run_stages(self, ctx, inputs, slices, sub_contexts, kwargs) -> Any:
+        model = self.model
+        if not hasattr(model, "operations_strategy"):
+            raise TypeError(
+                f"{type(model).__name__} exposes no operations (operations_inputs / operations_strategy / "
+                "operations_output): use the thread or greenlet executor for it"
+            )
+        whole = model.operations_inputs(*inputs, **kwargs)
+        per_ubatch = [{name: value[ub.token_slice] for name, value in whole.items()} for ub in slices]
+        metadata = ctx.attn_metadata
+        strategy = model.operations_strategy(decode=isinstance(metadata, AttentionMetadata) and metadata.decode_only)
+        outputs = self.executor.run(
+            per_ubatch,
+            [strategy.operations] * len(slices),
+            [i * strategy.delta_stages for i in range(len(slices))],
+            forward_contexts=sub_contexts,
+        )
+        return model.operations_output({name: merge_outputs([out[name] for out in outputs]) for name in outputs[0]})
 
     # -- graphs --------------------------------------------------------------------------
 
