@@ -5,7 +5,7 @@ from tandem.modular_kernels.experts_torch import TorchBatchedExperts, TorchExper
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.factory import ALL2ALL_BACKENDS, MOE_BACKENDS, build_moe_kernel
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens, PrepareAndFinalize
-from tandem.modular_kernels.kernel import FusedMoEModularKernel
+from tandem.modular_kernels.kernel import FusedMoEModularKernel, MoEStepState
 from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
 from tandem.modular_kernels.quant import dequantize_fp8, quantize_fp8_per_token_group
 from tandem.modular_kernels.routing import expert_mlp, select_experts, torch_moe_reference
@@ -20,6 +20,7 @@ __all__ = [
     "FusedMoEModularKernel",
     "LocalPrepareAndFinalize",
     "MOE_BACKENDS",
+    "MoEStepState",
     "PrepareAndFinalize",
     "TorchBatchedExperts",
     "TorchExperts",

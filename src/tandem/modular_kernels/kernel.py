@@ -3,12 +3,36 @@ yield points where vLLM puts them and single-batch overlap (SBO) of the shared e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from tandem.contexts import dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
-from tandem.modular_kernels.interfaces import Experts, PrepareAndFinalize, RecvHook
+from tandem.modular_kernels.interfaces import Experts, ExpertTokens, PrepareAndFinalize, RecvHook
+
+
+@dataclass(eq=False)
+class MoEStepState:
+    """One MoE layer call of one (micro-)batch between its steps: the inputs, then what
+    each step leaves for the next. A TBO stage keeps it in its per-micro-batch state."""
+
+    hidden_states: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    #: dispatch in flight: the receive hook (None once run or handed to another ubatch)
+    #: and the receiver that waits and returns the tokens.
+    dispatch_hook: RecvHook | None = None
+    dispatch_receiver: Callable[[], ExpertTokens] | None = None
+    tokens: ExpertTokens | None = None
+    expert_out: torch.Tensor | None = None
+    combine_hook: RecvHook | None = None
+    combine_receiver: Callable[[], torch.Tensor] | None = None
+    #: `[T, H]` weighted sum over the routed experts.
+    routed_output: torch.Tensor | None = None
+    shared_output: torch.Tensor | None = None
 
 
 class FusedMoEModularKernel:
@@ -75,19 +99,76 @@ class FusedMoEModularKernel:
                 f"must both be [tokens={num_tokens}, top_k]"
             )
 
+    # -- the steps (SGLang's names); `forward` and the TBO operation lists both run these --
+
+    def dispatch_send(
+        self,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> MoEStepState:
+        """Validate the inputs and issue the dispatch; never yields. The receive hook (if
+        the backend has one) stays in the returned state for `dispatch_recv`."""
+        self._check(hidden_states, w1, w2, topk_weights, topk_ids)
+        state = MoEStepState(hidden_states, w1, w2, topk_weights, topk_ids)
+        state.dispatch_hook, state.dispatch_receiver = self.prepare_finalize.prepare_async(
+            hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch
+        )
+        return state
+
+    def dispatch_recv(self, state: MoEStepState) -> None:
+        """Run the receive hook unless it was handed to another ubatch, wait, keep the tokens."""
+        _run_hook(state, "dispatch_hook")
+        state.tokens = _take(state, "dispatch_receiver", "dispatch_send")()
+
+    def compute_experts(self, state: MoEStepState) -> None:
+        if state.tokens is None:
+            raise RuntimeError("compute_experts needs the dispatched tokens: call dispatch_recv first")
+        state.expert_out = self.experts.apply(state.tokens, state.w1, state.w2)
+
+    def combine_send(self, state: MoEStepState) -> None:
+        if state.expert_out is None:
+            raise RuntimeError("combine_send needs the expert output: call compute_experts first")
+        state.combine_hook, state.combine_receiver = self.prepare_finalize.finalize_async(
+            state.expert_out, state.tokens, state.topk_weights, state.topk_ids
+        )
+
+    def combine_recv(self, state: MoEStepState) -> None:
+        """Run the receive hook unless it was handed to another ubatch, wait, keep the
+        routed output `[T, H]`."""
+        _run_hook(state, "combine_hook")
+        state.routed_output = _take(state, "combine_receiver", "combine_send")()
+
+    def compute_shared(self, state: MoEStepState) -> None:
+        """The shared experts on this ubatch's tokens; once, wherever the schedule puts it."""
+        if self.shared_experts is not None and state.shared_output is None:
+            state.shared_output = self.shared_experts(state.hidden_states)
+
+    def output(self, state: MoEStepState) -> torch.Tensor:
+        """Routed plus shared output (the shared experts run now if no step ran them yet)."""
+        if state.routed_output is None:
+            raise RuntimeError("output needs the routed output: call combine_recv first")
+        self.compute_shared(state)
+        if state.shared_output is None:
+            return state.routed_output
+        return state.routed_output + state.shared_output
+
+    # -- DBO: the steps with the yield / receive-hook handover between them ---------------
+
     @staticmethod
-    def _receive(hook: RecvHook | None, overlap: Callable[[], None] | None = None) -> None:
-        """Complete a transfer: hand it to the next ubatch under DBO, else wait in place,
-        running `overlap` (work that does not depend on the transfer) in between."""
-        if overlap is not None:
-            overlap()
-        if dbo_enabled():
-            if hook is not None:
-                dbo_register_recv_hook(hook)
-            # A synchronous backend still yields so every ubatch keeps the same schedule.
-            dbo_yield()
-        elif hook is not None:
-            hook()
+    def _hand_over(state: MoEStepState, hook_field: str) -> None:
+        """Under DBO, park this transfer's receive hook on the next ubatch and yield (a
+        synchronous backend yields too, so every ubatch keeps the same schedule); outside
+        DBO the receive step runs the hook in place."""
+        if not dbo_enabled():
+            return
+        hook = getattr(state, hook_field)
+        if hook is not None:
+            setattr(state, hook_field, None)
+            dbo_register_recv_hook(hook)
+        dbo_yield()
 
     def forward(
         self,
@@ -97,34 +178,41 @@ class FusedMoEModularKernel:
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        self._check(hidden_states, w1, w2, topk_weights, topk_ids)
-        pf = self.prepare_finalize
         overlap_shared = self.shared_experts is not None and (
-            dbo_enabled() or (self.enable_sbo and pf.supports_async())
+            dbo_enabled() or (self.enable_sbo and self.prepare_finalize.supports_async())
         )
-        shared_out: list[torch.Tensor] = []
-
-        def run_shared() -> None:
-            shared_out.append(self.shared_experts(hidden_states))
-
         overlap_at = self.shared_experts_overlap if overlap_shared else None
 
         dbo_maybe_run_recv_hook()
-        hook, receive_tokens = pf.prepare_async(hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch)
-        self._receive(hook, overlap=run_shared if overlap_at == "dispatch" else None)
-        tokens = receive_tokens()
+        state = self.dispatch_send(hidden_states, w1, w2, topk_weights, topk_ids)
+        if overlap_at == "dispatch":
+            self.compute_shared(state)
+        self._hand_over(state, "dispatch_hook")
+        self.dispatch_recv(state)
 
-        expert_out = self.experts.apply(tokens, w1, w2)
+        self.compute_experts(state)
 
         dbo_maybe_run_recv_hook()
-        hook, receive_output = pf.finalize_async(expert_out, tokens, topk_weights, topk_ids)
-        self._receive(hook, overlap=run_shared if overlap_at == "combine" else None)
-        out = receive_output()
-
-        if self.shared_experts is not None:
-            if not shared_out:
-                run_shared()
-            out = out + shared_out[0]
-        return out
+        self.combine_send(state)
+        if overlap_at == "combine":
+            self.compute_shared(state)
+        self._hand_over(state, "combine_hook")
+        self.combine_recv(state)
+        return self.output(state)
 
     __call__ = forward
+
+
+def _run_hook(state: MoEStepState, field: str) -> None:
+    hook = getattr(state, field)
+    if hook is not None:
+        setattr(state, field, None)
+        hook()
+
+
+def _take(state: MoEStepState, field: str, sender: str):
+    receiver = getattr(state, field)
+    if receiver is None:
+        raise RuntimeError(f"nothing to receive: call {sender} first (each transfer is received once)")
+    setattr(state, field, None)
+    return receiver
