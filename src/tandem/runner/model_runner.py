@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from tandem.config import OverlapConfig
 from tandem.contexts import CommCounters, ForwardContext, set_forward_context, time_model, timed_blocking
@@ -22,7 +23,7 @@ from tandem.runner.batch import ScheduledChunk, StepInputs, build_step_inputs
 from tandem.runner.future_map import FutureMap
 from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.runner.sampling import SamplingParams, sample
-from tandem.runner.ubatch_wrapper import UBatchWrapper
+from tandem.runner.ubatch_wrapper import TBO_DECODE, UBatchWrapper
 from tandem.ubatch import balanced_split, check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
 
 
@@ -138,6 +139,18 @@ class ModelRunner:
             )
         return build_step_inputs(chunks, self.block_size, padded), slices
 
+    def _every_rank_decodes(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """TBO's decode strategy (delta 2) and prefill strategy (delta 0) issue their
+        all-to-alls in different orders, so the DP ranks must agree on one: decode only if no
+        rank prefills (an idle rank follows the others, as in SGLang)."""
+        prefills = any(len(c.token_ids) != 1 for c in chunks)
+        if self.dp_group is None and not (dist.is_available() and dist.is_initialized()):
+            return not prefills
+        flag = torch.tensor([int(prefills)], dtype=torch.int64)
+        with timed_blocking():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return not bool(flag.item())
+
     def _tbo_split_point(self, counts: list[int]) -> int | None:
         """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split
         by sequences, or inside one sequence when no boundary is balanced enough; None (cut
@@ -191,7 +204,10 @@ class ModelRunner:
         if inputs.input_ids.shape[0] == 0:  # every DP rank is idle
             return StepResult([], 0, 0, False)
         self.ubatched_steps += slices is not None
-        with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices)):
+        extras = {}
+        if slices is not None and self.overlap.executor == "stages":
+            extras[TBO_DECODE] = self._every_rank_decodes(chunks)
+        with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=extras)):
             hidden = self.wrapper(inputs.input_ids, inputs.positions)
         if not chunks:
             return StepResult([], 0, inputs.input_ids.shape[0], slices is not None)

@@ -14,7 +14,7 @@ MoE layers use `FusedMoEModularKernel`. It reads the forward context:
   each stage under its ubatch's forward context, and `operations_output` finishes the
   concatenated result.
 
-`graph_mode="full"` captures one graph per (padded token count, ubatch count) for
+`graph_mode="full"` captures one graph per (padded token count, ubatch count, TBO strategy) for
 decode-only batches (`AttentionMetadata.decode_only`) of up to `max_graph_tokens` tokens,
 as vLLM's full decode graphs do; other batches run eagerly. A capture runs the step once
 with the ubatch workers live (their ops join the capture, see `tandem.platform.graph`); a
@@ -49,6 +49,9 @@ from tandem.platform import Graph, Platform, get_platform
 from tandem.ubatch import UBatchSlice, split_by_tokens
 
 GRAPH_MODES = ("none", "full")
+#: Forward-context extra: True when every DP rank runs TBO's decode strategy this step
+#: (the runner agrees on it); without it a ubatch's own metadata decides.
+TBO_DECODE = "tbo_decode"
 
 
 def merge_outputs(outputs: Sequence[Any]) -> Any:
@@ -101,7 +104,7 @@ class UBatchWrapper:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.platform = platform or get_platform()
         self.timeout = timeout
-        self.graphs: dict[tuple[int, int], _StepGraph] = {}
+        self.graphs: dict[tuple[int, int, bool | None], _StepGraph] = {}
         #: Forwards run, by how: plain eager, eager as ubatches, graph captures, graph replays.
         self.eager_runs = 0
         self.ubatched_runs = 0
@@ -162,7 +165,8 @@ class UBatchWrapper:
         whole = model.operations_inputs(*inputs, **kwargs)
         per_ubatch = [{name: value[ub.token_slice] for name, value in whole.items()} for ub in slices]
         metadata = ctx.attn_metadata
-        strategy = model.operations_strategy(decode=isinstance(metadata, AttentionMetadata) and metadata.decode_only)
+        decode = ctx.extras.get(TBO_DECODE, isinstance(metadata, AttentionMetadata) and metadata.decode_only)
+        strategy = model.operations_strategy(decode=decode)
         outputs = self.executor.run(
             per_ubatch,
             [strategy.operations] * len(slices),
@@ -183,7 +187,7 @@ class UBatchWrapper:
         metadata: AttentionMetadata = ctx.attn_metadata
         num_tokens = inputs[0].shape[0]
         num_ubatches = len(ctx.ubatch_slices) if ctx.ubatch_slices else 0
-        key = (num_tokens, num_ubatches)
+        key = (num_tokens, num_ubatches, ctx.extras.get(TBO_DECODE))
         step = self.graphs.get(key)
         if step is not None and step.metadata.block_table.shape[1] < metadata.block_table.shape[1]:
             step.graph.reset()  # sequences outgrew the captured block table: capture wider
@@ -253,4 +257,4 @@ class UBatchWrapper:
         self.graphs.clear()
 
 
-__all__ = ["GRAPH_MODES", "UBatchWrapper", "merge_outputs"]
+__all__ = ["GRAPH_MODES", "TBO_DECODE", "UBatchWrapper", "merge_outputs"]
