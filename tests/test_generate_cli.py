@@ -38,6 +38,29 @@ def test_generate_with_dbo_on_two_ranks_matches_single_rank_greedy():
     assert "dp=2" in dbo.stderr and "dbo=on" in dbo.stderr
 
 
+def test_generate_with_two_batch_overlap_on_two_ranks_matches_single_rank_greedy():
+    common = [*PROMPTS, "--max-tokens", "4", "--ignore-eos", "--temperature", "0", "--json"]
+    single = _generate(*common)
+    assert single.returncode == 0, single.stderr
+    tbo = _generate(
+        *common,
+        "--data-parallel-size", "2",
+        "--enable-two-batch-overlap",
+        "--dbo-decode-token-threshold", "0",
+        "--dbo-prefill-token-threshold", "0",
+    )
+    assert tbo.returncode == 0, tbo.stderr
+    assert [json.loads(line)["token_ids"] for line in tbo.stdout.splitlines()] == [
+        json.loads(line)["token_ids"] for line in single.stdout.splitlines()
+    ]
+    assert "dbo=on" in tbo.stderr and "executor=stages" in tbo.stderr
+
+
+def test_two_batch_overlap_contradicting_an_executor_is_refused():
+    result = _generate("hi", "--enable-two-batch-overlap", "--ubatch-executor", "greenlet", timeout=60)
+    assert result.returncode != 0 and "--enable-two-batch-overlap" in result.stderr
+
+
 def test_generate_prints_one_line_per_prompt_in_order():
     result = _generate(*PROMPTS, "--max-tokens", "4", "--ignore-eos")
     assert result.returncode == 0, result.stderr

@@ -352,7 +352,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabric, fabric_latency_us, fabric_gbps,
-                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len):
+                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len, tbo_token_distribution_threshold=0.48):
     from tandem.bench.sweep import CALIBRATED, BenchSpec
     from tandem.bench.workloads import MOE_STACK
 
@@ -371,7 +371,7 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
             model=model, data_parallel_size=data_parallel_size, enable_dbo=False, num_ubatches=num_ubatches,
             ubatch_executor="thread", dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None,
             enable_sbo=False, all2all_backend=all2all_backend, moe_backend=moe_backend, graph_mode="none",
-            fabric_latency_us=None, fabric_gbps=None,
+            fabric_latency_us=None, fabric_gbps=None, tbo_token_distribution_threshold=tbo_token_distribution_threshold,
         )
     return BenchSpec(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=modes, repeat=repeat, warmup=warmup,
@@ -412,7 +412,8 @@ def bench(
     modes: str = typer.Option(
         "none,dbo,dbo-greenlet,sbo,dbo+sbo",
         help="none | dbo (threads) | dbo-greenlet | sbo | dbo+sbo (under DBO the kernel already runs the shared "
-        "experts in the transfer window, so dbo+sbo schedules like dbo).",
+        "experts in the transfer window, so dbo+sbo schedules like dbo) | tbo (two-batch overlap: the stage "
+        "executor, SGLang's operation strategies, no threads).",
     ),
     phase: str = typer.Option("decode", help="decode (one new token per request) | prefill (long requests)."),
     repeat: int = _BENCH_REPEAT,
@@ -421,6 +422,7 @@ def bench(
     fabric_latency_us: float = _FABRIC_LATENCY_US,
     fabric_gbps: float = _FABRIC_GBPS,
     num_ubatches: int = _NUM_UBATCHES,
+    tbo_token_distribution_threshold: float = _TBO_THRESHOLD,
     all2all_backend: str = _ALL2ALL_BACKEND,
     moe_backend: str = _MOE_BACKEND,
     context_len: int = _BENCH_CONTEXT_LEN,
@@ -451,7 +453,7 @@ def bench(
         model=model, data_parallel_size=data_parallel_size, grids=[(phase, _int_list(tokens, "--tokens"))],
         modes=mode_list, repeat=repeat, warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us,
         fabric_gbps=fabric_gbps, num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
-        context_len=context_len, prefill_len=prefill_len,
+        context_len=context_len, prefill_len=prefill_len, tbo_token_distribution_threshold=tbo_token_distribution_threshold,
     )
     result = _run_bench_sweep(spec)
     rows = rows_from_sweep(result, phase, mode_list)
@@ -475,6 +477,8 @@ def tune(
     decode_tokens: str = typer.Option("8,16,32,64,128,256", help="Decode batch sizes (tokens per rank) to sweep."),
     prefill_tokens: str = typer.Option("64,128,256,512,1024,2048", help="Prefill sizes (tokens per rank) to sweep."),
     ubatch_executor: str = _UBATCH_EXECUTOR,
+    enable_two_batch_overlap: bool = _ENABLE_TWO_BATCH_OVERLAP,
+    tbo_token_distribution_threshold: float = _TBO_THRESHOLD,
     repeat: int = _BENCH_REPEAT,
     warmup: int = _BENCH_WARMUP,
     fabric: str = _BENCH_FABRIC,
@@ -497,15 +501,18 @@ def tune(
 
     if not 0 <= margin < 1:
         raise typer.BadParameter(f"--margin must be in [0, 1), got {margin}")
-    if ubatch_executor not in ("thread", "greenlet"):
-        raise typer.BadParameter("--ubatch-executor must be thread or greenlet")
-    dbo_mode = "dbo" if ubatch_executor == "thread" else "dbo-greenlet"
+    if enable_two_batch_overlap:
+        ubatch_executor = "stages"
+    modes_of = {"thread": "dbo", "greenlet": "dbo-greenlet", "stages": "tbo"}
+    if ubatch_executor not in modes_of:
+        raise typer.BadParameter(f"--ubatch-executor must be one of {', '.join(modes_of)}")
+    dbo_mode = modes_of[ubatch_executor]
     grids = [("decode", _int_list(decode_tokens, "--decode-tokens")), ("prefill", _int_list(prefill_tokens, "--prefill-tokens"))]
     spec = _bench_spec(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=["none", dbo_mode], repeat=repeat,
         warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps,
         num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
-        context_len=context_len, prefill_len=prefill_len,
+        context_len=context_len, prefill_len=prefill_len, tbo_token_distribution_threshold=tbo_token_distribution_threshold,
     )
     result = _run_bench_sweep(spec)
     decisions = []

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from tandem.contexts import CommCounters, make_executor, run_ubatches, time_model
+from tandem.contexts import CommCounters, OperationsStrategy, StageExecutor, make_executor, run_ubatches, time_model
+from tandem.models.layer_operations import DecoderLayerOperations
 from tandem.modular_kernels import (
     ActivationFormat,
     Experts,
@@ -38,8 +39,9 @@ from tandem.modular_kernels import (
 )
 from tandem.runner.model_runner import StepTimes
 
-#: Modes every workload runs: no overlap, DBO on threads or greenlets, SBO, both.
-MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo")
+#: Modes every workload runs: no overlap, DBO on threads or greenlets, SBO, both, and TBO
+#: (the same ubatches interleaved stage by stage by the stage executor, no threads).
+MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo", "tbo")
 PHASES = ("decode", "prefill")
 MOE_STACK = "moe-stack"
 
@@ -88,6 +90,8 @@ def _mode_flags(mode: str) -> tuple[bool, str, bool]:
     """(DBO on, executor, SBO on) of a mode."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if mode == "tbo":
+        return True, "stages", False
     dbo = mode.startswith("dbo")
     return dbo, "greenlet" if mode == "dbo-greenlet" else "thread", mode in ("sbo", "dbo+sbo")
 
@@ -122,6 +126,7 @@ class ModelStepWorkload:
         self.base_overlap = config.overlap
         self.kernels = _kernels(self.runner.model)
         self.executors = {kind: make_executor(kind) for kind in ("thread", "greenlet")}
+        self.executors["stages"] = StageExecutor()
         self.request_blocks = [self.runner.allocator.allocate(per_request) for _ in range(num_requests)]
         self.params = SamplingParams(max_tokens=1)
         self.vocab = 200  # byte ids: valid for every model's vocabulary
@@ -179,6 +184,35 @@ class _NoExperts(Experts):
         return torch.zeros(tokens.hidden.shape, dtype=tokens.dtype)
 
 
+class _StackLayer(DecoderLayerOperations):
+    """One layer of the stack as TBO operations (the same math as `MoEStack._forward`):
+    no norms, the attention stand-in cut into prepare (`tanh(x wa)`) and core (`@ wb`), the
+    router, the kernel's steps."""
+
+    def __init__(self, weights: dict, kernel: FusedMoEModularKernel, top_k: int):
+        self.weights, self.kernel, self.top_k = weights, kernel, top_k
+        self.self_attn = self.feed_forward = self
+        self.expert_weights = (weights["w1"], weights["w2"])
+
+    @staticmethod
+    def input_layernorm(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    post_attention_layernorm = input_layernorm
+
+    def prepare(self, positions, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weights["wa"])
+
+    def attention_core(self, prepared: torch.Tensor) -> torch.Tensor:
+        return prepared @ self.weights["wb"]
+
+    def router_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weights["router"]
+
+    def select(self, logits: torch.Tensor):
+        return select_experts(logits, self.top_k, renormalize=True)
+
+
 #: The stack's shape (the MoE-layer benchmark's): hidden 1024, intermediate 512, top-2 of
 #: 8 routed experts, one shared expert, 4 layers.
 STACK_SHAPE = dict(hidden=1024, intermediate=512, experts=8, top_k=2, layers=4)
@@ -216,6 +250,7 @@ class MoEStack:
                 )
             )
         self.executors = {kind: make_executor(kind) for kind in ("thread", "greenlet")}
+        self.executors["stages"] = StageExecutor()
         self._inputs: dict[int, torch.Tensor] = {}
 
     def inputs(self, tokens: int) -> torch.Tensor:
@@ -241,8 +276,19 @@ class MoEStack:
             weights, ids = select_experts(h @ layer["router"], self.cfg["top_k"], renormalize=True)
             if local_ids:
                 ids = ids % E_local
-            x = x + kernel(h, layer["w1"], layer["w2"], weights, ids)
+            x = h + kernel(h, layer["w1"], layer["w2"], weights, ids)
         return x
+
+    def _forward_tbo(self, x, kernels):
+        """The stack on the stage executor: SGLang's decode strategy (delta 2) over ubatches."""
+        layers = [_StackLayer(layer, kernel, self.cfg["top_k"]) for layer, kernel in zip(self.layers, kernels)]
+        strategy = OperationsStrategy.concat([layer.operations_strategy(decode=True) for layer in layers])
+        chunks = x.tensor_split(self.num_ubatches)
+        return self.executors["stages"].run(
+            [{"hidden_states": chunk, "positions": None} for chunk in chunks],
+            [strategy.operations] * len(chunks),
+            [i * strategy.delta_stages for i in range(len(chunks))],
+        )
 
     def step(self, mode: str, tokens: int, fabric: FabricModel | None) -> StepTimes:
         """One step of `mode` on this rank (no barrier, no gathering): its time model."""
@@ -250,7 +296,7 @@ class MoEStack:
             raise ValueError(f"unknown mode {mode!r}")
         x = self.inputs(tokens)
         comm = not mode.startswith("compute")
-        dbo = mode.startswith("dbo")
+        dbo = mode.startswith("dbo") or mode == "tbo"
         # A ubatch's static low-latency buffers only need room for its own tokens.
         max_tokens = -(-tokens // self.num_ubatches) if dbo else tokens
         kernels = [
@@ -265,12 +311,14 @@ class MoEStack:
                 k.experts = _NoExperts(k.experts.activation_format)
                 k.shared_experts = None
         run = lambda chunk: self._forward(chunk, kernels, compute=mode != "comm", local_ids=not comm)  # noqa: E731
-        executor = self.executors["greenlet" if mode == "dbo-greenlet" else self.executor]
+        executor = self.executors["stages" if mode == "tbo" else "greenlet" if mode == "dbo-greenlet" else self.executor]
         counters = CommCounters()
         switch_before = executor.switch_time_s
         start = time.perf_counter()
         with time_model(counters):
-            if dbo:
+            if mode == "tbo":
+                self._forward_tbo(x, kernels)
+            elif dbo:
                 run_ubatches([lambda c=c: run(c) for c in x.tensor_split(self.num_ubatches)], executor=executor)
             elif mode == "compute-split":
                 for chunk in x.tensor_split(self.num_ubatches):
