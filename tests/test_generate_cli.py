@@ -36,6 +36,18 @@ def test_generate_with_dbo_on_two_ranks_matches_single_rank_greedy():
     assert all(isinstance(row["text"], str) for row in rows)
     # Logs go to stderr and say what ran; stdout holds only the completions.
     assert "dp=2" in dbo.stderr and "dbo=on" in dbo.stderr
+    # SBO with the combine sent block by block, inside the DBO ubatches: same tokens.
+    sbo = _generate(*common, "--data-parallel-size", "2", "--enable-dbo", "--dbo-decode-token-threshold", "0",
+                    "--enable-sbo", "--sbo-mode", "combine-down-gemm")
+    assert sbo.returncode == 0, sbo.stderr
+    assert [json.loads(line)["token_ids"] for line in sbo.stdout.splitlines()] == [row["token_ids"] for row in rows]
+    assert "sbo=combine-down-gemm" in sbo.stderr
+
+
+def test_generate_rejects_an_unknown_sbo_mode():
+    result = _generate("hello", "--enable-sbo", "--sbo-mode", "turbo", timeout=60)
+    assert result.returncode != 0
+    assert "--sbo-mode must be one of auto, combine-down-gemm" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_generate_with_two_batch_overlap_on_two_ranks_matches_single_rank_greedy():

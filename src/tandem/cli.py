@@ -46,7 +46,13 @@ _TBO_THRESHOLD = typer.Option(
 _DBO_DECODE_THRESHOLD = typer.Option(32, help="Smallest uniform-decode step that uses DBO.")
 _DBO_PREFILL_THRESHOLD = typer.Option(512, help="Smallest other step that uses DBO.")
 _THRESHOLDS_FILE = typer.Option(None, help="JSON from `tandem tune`; overrides the two thresholds.")
-_ENABLE_SBO = typer.Option(False, help="Overlap shared experts with the combine in flight.")
+_ENABLE_SBO = typer.Option(False, help="Single-batch overlap inside each MoE layer (see --sbo-mode).")
+_SBO_MODE = typer.Option(
+    "auto",
+    help="auto | combine-down-gemm (the combine leaves block by block while the down projection runs) | "
+    "combine-shared (shared experts while the combine is in flight) | dispatch-shared (shared experts while the "
+    "dispatch is in flight); auto picks per backend as SGLang does.",
+)
 _ALL2ALL_BACKEND = typer.Option(
     None, help="local | torch_a2a | torch_a2a_ll | deepep_low_latency | deepep_high_throughput"
 )
@@ -73,6 +79,7 @@ _ENGINE_FLAGS = (
     "dbo_prefill_token_threshold",
     "thresholds_file",
     "enable_sbo",
+    "sbo_mode",
     "all2all_backend",
     "moe_backend",
     "graph_mode",
@@ -105,6 +112,7 @@ def _engine_config(
     fabric: str | None = None,
     enable_two_batch_overlap: bool = False,
     tbo_token_distribution_threshold: float = 0.48,
+    sbo_mode: str = "auto",
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
@@ -134,6 +142,7 @@ def _engine_config(
                 all2all_backend=all2all_backend,
                 moe_backend=moe_backend,
                 enable_sbo=enable_sbo,
+                sbo_mode=sbo_mode,
                 fabric_latency_us=fabric_latency_us,
                 fabric_gbps=fabric_gbps,
                 fabric=fabric,
@@ -159,6 +168,7 @@ def generate(
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
     enable_sbo: bool = _ENABLE_SBO,
+    sbo_mode: str = _SBO_MODE,
     all2all_backend: str = _ALL2ALL_BACKEND,
     moe_backend: str = _MOE_BACKEND,
     graph_mode: str = _GRAPH_MODE,
@@ -194,7 +204,7 @@ def generate(
         f"model={model} dp={p.data_parallel_size} all2all={p.all2all_backend} moe={p.moe_backend} "
         f"dbo={'on' if o.enable_dbo else 'off'} (ubatches={o.num_ubatches}, executor={o.executor}, "
         f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold}) "
-        f"sbo={'on' if p.enable_sbo else 'off'} graph={o.graph_mode}"
+        f"sbo={p.sbo_mode if p.enable_sbo else 'off'} graph={o.graph_mode}"
     )
     start = time.perf_counter()
     from tandem.runner.launch import RankFailedError, launch_ranks
@@ -238,6 +248,7 @@ def serve(
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
     enable_sbo: bool = _ENABLE_SBO,
+    sbo_mode: str = _SBO_MODE,
     all2all_backend: str = _ALL2ALL_BACKEND,
     moe_backend: str = _MOE_BACKEND,
     graph_mode: str = _GRAPH_MODE,
@@ -411,8 +422,8 @@ def bench(
     tokens: str = typer.Option("32,128,512", help="Tokens per rank to sweep, comma-separated."),
     modes: str = typer.Option(
         "none,dbo,dbo-greenlet,sbo,dbo+sbo",
-        help="none | dbo (threads) | dbo-greenlet | sbo | dbo+sbo (under DBO the kernel already runs the shared "
-        "experts in the transfer window, so dbo+sbo schedules like dbo) | tbo (two-batch overlap: the stage "
+        help="none | dbo (threads) | dbo-greenlet | sbo (--sbo-mode auto) | dbo+sbo | sbo-combine-down-gemm | "
+        "sbo-combine-shared | sbo-dispatch-shared (one SGLang SBO mode each) | tbo (two-batch overlap: the stage "
         "executor, SGLang's operation strategies, no threads).",
     ),
     phase: str = typer.Option("decode", help="decode (one new token per request) | prefill (long requests)."),

@@ -65,6 +65,7 @@ class ParallelConfig:
     all2all_backend: str | None = None  # default: "local" on one rank, "torch_a2a" on several
     moe_backend: str = "torch"
     enable_sbo: bool = False
+    sbo_mode: str = "auto"  # one of tandem.modular_kernels.SBO_MODES
     use_fp8_dispatch: bool = False
     fabric_latency_us: float | None = None
     fabric_gbps: float | None = None
@@ -73,7 +74,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         from tandem.modular_kernels.fabric import FabricModel
 
+        from tandem.modular_kernels.sbo import SBO_MODES
+
         FabricModel.from_flags(self.fabric_latency_us, self.fabric_gbps, self.fabric)  # validates
+        if self.sbo_mode not in SBO_MODES:
+            raise ValueError(f"--sbo-mode must be one of {', '.join(SBO_MODES)}, got {self.sbo_mode!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.all2all_backend is None:

@@ -52,7 +52,7 @@ def _all_cases(rank, world, pairs):
         errors[f"{all2all}+{moe}/shared-vs-oracle"] = _max_err(with_shared, p.reference(with_shared=True))
         errors[f"{all2all}+{moe}/sbo-vs-no-sbo"] = _max_err(run_kernel(sbo, p, rank, world), with_shared)
         errors[f"{all2all}+{moe}/sbo+dbo-vs-no-sbo"] = _max_err(run_kernel(sbo, p, rank, world, num_ubatches=2), with_shared)
-        at_dispatch = _build(all2all, moe, shared_experts=p.shared_experts, enable_sbo=True, shared_experts_overlap="dispatch")
+        at_dispatch = _build(all2all, moe, shared_experts=p.shared_experts, enable_sbo=True, sbo_mode="dispatch-shared")
         errors[f"{all2all}+{moe}/sbo@dispatch-vs-no-sbo"] = _max_err(run_kernel(at_dispatch, p, rank, world), with_shared)
         errors[f"{all2all}+{moe}/dbo-shared@dispatch-vs-no-sbo"] = _max_err(
             run_kernel(at_dispatch, p, rank, world, num_ubatches=2), with_shared

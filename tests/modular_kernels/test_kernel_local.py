@@ -85,21 +85,24 @@ def test_sync_backend_under_dbo_yields_in_schedule():
 
 def test_shared_experts_run_where_asked():
     p = make_problem(0, "random")
-    for placement, expected in (("dispatch", ["send_dispatch", "shared", "send_combine"]),
-                                ("combine", ["send_dispatch", "send_combine", "shared"])):
+    for mode, expected in (("dispatch-shared", ["send_dispatch", "shared", "send_combine"]),
+                           ("combine-shared", ["send_dispatch", "send_combine", "shared"]),
+                           ("auto", ["send_dispatch", "shared", "send_combine"])):
         trace = []
 
         def shared(x):
             trace.append(("shared", dbo_current_ubatch_id()))
             return p.shared_experts(x)
 
-        kernel = local_kernel(shared_experts=shared, shared_experts_overlap=placement)
+        kernel = local_kernel(shared_experts=shared, enable_sbo=True, sbo_mode=mode)
         kernel.prepare_finalize = RecordingPrepareFinalize(kernel.prepare_finalize, trace)
         run_kernel(kernel, p, 0, 1, num_ubatches=2)
         steps = [name for name, owner, *_ in trace if owner == 0 and name in ("send_dispatch", "shared", "send_combine")]
         assert steps == expected
-    with pytest.raises(ValueError, match="shared_experts_overlap"):
-        local_kernel(shared_experts_overlap="attention")
+    with pytest.raises(ValueError, match="sbo_mode must be one of"):
+        local_kernel(sbo_mode="attention")
+    with pytest.raises(ValueError, match="which the 'local' all2all backend cannot do"):
+        local_kernel(sbo_mode="combine-down-gemm")
 
 
 def test_format_mismatch_is_rejected_at_construction():

@@ -59,8 +59,9 @@ def rows_from_sweep(result: dict, phase: str, modes: list[str]) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     """Median step time with its [min, max] spread, ratio to the floor and to no overlap,
     and the time model (exposed receive wait, switch time, overlap efficiency)."""
+    width = max([13] + [len(r["mode"]) + 1 for r in rows])
     header = (
-        f"{'tokens':>7} {'mode':<13}{'step ms':>10} {'[min, max]':>19}{'/floor':>8}{'vs none':>8}"
+        f"{'tokens':>7} {'mode':<{width}}{'step ms':>10} {'[min, max]':>19}{'/floor':>8}{'vs none':>8}"
         f"{'wait ms':>9}{'switch ms':>10}{'overlap':>8}"
     )
     lines = [header, "-" * len(header)]
@@ -76,7 +77,7 @@ def format_table(rows: list[dict]) -> str:
         vs_none = f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] else "-"
         over = f"{r['over_floor']:.2f}" if r["over_floor"] else "-"
         lines.append(
-            f"{'':>7} {r['mode']:<13}{r['step_ms']:>10.2f} {spread:>19}{over:>8}{vs_none:>8}"
+            f"{'':>7} {r['mode']:<{width}}{r['step_ms']:>10.2f} {spread:>19}{over:>8}{vs_none:>8}"
             f"{tm['recv_wait_ms']:>9.2f}{tm['switch_ms']:>10.3f}{tm['overlap_efficiency']:>8.0%}"
         )
     return "\n".join(lines)

@@ -39,9 +39,12 @@ from tandem.modular_kernels import (
 )
 from tandem.runner.model_runner import StepTimes
 
-#: Modes every workload runs: no overlap, DBO on threads or greenlets, SBO, both, and TBO
-#: (the same ubatches interleaved stage by stage by the stage executor, no threads).
-MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo", "tbo")
+#: SGLang's SBO modes, each as its own bench mode (`sbo` and `dbo+sbo` run `auto`).
+SBO_MODE_NAMES = {f"sbo-{m}": m for m in ("combine-down-gemm", "combine-shared", "dispatch-shared")}
+#: Modes every workload runs: no overlap, DBO on threads or greenlets, SBO (auto or one
+#: mode), DBO with SBO, and TBO (the ubatches interleaved stage by stage by the stage
+#: executor, no threads).
+MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo", *SBO_MODE_NAMES, "tbo")
 PHASES = ("decode", "prefill")
 MOE_STACK = "moe-stack"
 
@@ -86,14 +89,15 @@ def _barrier(distributed: bool) -> None:
         dist.barrier()
 
 
-def _mode_flags(mode: str) -> tuple[bool, str, bool]:
-    """(DBO on, executor, SBO on) of a mode."""
+def _mode_flags(mode: str) -> tuple[bool, str, str | None]:
+    """(DBO on, executor, SBO mode or None) of a mode."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     if mode == "tbo":
-        return True, "stages", False
+        return True, "stages", None
     dbo = mode.startswith("dbo")
-    return dbo, "greenlet" if mode == "dbo-greenlet" else "thread", mode in ("sbo", "dbo+sbo")
+    sbo = "auto" if mode in ("sbo", "dbo+sbo") else SBO_MODE_NAMES.get(mode)
+    return dbo, "greenlet" if mode == "dbo-greenlet" else "thread", sbo
 
 
 def _kernels(model) -> list[FusedMoEModularKernel]:
@@ -161,7 +165,8 @@ class ModelStepWorkload:
         )
         self.runner.wrapper.executor = self.executors[executor]
         for k in self.kernels:
-            k.enable_sbo = sbo
+            k.enable_sbo = sbo is not None
+            k.sbo_mode = sbo or "auto"
         chunks = self._chunks(tokens)
         _barrier(self.distributed)
         self.runner.execute(chunks, [self.params] * len(chunks), [None] * len(chunks))
@@ -223,8 +228,8 @@ class MoEStack:
     router, routed experts through `FusedMoEModularKernel`, shared expert."""
 
     #: Extra modes beyond `MODES`: the floor's two halves, the compute-only step run on the
-    #: DBO halves one after the other (the price of smaller GEMMs), shared experts placed
-    #: at the dispatch instead of the combine.
+    #: DBO halves one after the other (the price of smaller GEMMs), DBO with the shared
+    #: experts at the dispatch instead of the combine (SBO dispatch-shared).
     EXTRA_MODES = ("compute", "compute-split", "comm", "dbo-shared@dispatch")
 
     def __init__(
@@ -259,14 +264,14 @@ class MoEStack:
             self._inputs[tokens] = torch.randn(tokens, self.cfg["hidden"], generator=gen)
         return self._inputs[tokens]
 
-    def _kernel(self, layer: dict, *, comm: bool, sbo: bool, fabric, max_tokens: int, shared_overlap: str):
+    def _kernel(self, layer: dict, *, comm: bool, sbo: str | None, fabric, max_tokens: int):
         shared = lambda h: expert_mlp(h, layer["sw1"], layer["sw2"])  # noqa: E731
         E, K, H = self.cfg["experts"], self.cfg["top_k"], self.cfg["hidden"]
         if not comm:
             return build_moe_kernel("local", "torch", num_experts=E // self.world, top_k=K, hidden_size=H, shared_experts=shared)
         return build_moe_kernel(
             self.backend, "torch", num_experts=E, top_k=K, hidden_size=H, shared_experts=shared,
-            enable_sbo=sbo, fabric=fabric, max_tokens_per_rank=max_tokens, shared_experts_overlap=shared_overlap,
+            enable_sbo=sbo is not None, sbo_mode=sbo or "auto", fabric=fabric, max_tokens_per_rank=max_tokens,
         )
 
     def _forward(self, x, kernels, *, compute: bool, local_ids: bool):
@@ -297,15 +302,13 @@ class MoEStack:
         x = self.inputs(tokens)
         comm = not mode.startswith("compute")
         dbo = mode.startswith("dbo") or mode == "tbo"
+        if mode == "dbo-shared@dispatch":
+            sbo = "dispatch-shared"
+        else:
+            sbo = _mode_flags(mode)[2] if mode in MODES else None
         # A ubatch's static low-latency buffers only need room for its own tokens.
         max_tokens = -(-tokens // self.num_ubatches) if dbo else tokens
-        kernels = [
-            self._kernel(
-                layer, comm=comm, sbo=mode in ("sbo", "dbo+sbo"), fabric=fabric, max_tokens=max_tokens,
-                shared_overlap="dispatch" if mode == "dbo-shared@dispatch" else "combine",
-            )
-            for layer in self.layers
-        ]
+        kernels = [self._kernel(layer, comm=comm, sbo=sbo, fabric=fabric, max_tokens=max_tokens) for layer in self.layers]
         if mode == "comm":
             for k in kernels:
                 k.experts = _NoExperts(k.experts.activation_format)

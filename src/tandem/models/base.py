@@ -34,7 +34,7 @@ class MoEOptions:
     max_tokens_per_rank: int | None = None
     use_fp8_dispatch: bool = False
     enable_sbo: bool = False
-    shared_experts_overlap: str = "combine"
+    sbo_mode: str = "auto"
     fabric: FabricModel | None = None
 
     @property
@@ -74,7 +74,7 @@ class MoEOptions:
             shared_experts=shared_experts,
             use_fp8_dispatch=self.use_fp8_dispatch,
             enable_sbo=self.enable_sbo,
-            shared_experts_overlap=self.shared_experts_overlap,
+            sbo_mode=self.sbo_mode,
             fabric=self.fabric,
         )
 

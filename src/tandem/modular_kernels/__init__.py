@@ -4,16 +4,18 @@
 from tandem.modular_kernels.experts_torch import TorchBatchedExperts, TorchExperts
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.factory import ALL2ALL_BACKENDS, MOE_BACKENDS, build_moe_kernel
-from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, Experts, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.kernel import FusedMoEModularKernel, MoEStepState
 from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
 from tandem.modular_kernels.quant import dequantize_fp8, quantize_fp8_per_token_group
+from tandem.modular_kernels.sbo import SBO_MODES
 from tandem.modular_kernels.routing import expert_mlp, select_experts, torch_moe_reference
 from tandem.modular_kernels.sm_partition import comm_sm_partition
 
 __all__ = [
     "ALL2ALL_BACKENDS",
     "ActivationFormat",
+    "BlockCombine",
     "ExpertTokens",
     "Experts",
     "FabricModel",
@@ -22,6 +24,7 @@ __all__ = [
     "MOE_BACKENDS",
     "MoEStepState",
     "PrepareAndFinalize",
+    "SBO_MODES",
     "TorchBatchedExperts",
     "TorchExperts",
     "build_moe_kernel",

@@ -10,6 +10,7 @@ import torch
 from tandem.modular_kernels.fabric import FabricModel
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, PrepareAndFinalize
 from tandem.modular_kernels.kernel import FusedMoEModularKernel
+from tandem.modular_kernels.sbo import check_sbo_mode
 
 #: --all2all-backend choices → "module:class" (imported lazily: some need GPU libraries).
 ALL2ALL_BACKENDS = {
@@ -86,13 +87,17 @@ def build_moe_kernel(
     shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
     use_fp8_dispatch: bool = False,
     enable_sbo: bool = False,
-    shared_experts_overlap: str = "combine",
+    sbo_mode: str = "auto",
+    comm_sms: int | None = None,
     fabric: FabricModel | None = None,
 ) -> FusedMoEModularKernel:
     """Rank r of the R ranks in `group` holds experts `[r*E/R, (r+1)*E/R)`; `forward` takes
-    that rank's local weights and global expert ids."""
+    that rank's local weights and global expert ids. `sbo_mode` (with `enable_sbo`) is one
+    of `tandem.modular_kernels.sbo.SBO_MODES`; `comm_sms` SMs go to the combine while the
+    down projection overlaps it."""
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
+    check_sbo_mode(sbo_mode)
     if use_fp8_dispatch and hidden_size % 128:
         raise ValueError(f"fp8 dispatch needs hidden_size divisible by 128, got {hidden_size}")
     prepare_finalize = _make_prepare_finalize(
@@ -109,5 +114,6 @@ def build_moe_kernel(
         shared_experts,
         use_fp8_dispatch=use_fp8_dispatch,
         enable_sbo=enable_sbo,
-        shared_experts_overlap=shared_experts_overlap,
+        sbo_mode=sbo_mode,
+        comm_sms=comm_sms,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -46,10 +46,42 @@ class ExpertTokens:
     #: backend state that finalize needs (layout, counts, handles).
     handle: Any = None
 
+    def block(self, block: "torch.Tensor | slice") -> "ExpertTokens":
+        """The tokens of one block of a blocked combine: STANDARD, the rows at the
+        indices `block`; MASKED, the local experts in the slice `block`."""
+        scales = None if self.scales is None else self.scales[block]
+        if isinstance(block, slice):
+            return ExpertTokens(
+                self.hidden[block], scales, self.dtype, expert_num_tokens=self.expert_num_tokens[block], handle=self.handle
+            )
+        return ExpertTokens(
+            self.hidden[block], scales, self.dtype, topk_ids=self.topk_ids[block],
+            topk_weights=self.topk_weights[block], handle=self.handle,
+        )
+
     def dequantized(self) -> torch.Tensor:
         if self.scales is None:
             return self.hidden.to(self.dtype)
         return dequantize_fp8(self.hidden, self.scales, self.dtype)
+
+
+class BlockCombine(ABC):
+    """A combine sent block by block while the down projection still runs (SBO
+    `combine-down-gemm`). `blocks[i]` says what block i covers in the experts' layout:
+    STANDARD, a LongTensor of received-row indices; MASKED, a slice of local experts.
+    Every rank sends the same number of blocks in the same order (each block is one
+    transfer of the whole group)."""
+
+    blocks: list
+
+    @abstractmethod
+    def send(self, index: int, output: torch.Tensor) -> None:
+        """Issue block `index`'s share of the combine; `output` is the experts' output for
+        that block (`Experts.apply_blocks`), final once this is called."""
+
+    @abstractmethod
+    def finish(self) -> tuple[RecvHook | None, Callable[[], torch.Tensor]]:
+        """After the last block: `(hook, receiver)` as `finalize_async` returns them."""
 
 
 class PrepareAndFinalize(ABC):
@@ -73,6 +105,22 @@ class PrepareAndFinalize(ABC):
         """True when `prepare_async`/`finalize_async` return before the transfer completes,
         so a DBO yield between send and receive hides it."""
         return False
+
+    def supports_block_combine(self) -> bool:
+        """True when `finalize_in_blocks` can send the combine one block at a time."""
+        return False
+
+    def finalize_in_blocks(
+        self,
+        tokens: ExpertTokens,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        num_sms: int | None = None,
+    ) -> BlockCombine:
+        """Start a combine that `Experts.apply_blocks` feeds block by block; `num_sms` caps
+        the SMs its GPU kernels take (where the library allows it)."""
+        raise NotImplementedError(f"the {self.name!r} all2all backend cannot combine block by block")
 
     @abstractmethod
     def prepare_async(
@@ -108,6 +156,9 @@ class Experts(ABC):
 
     activation_format: ActivationFormat
     name: str
+    #: True when `apply_blocks` runs the up projection once and only the down projection
+    #: per block (what SBO `auto` wants before it picks combine-down-gemm).
+    blocks_down_projection: bool = False
 
     @abstractmethod
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -117,3 +168,16 @@ class Experts(ABC):
         MASKED: returns `[E_local, M, H]` unweighted per-expert outputs; rows past
         `expert_num_tokens[e]` are zero.
         """
+
+    def apply_blocks(
+        self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor, blocks: list
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """`(i, output of block i)` as each block of `blocks` (see `BlockCombine`) is
+        final, so its combine can leave while the next one computes. This default runs
+        `apply` on each block's tokens; a backend that can share the up projection
+        across blocks and block only the down projection overrides it."""
+        for index, block in enumerate(blocks):
+            if isinstance(block, slice):
+                yield index, self.apply(tokens.block(block), w1[block], w2[block])
+            else:
+                yield index, self.apply(tokens.block(block), w1, w2)

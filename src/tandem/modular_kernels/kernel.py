@@ -1,5 +1,6 @@
-"""`FusedMoEModularKernel`: prepare (dispatch) → experts → finalize (combine), with the DBO
-yield points where vLLM puts them and single-batch overlap (SBO) of the shared experts."""
+"""`FusedMoEModularKernel`: prepare (dispatch) → experts → finalize (combine) as SGLang's
+steps, with the DBO yield points where vLLM puts them and single-batch overlap (SBO) in
+SGLang's three modes (`tandem.modular_kernels.sbo`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from typing import Callable
 import torch
 
 from tandem.contexts import dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
-from tandem.modular_kernels.interfaces import Experts, ExpertTokens, PrepareAndFinalize, RecvHook
+from tandem.modular_kernels.interfaces import BlockCombine, Experts, ExpertTokens, PrepareAndFinalize, RecvHook
+from tandem.modular_kernels.sbo import (
+    COMBINE_DOWN_GEMM,
+    COMBINE_SHARED,
+    DISPATCH_SHARED,
+    CommStream,
+    check_block_combine,
+    check_sbo_mode,
+    resolve_sbo_mode,
+)
+from tandem.modular_kernels.sm_partition import comm_sm_partition
 
 
 @dataclass(eq=False)
@@ -22,12 +33,18 @@ class MoEStepState:
     w2: torch.Tensor
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
+    #: the SBO mode this call runs (None: SBO off), fixed when the dispatch is sent.
+    sbo_mode: str | None = None
     #: dispatch in flight: the receive hook (None once run or handed to another ubatch)
     #: and the receiver that waits and returns the tokens.
     dispatch_hook: RecvHook | None = None
     dispatch_receiver: Callable[[], ExpertTokens] | None = None
     tokens: ExpertTokens | None = None
     expert_out: torch.Tensor | None = None
+    #: combine-down-gemm: the combine already sent block by block, and the blocks'
+    #: outputs (kept alive until the combine has read them on its stream).
+    block_combine: BlockCombine | None = None
+    expert_blocks: list[torch.Tensor] | None = None
     combine_hook: RecvHook | None = None
     combine_receiver: Callable[[], torch.Tensor] | None = None
     #: `[T, H]` weighted sum over the routed experts.
@@ -41,12 +58,9 @@ class FusedMoEModularKernel:
     Under DBO each transfer is split around a yield: the sending ubatch registers the
     receive hook on the next ubatch and yields; that ubatch issues the receive after it
     has queued its own work, and the sender picks up the result when its turn returns.
-    Without DBO the receive happens in place, unless `enable_sbo` asks to overlap the
-    shared experts with a transfer in flight.
-
-    `shared_experts_overlap` picks that transfer: `"combine"` (vLLM's placement, between
-    the combine send and the yield) or `"dispatch"` (SGLang TBO's, between the dispatch
-    send and the yield), whichever balances the model's compute around its transfers.
+    Without DBO the receive happens in place, unless `enable_sbo` overlaps work with a
+    transfer in flight, in `sbo_mode` (see `tandem.modular_kernels.sbo`); `comm_sms` SMs
+    go to the combine and the rest to the GEMMs while the down projection overlaps it.
     """
 
     def __init__(
@@ -57,10 +71,9 @@ class FusedMoEModularKernel:
         *,
         use_fp8_dispatch: bool = False,
         enable_sbo: bool = False,
-        shared_experts_overlap: str = "combine",
+        sbo_mode: str = "auto",
+        comm_sms: int | None = None,
     ):
-        if shared_experts_overlap not in ("combine", "dispatch"):
-            raise ValueError(f"shared_experts_overlap must be 'combine' or 'dispatch', got {shared_experts_overlap!r}")
         if prepare_finalize.activation_format != experts.activation_format:
             raise ValueError(
                 f"{prepare_finalize.name!r} dispatch produces {prepare_finalize.activation_format.value} "
@@ -72,13 +85,44 @@ class FusedMoEModularKernel:
         self.shared_experts = shared_experts
         self.use_fp8_dispatch = use_fp8_dispatch
         self.enable_sbo = enable_sbo
-        self.shared_experts_overlap = shared_experts_overlap
+        self.sbo_mode = sbo_mode
+        self.comm_sms = comm_sms
+        self._comm_stream = CommStream()
+
+    @property
+    def sbo_mode(self) -> str:
+        return self._sbo_mode
+
+    @sbo_mode.setter
+    def sbo_mode(self, mode: str) -> None:
+        check_block_combine(check_sbo_mode(mode), self.prepare_finalize)
+        self._sbo_mode = mode
 
     def __repr__(self) -> str:
+        sbo = self.sbo_mode if self.enable_sbo else "off"
         return (
             f"FusedMoEModularKernel({self.prepare_finalize.name}+{self.experts.name}, "
-            f"format={self.experts.activation_format.value}, fp8={self.use_fp8_dispatch}, sbo={self.enable_sbo})"
+            f"format={self.experts.activation_format.value}, fp8={self.use_fp8_dispatch}, sbo={sbo})"
         )
+
+    def active_sbo_mode(self, device: torch.device) -> str | None:
+        """The SBO mode a call on `device` runs: None when SBO is off, or when the backend's
+        transfers complete before they return (nothing to overlap) outside DBO."""
+        if not self.enable_sbo or not (self.prepare_finalize.supports_async() or dbo_enabled()):
+            return None
+        return resolve_sbo_mode(self.sbo_mode, self.prepare_finalize, self.experts, device)
+
+    def shared_experts_placement(self, sbo_mode: str | None) -> str | None:
+        """Where `forward` runs the shared experts: "dispatch" (between the dispatch send
+        and its receive), "combine" (between the combine send and its receive) or None (at
+        the output). Under DBO without SBO they go in the combine window, as in vLLM."""
+        if self.shared_experts is None:
+            return None
+        if sbo_mode in (DISPATCH_SHARED, COMBINE_DOWN_GEMM):
+            return "dispatch"
+        if sbo_mode == COMBINE_SHARED or dbo_enabled():
+            return "combine"
+        return None
 
     def _check(self, hidden, w1, w2, topk_weights, topk_ids) -> None:
         local = self.prepare_finalize.num_local_experts
@@ -112,7 +156,9 @@ class FusedMoEModularKernel:
         """Validate the inputs and issue the dispatch; never yields. The receive hook (if
         the backend has one) stays in the returned state for `dispatch_recv`."""
         self._check(hidden_states, w1, w2, topk_weights, topk_ids)
-        state = MoEStepState(hidden_states, w1, w2, topk_weights, topk_ids)
+        state = MoEStepState(
+            hidden_states, w1, w2, topk_weights, topk_ids, sbo_mode=self.active_sbo_mode(hidden_states.device)
+        )
         state.dispatch_hook, state.dispatch_receiver = self.prepare_finalize.prepare_async(
             hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch
         )
@@ -124,20 +170,58 @@ class FusedMoEModularKernel:
         state.tokens = _take(state, "dispatch_receiver", "dispatch_send")()
 
     def compute_experts(self, state: MoEStepState) -> None:
+        """The expert GEMMs. In combine-down-gemm, block by block: each block's combine is
+        issued on the comm stream as soon as its down projection is done."""
         if state.tokens is None:
             raise RuntimeError("compute_experts needs the dispatched tokens: call dispatch_recv first")
-        state.expert_out = self.experts.apply(state.tokens, state.w1, state.w2)
+        if state.sbo_mode != COMBINE_DOWN_GEMM:
+            state.expert_out = self.experts.apply(state.tokens, state.w1, state.w2)
+            return
+        device = state.hidden_states.device
+        combine = self.prepare_finalize.finalize_in_blocks(
+            state.tokens, state.topk_weights, state.topk_ids, num_sms=self.comm_sms
+        )
+        state.expert_blocks = []
+        with comm_sm_partition(self.comm_sms):
+            for index, block_out in self.experts.apply_blocks(state.tokens, state.w1, state.w2, combine.blocks):
+                state.expert_blocks.append(block_out)
+                with self._comm_stream.issue(device):
+                    combine.send(index, block_out)
+        state.block_combine = combine
 
     def combine_send(self, state: MoEStepState) -> None:
+        """Issue the combine (combine-shared: on the comm stream; combine-down-gemm: its
+        blocks are out already, this closes it)."""
+        device = state.hidden_states.device
+        if state.block_combine is not None:
+            with self._comm_stream.issue(device):
+                state.combine_hook, state.combine_receiver = state.block_combine.finish()
+            state.block_combine = None
+            return
         if state.expert_out is None:
             raise RuntimeError("combine_send needs the expert output: call compute_experts first")
-        state.combine_hook, state.combine_receiver = self.prepare_finalize.finalize_async(
-            state.expert_out, state.tokens, state.topk_weights, state.topk_ids
-        )
+        if state.sbo_mode == COMBINE_SHARED:
+            with self._comm_stream.issue(device):
+                state.combine_hook, state.combine_receiver = self.prepare_finalize.finalize_async(
+                    state.expert_out, state.tokens, state.topk_weights, state.topk_ids
+                )
+        else:
+            state.combine_hook, state.combine_receiver = self.prepare_finalize.finalize_async(
+                state.expert_out, state.tokens, state.topk_weights, state.topk_ids
+            )
 
     def combine_recv(self, state: MoEStepState) -> None:
         """Run the receive hook unless it was handed to another ubatch, wait, keep the
         routed output `[T, H]`."""
+        if state.sbo_mode in (COMBINE_SHARED, COMBINE_DOWN_GEMM):
+            with self._comm_stream.receive(state.hidden_states.device):
+                self._receive_combine(state)
+            state.expert_blocks = None
+        else:
+            self._receive_combine(state)
+
+    @staticmethod
+    def _receive_combine(state: MoEStepState) -> None:
         _run_hook(state, "combine_hook")
         state.routed_output = _take(state, "combine_receiver", "combine_send")()
 
@@ -178,14 +262,10 @@ class FusedMoEModularKernel:
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        overlap_shared = self.shared_experts is not None and (
-            dbo_enabled() or (self.enable_sbo and self.prepare_finalize.supports_async())
-        )
-        overlap_at = self.shared_experts_overlap if overlap_shared else None
-
         dbo_maybe_run_recv_hook()
         state = self.dispatch_send(hidden_states, w1, w2, topk_weights, topk_ids)
-        if overlap_at == "dispatch":
+        shared_at = self.shared_experts_placement(state.sbo_mode)
+        if shared_at == "dispatch":
             self.compute_shared(state)
         self._hand_over(state, "dispatch_hook")
         self.dispatch_recv(state)
@@ -194,7 +274,7 @@ class FusedMoEModularKernel:
 
         dbo_maybe_run_recv_hook()
         self.combine_send(state)
-        if overlap_at == "combine":
+        if shared_at == "combine":
             self.compute_shared(state)
         self._hand_over(state, "combine_hook")
         self.combine_recv(state)

@@ -4,6 +4,10 @@ Each token is sent once to every rank that holds at least one of its top-k exper
 its top-k ids made local there (-1 for experts elsewhere) and its weights; experts return
 one weighted partial sum per received row, and the source adds the partials up. Standard
 activation format; asynchronous on gloo (CPU) and NCCL.
+
+The combine can leave in blocks (SBO `combine-down-gemm`): block b carries chunk b of the
+rows each source rank sent here, one `all_to_all_single` per block, so the first blocks
+travel while the experts still compute the last ones.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch.distributed as dist
 
 from tandem.contexts.time_model import timed_blocking, timed_receive
 from tandem.modular_kernels.fabric import FabricModel
-from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.quant import FP8_DTYPE, quantize_fp8_per_token_group
 
 
@@ -97,15 +101,72 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
 
         return None, receiver
 
+    def supports_block_combine(self) -> bool:
+        return True
+
+    def finalize_in_blocks(self, tokens, topk_weights, topk_ids, *, num_sms=None):
+        # One block per local expert's worth of rows: as many as the masked backends send.
+        return _RowBlockCombine(self, tokens, self.num_local_experts)
+
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
-        token_index, send_counts, recv_counts, num_tokens = tokens.handle
-        back = expert_output.new_empty((sum(send_counts), expert_output.shape[1]))
-        wait = self._exchange([expert_output.contiguous()], [back], send_counts, recv_counts)
+        combine = _RowBlockCombine(self, tokens, 1)
+        combine.send(0, expert_output)
+        return combine.finish()
+
+
+def _chunk_sizes(n: int, num_chunks: int) -> list[int]:
+    """`num_chunks` consecutive near-equal chunks of `n` rows, larger ones first: the rank
+    that sends rows and the rank that gets them back cut them the same way."""
+    base, extra = divmod(n, num_chunks)
+    return [base + (i < extra) for i in range(num_chunks)]
+
+
+def _block_rows(counts: list[int], chunks: list[list[int]], block: int, device) -> torch.Tensor:
+    """Indices of block `block`'s rows in a buffer grouped by rank (`counts[r]` rows each):
+    chunk `block` of every rank's group."""
+    starts, offset = [], 0
+    for count, sizes in zip(counts, chunks):
+        lo = offset + sum(sizes[:block])
+        starts.append(torch.arange(lo, lo + sizes[block], device=device))
+        offset += count
+    return torch.cat(starts)
+
+
+class _RowBlockCombine(BlockCombine):
+    def __init__(self, pf: TorchAllToAllPrepareAndFinalize, tokens: ExpertTokens, num_blocks: int):
+        self._pf = pf
+        self._token_index, send_counts, recv_counts, self._num_tokens = tokens.handle
+        device = tokens.hidden.device
+        recv_chunks = [_chunk_sizes(n, num_blocks) for n in recv_counts]
+        send_chunks = [_chunk_sizes(n, num_blocks) for n in send_counts]
+        self._recv_splits = [[c[b] for c in recv_chunks] for b in range(num_blocks)]
+        self._send_splits = [[c[b] for c in send_chunks] for b in range(num_blocks)]
+        if num_blocks == 1:
+            self.blocks = [torch.arange(sum(recv_counts), device=device)]
+            self._origin = [self._token_index]
+        else:
+            self.blocks = [_block_rows(recv_counts, recv_chunks, b, device) for b in range(num_blocks)]
+            self._origin = [self._token_index[_block_rows(send_counts, send_chunks, b, device)] for b in range(num_blocks)]
+        self._in_flight: list = []
+
+    def send(self, index: int, output: torch.Tensor) -> None:
+        if index != len(self._in_flight):
+            raise RuntimeError(f"combine blocks go in order: expected block {len(self._in_flight)}, got {index}")
+        back = output.new_empty((len(self._origin[index]), output.shape[1]))
+        wait = self._pf._exchange([output.contiguous()], [back], self._send_splits[index], self._recv_splits[index])
+        self._in_flight.append((back, wait))
+
+    def finish(self):
+        if len(self._in_flight) != len(self.blocks):
+            raise RuntimeError(f"{len(self._in_flight)} of {len(self.blocks)} combine blocks were sent")
+        in_flight, origin = self._in_flight, self._origin
+        num_tokens, dtype = self._num_tokens, in_flight[0][0].dtype
 
         def receiver() -> torch.Tensor:
-            wait()
-            out = torch.zeros((num_tokens, back.shape[1]), dtype=torch.float32, device=back.device)
-            out.index_add_(0, token_index, back.float())
-            return out.to(expert_output.dtype)
+            out = torch.zeros((num_tokens, in_flight[0][0].shape[1]), dtype=torch.float32, device=in_flight[0][0].device)
+            for (back, wait), rows in zip(in_flight, origin):
+                wait()
+                out.index_add_(0, rows, back.float())
+            return out.to(dtype)
 
         return None, receiver

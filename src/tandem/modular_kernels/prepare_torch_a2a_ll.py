@@ -7,6 +7,9 @@ whatever the routing, and a graph capture can record it. The receiving rank pack
 arrived into the masked layout `[E_local, R*T, H]`, expert e's rows first, with
 `expert_num_tokens[e]` of them valid. Built on functional collectives (dispatcher ops),
 which a `TorchDispatchMode` trace records and a replay re-issues.
+
+The combine can leave one local expert at a time (SBO `combine-down-gemm`): expert e's
+rows `[R, T, H]` go out as soon as its down projection is done.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 
 from tandem.contexts.time_model import timed_receive
 from tandem.modular_kernels.fabric import FabricModel
-from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.quant import FP8_DTYPE, quantize_fp8_per_token_group
 
 
@@ -131,18 +134,57 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
 
         return None, receiver
 
+    def supports_block_combine(self) -> bool:
+        return True
+
+    def finalize_in_blocks(self, tokens, topk_weights, topk_ids, *, num_sms=None):
+        return _ExpertBlockCombine(self, tokens, topk_weights, topk_ids, self.num_local_experts)
+
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
-        world, local, T = self.world_size, self.num_local_experts, self.max_tokens_per_rank
-        valid, flat_slot, packed_index, H = tokens.handle
-        padded = torch.cat([expert_output.reshape(-1, H), expert_output.new_zeros((1, H))])
-        back = padded[packed_index.flatten()].view(world, local, T, H)  # unpack per source rank
-        wait, received = self._exchange([back])
+        combine = _ExpertBlockCombine(self, tokens, topk_weights, topk_ids, 1)
+        combine.send(0, expert_output)
+        return combine.finish()
+
+
+class _ExpertBlockCombine(BlockCombine):
+    """Block i = a run of local experts; each block's rows go back to their source ranks
+    in one equal-split all-to-all of `[R, experts in block, T, H]`."""
+
+    def __init__(self, pf: TorchLowLatencyPrepareAndFinalize, tokens: ExpertTokens, topk_weights, topk_ids, num_blocks: int):
+        self._pf = pf
+        self._valid, self._flat_slot, self._packed_index, self._H = tokens.handle
+        self._topk_weights, self._topk_ids = topk_weights, topk_ids
+        bounds = [pf.num_local_experts * i // num_blocks for i in range(num_blocks + 1)]
+        self.blocks = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        self._in_flight: list = []
+
+    def send(self, index: int, output: torch.Tensor) -> None:
+        if index != len(self._in_flight):
+            raise RuntimeError(f"combine blocks go in order: expected block {len(self._in_flight)}, got {index}")
+        pf, H, block = self._pf, self._H, self.blocks[index]
+        rows_per_expert = pf.world_size * pf.max_tokens_per_rank
+        n = block.stop - block.start
+        index_in_block = self._packed_index[:, block] - block.start * rows_per_expert
+        # The packed index marks empty slots past every expert's rows; point them at the spare zero row.
+        index_in_block = torch.where(self._packed_index[:, block] >= pf.num_local_experts * rows_per_expert, n * rows_per_expert, index_in_block)
+        padded = torch.cat([output.reshape(-1, H), output.new_zeros((1, H))])
+        back = padded[index_in_block.flatten()].view(pf.world_size, n, pf.max_tokens_per_rank, H)  # per source rank
+        self._in_flight.append(pf._exchange([back]) + (output.dtype,))
+
+    def finish(self):
+        if len(self._in_flight) != len(self.blocks):
+            raise RuntimeError(f"{len(self._in_flight)} of {len(self.blocks)} combine blocks were sent")
+        in_flight, H = self._in_flight, self._H
+        flat_slot, valid, topk_weights, topk_ids = self._flat_slot, self._valid, self._topk_weights, self._topk_ids
 
         def receiver() -> torch.Tensor:
-            wait()
-            rows = torch.cat([received[0].reshape(-1, H), received[0].new_zeros((1, H))])
+            for wait, _, _ in in_flight:
+                wait()
+            blocks = [got[0] for _, got, _ in in_flight]
+            received = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)  # [R, E_local, T, H]
+            rows = torch.cat([received.reshape(-1, H), received.new_zeros((1, H))])
             per_pair = rows[flat_slot.flatten()].view(*topk_ids.shape, H).float()
             weights = (topk_weights.float() * valid).unsqueeze(-1)
-            return (per_pair * weights).sum(1).to(expert_output.dtype)
+            return (per_pair * weights).sum(1).to(in_flight[0][2])
 
         return None, receiver

@@ -110,6 +110,7 @@ def build_runner(config, *, group=None) -> ModelRunner:
         max_tokens_per_rank=config.max_num_batched_tokens,
         use_fp8_dispatch=par.use_fp8_dispatch,
         enable_sbo=par.enable_sbo,
+        sbo_mode=par.sbo_mode,
         fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
     )
     info = load_model(config.model, moe=moe)

@@ -45,7 +45,7 @@ def describe(config, options: ServeOptions, http: HttpOptions, world_size: int) 
     )
     return (
         f"serving {config.model} on http://{http.host}:{http.port} | ranks={world_size} "
-        f"all2all={p.all2all_backend} moe={p.moe_backend} dbo={dbo} sbo={'on' if p.enable_sbo else 'off'} "
+        f"all2all={p.all2all_backend} moe={p.moe_backend} dbo={dbo} sbo={p.sbo_mode if p.enable_sbo else 'off'} "
         f"graph={o.graph_mode} schedule={'overlap' if options.overlap_schedule else 'normal'} "
         f"max_num_seqs={options.max_num_seqs} max_num_batched_tokens={config.max_num_batched_tokens} "
         f"kv_cache={(config.cache.num_kv_blocks - 1) * config.cache.block_size} tokens/rank "
