@@ -187,6 +187,17 @@ def test_bad_arguments_are_named(kwargs, message):
         execute_overlapped_operations(**kwargs)
 
 
+@pytest.mark.parametrize("executor", ["thread", "greenlet"])
+def test_under_dbo_executors_a_yield_operation_is_a_dbo_yield(executor):
+    log: list = []
+    ops = recording_ops(log, 3, ops_per_stage=1)
+    outputs = tandem.run_ubatches(
+        [lambda i=i: execute_operations({"mb": i, "value": i}, ops) for i in range(2)], executor=executor
+    )
+    assert stage_order(log) == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert outputs == [execute_operations({"mb": i, "value": i}, ops) for i in range(2)]
+
+
 def test_strategies_concatenate_only_with_one_delta():
     a = OperationsStrategy([lambda s: {}], 2)
     assert len(OperationsStrategy.concat([a, a]).operations) == 2

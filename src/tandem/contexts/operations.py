@@ -11,6 +11,8 @@ needs, e.g. an all-to-all in flight). A stage is the run of operations between t
 `delta_stages[i]` stages, then runs one stage of every started, unfinished micro-batch per
 round, in micro-batch order. For two micro-batches and `delta_stages=[0, d]` that is
 SGLang's order: A runs d stages alone, then A and B alternate, then B runs its last d.
+`execute_operations` runs one list alone; inside a thread or greenlet ubatch its yields
+are `dbo_yield`s, so the same operation list serves all three executors.
 """
 
 from __future__ import annotations
@@ -131,9 +133,15 @@ class _MicroBatch:
 
 
 def execute_operations(inputs: dict, operations: Sequence[Operation], *, forward_context: Any = None) -> dict:
-    """Run `operations` on `inputs` with no overlap (yields are stage boundaries only)."""
+    """Run `operations` on `inputs` alone. Inside a DBO ubatch (thread or greenlet
+    executor) each yield is a `dbo_yield`, so one operation list runs under every executor;
+    elsewhere yields only separate stages."""
+    from tandem.contexts.dbo import dbo_yield  # dbo reads this module's micro-batch id
+
     batch = _MicroBatch(0, to_stages(operations), inputs, forward_context, overlapped=False)
+    batch.run_stage()
     while not batch.done:
+        dbo_yield()
         batch.run_stage()
     return batch.output if batch.output is not None else {}
 
