@@ -33,6 +33,17 @@ DECODE_DELTA_STAGES = 2
 PREFILL_DELTA_STAGES = 0
 
 
+def _kernel_step(name: str, step: str):
+    """The operation `op_{name}`: the MoE kernel's `step` on this micro-batch's layer call."""
+
+    def op(self, state: dict) -> dict:
+        getattr(self.feed_forward.kernel, step)(state["moe"])
+        return {}
+
+    op.__name__, op.__qualname__ = f"op_{name}", f"DecoderLayerOperations.op_{name}"
+    return op
+
+
 class DecoderLayerOperations:
     """Operations of a decoder layer that has `input_layernorm`, `self_attn.prepare(positions,
     x)`, `attention_core(prepared)`, `post_attention_layernorm` and `feed_forward` (a dense
@@ -77,25 +88,11 @@ class DecoderLayerOperations:
         state["moe"] = moe.kernel.dispatch_send(state.pop("moe_input"), *moe.expert_weights, *state.pop("topk"))
         return {}
 
-    def op_shared_experts(self, state: dict) -> dict:
-        self.feed_forward.kernel.compute_shared(state["moe"])
-        return {}
-
-    def op_dispatch_recv(self, state: dict) -> dict:
-        self.feed_forward.kernel.dispatch_recv(state["moe"])
-        return {}
-
-    def op_experts(self, state: dict) -> dict:
-        self.feed_forward.kernel.compute_experts(state["moe"])
-        return {}
-
-    def op_combine_send(self, state: dict) -> dict:
-        self.feed_forward.kernel.combine_send(state["moe"])
-        return {}
-
-    def op_combine_recv(self, state: dict) -> dict:
-        self.feed_forward.kernel.combine_recv(state["moe"])
-        return {}
+    op_shared_experts = _kernel_step("shared_experts", "compute_shared")
+    op_dispatch_recv = _kernel_step("dispatch_recv", "dispatch_recv")
+    op_experts = _kernel_step("experts", "compute_experts")
+    op_combine_send = _kernel_step("combine_send", "combine_send")
+    op_combine_recv = _kernel_step("combine_recv", "combine_recv")
 
     def op_output(self, state: dict) -> dict:
         return {"mlp_output": self.feed_forward.kernel.output(state.pop("moe"))}
