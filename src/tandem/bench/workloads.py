@@ -12,7 +12,8 @@ Two workloads, same interface:
 - `MoEStackWorkload` (`--model moe-stack`): a stack of MoE layers (attention stand-in,
   routed top-k experts, one shared expert) whose floor is measured directly: a
   compute-only step (experts local, no all-to-all) and a communication-only step (zero-cost
-  experts, no attention). It has no attention over a KV cache, so `--phase` changes nothing.
+  experts, no attention). It has no attention over a KV cache, so `--phase` only picks
+  the strategy of the `tbo` mode (SGLang's decode, delta 2, or prefill, delta 0).
 
 Every step starts after a barrier; its time is the slowest rank's. The time model
 (compute, receive wait, communication, switch) is gathered from every rank.
@@ -233,8 +234,20 @@ class MoEStack:
     EXTRA_MODES = ("compute", "compute-split", "comm", "dbo-shared@dispatch")
 
     def __init__(
-        self, rank: int, world: int, *, backend: str = "torch_a2a", num_ubatches: int = 2, executor: str = "thread", **shape
+        self,
+        rank: int,
+        world: int,
+        *,
+        backend: str = "torch_a2a",
+        num_ubatches: int = 2,
+        executor: str = "thread",
+        phase: str = "decode",
+        **shape,
     ):
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        #: Only `tbo` reads it: SGLang's decode strategy (delta 2) or prefill strategy (delta 0).
+        self.phase = phase
         cfg = {**STACK_SHAPE, **shape}
         self.cfg, self.rank, self.world = cfg, rank, world
         self.backend, self.num_ubatches, self.executor = backend, num_ubatches, executor
@@ -285,9 +298,10 @@ class MoEStack:
         return x
 
     def _forward_tbo(self, x, kernels):
-        """The stack on the stage executor: SGLang's decode strategy (delta 2) over ubatches."""
+        """The stack on the stage executor with SGLang's strategy for the phase."""
         layers = [_StackLayer(layer, kernel, self.cfg["top_k"]) for layer, kernel in zip(self.layers, kernels)]
-        strategy = OperationsStrategy.concat([layer.operations_strategy(decode=True) for layer in layers])
+        decode = self.phase == "decode"
+        strategy = OperationsStrategy.concat([layer.operations_strategy(decode=decode) for layer in layers])
         chunks = x.tensor_split(self.num_ubatches)
         return self.executors["stages"].run(
             [{"hidden_states": chunk, "positions": None} for chunk in chunks],
@@ -334,8 +348,10 @@ class MoEStack:
 
 
 class MoEStackWorkload:
-    def __init__(self, rank: int, world: int, *, backend: str, num_ubatches: int, executor: str = "thread", **shape):
-        self.stack = MoEStack(rank, world, backend=backend, num_ubatches=num_ubatches, executor=executor, **shape)
+    def __init__(
+        self, rank: int, world: int, *, backend: str, num_ubatches: int, executor: str = "thread", phase: str = "decode", **shape
+    ):
+        self.stack = MoEStack(rank, world, backend=backend, num_ubatches=num_ubatches, executor=executor, phase=phase, **shape)
         self.distributed = world > 1
         self.fabric: FabricModel | None = None
         self.num_moe_layers = self.stack.cfg["layers"]
