@@ -43,7 +43,7 @@ def test_deepseek_layer_stages_are_sglangs():
 
 
 def test_qwen3_layer_stages_are_sglangs():
-    config_cls, _, overrides = FAMILIES["qwen3_moe"]
+    _, _, overrides = FAMILIES["qwen3_moe"]
     layer = Qwen3MoeForCausalLM({**COMMON, **overrides}).model.layers[0]
     # Consecutive layers concatenate: the trailing yield ends each decode layer's last stage.
     decode = layer.operations_strategy(decode=True)

@@ -115,7 +115,8 @@ class _MicroBatch:
         scope = (
             set_forward_context(self.forward_context) if self.forward_context is not None else contextlib.nullcontext()
         )
-        token = _CURRENT_MICRO_BATCH.set(self.index if self.overlapped else None)
+        # A list run alone inside an overlapped stage keeps that stage's micro-batch id.
+        token = _CURRENT_MICRO_BATCH.set(self.index) if self.overlapped else None
         try:
             with scope:
                 for op in self.stages[stage_index]:
@@ -128,7 +129,8 @@ class _MicroBatch:
                             exc.add_note(note)
                         raise
         finally:
-            _CURRENT_MICRO_BATCH.reset(token)
+            if token is not None:
+                _CURRENT_MICRO_BATCH.reset(token)
         self.next_stage += 1
 
 
