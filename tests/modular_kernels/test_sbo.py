@@ -8,6 +8,8 @@ import torch
 from tandem.modular_kernels import SBO_MODES, TorchBatchedExperts, TorchExperts, build_moe_kernel
 from tandem.modular_kernels.interfaces import ExpertTokens
 from tandem.modular_kernels.sbo import resolve_sbo_mode
+from tandem.contexts import current_ubatch_context
+from tandem.platform import get_platform
 from tandem.testing import run_distributed
 from tests.modular_kernels.moe_cases import HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, make_problem, run_kernel
 
@@ -103,7 +105,9 @@ def _block_order(rank, world, all2all):
     def recording_blocks(*args, **kwargs):
         combine = inner_blocks(*args, **kwargs)
         send = combine.send
-        combine.send = lambda index, out: (trace.append(("sent", index)), send(index, out))[1]
+        # Each block leaves on the comm stream (the compute stream is the default one here).
+        on_comm = lambda: get_platform("cpu").current_stream() is not get_platform("cpu").default_stream  # noqa: E731
+        combine.send = lambda index, out: (trace.append(("sent", index, on_comm())), send(index, out))[1]
         return combine
 
     pf.finalize_in_blocks = recording_blocks
@@ -113,7 +117,7 @@ def _block_order(rank, world, all2all):
 
 def test_combine_down_gemm_sends_each_block_before_computing_the_next(two_ranks):
     local_experts = NUM_EXPERTS // 2  # one block per local expert on both backends
-    expected = [(what, i) for i in range(local_experts) for what in ("computed", "sent")]
+    expected = [step for i in range(local_experts) for step in (("computed", i), ("sent", i, True))]
     assert [orders for _, orders in two_ranks] == [{all2all: expected for all2all in BACKENDS}] * 2
 
 
@@ -155,3 +159,25 @@ def test_auto_picks_per_backend_as_sglang():
     assert resolve_sbo_mode("auto", _PF(True), slow, cpu) == "dispatch-shared"
     assert resolve_sbo_mode("auto", _PF(False), TorchExperts(), cpu) == "dispatch-shared"
     assert resolve_sbo_mode("combine-shared", _PF(True), TorchExperts(), cpu) == "combine-shared"
+
+
+def test_combine_shared_sends_on_the_comm_stream_and_computes_on_the_compute_stream():
+    p = make_problem(0, "random")
+    seen = []
+
+    def where(what):
+        ctx = current_ubatch_context()
+        stream = get_platform("cpu").current_stream()
+        seen.append((what, "comm" if stream is ctx.comm_stream else "compute" if stream is ctx.compute_stream else "?"))
+
+    def shared(x):
+        where("shared")
+        return p.shared_experts(x)
+
+    kernel = build_moe_kernel("local", "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN,
+                              shared_experts=shared, enable_sbo=True, sbo_mode="combine-shared")
+    finalize = kernel.prepare_finalize.finalize_async
+    kernel.prepare_finalize.finalize_async = lambda *a, **k: (where("combine"), finalize(*a, **k))[1]
+    out = run_kernel(kernel, p, 0, 1, num_ubatches=2, executor="greenlet")
+    torch.testing.assert_close(out, p.reference(with_shared=True), atol=1e-5, rtol=1e-5)
+    assert seen == [("combine", "comm"), ("shared", "compute")] * 2

@@ -190,40 +190,32 @@ class FusedMoEModularKernel:
         state.block_combine = combine
 
     def combine_send(self, state: MoEStepState) -> None:
-        """Issue the combine (combine-shared: on the comm stream; combine-down-gemm: its
-        blocks are out already, this closes it)."""
-        device = state.hidden_states.device
-        if state.block_combine is not None:
-            with self._comm_stream.issue(device):
-                state.combine_hook, state.combine_receiver = state.block_combine.finish()
-            state.block_combine = None
-            return
-        if state.expert_out is None:
+        """Issue the combine: in combine-shared on the comm stream; in combine-down-gemm
+        its blocks are out already and this closes it."""
+        if state.block_combine is None and state.expert_out is None:
             raise RuntimeError("combine_send needs the expert output: call compute_experts first")
-        if state.sbo_mode == COMBINE_SHARED:
-            with self._comm_stream.issue(device):
-                state.combine_hook, state.combine_receiver = self.prepare_finalize.finalize_async(
-                    state.expert_out, state.tokens, state.topk_weights, state.topk_ids
-                )
-        else:
-            state.combine_hook, state.combine_receiver = self.prepare_finalize.finalize_async(
-                state.expert_out, state.tokens, state.topk_weights, state.topk_ids
-            )
+        if state.sbo_mode not in (COMBINE_SHARED, COMBINE_DOWN_GEMM):
+            state.combine_hook, state.combine_receiver = self._issue_combine(state)
+            return
+        device = state.hidden_states.device
+        with self._comm_stream.issue(device):
+            hook, state.combine_receiver = self._issue_combine(state)
+        state.combine_hook = self._comm_stream.joined(hook, device)
+
+    def _issue_combine(self, state: MoEStepState):
+        if state.block_combine is not None:
+            combine, state.block_combine = state.block_combine, None
+            return combine.finish()
+        return self.prepare_finalize.finalize_async(state.expert_out, state.tokens, state.topk_weights, state.topk_ids)
 
     def combine_recv(self, state: MoEStepState) -> None:
         """Run the receive hook unless it was handed to another ubatch, wait, keep the
         routed output `[T, H]`."""
         if state.sbo_mode in (COMBINE_SHARED, COMBINE_DOWN_GEMM):
-            with self._comm_stream.receive(state.hidden_states.device):
-                self._receive_combine(state)
-            state.expert_blocks = None
-        else:
-            self._receive_combine(state)
-
-    @staticmethod
-    def _receive_combine(state: MoEStepState) -> None:
+            self._comm_stream.join(state.hidden_states.device)
         _run_hook(state, "combine_hook")
         state.routed_output = _take(state, "combine_receiver", "combine_send")()
+        state.expert_blocks = None
 
     def compute_shared(self, state: MoEStepState) -> None:
         """The shared experts on this ubatch's tokens; once, wherever the schedule puts it."""
@@ -254,14 +246,9 @@ class FusedMoEModularKernel:
             dbo_register_recv_hook(hook)
         dbo_yield()
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states, w1, w2, topk_weights, topk_ids) -> torch.Tensor:
+        """The whole layer (inputs as `dispatch_send`): the steps in order, with the DBO
+        handover at each transfer and the shared experts where the SBO mode puts them."""
         dbo_maybe_run_recv_hook()
         state = self.dispatch_send(hidden_states, w1, w2, topk_weights, topk_ids)
         shared_at = self.shared_experts_placement(state.sbo_mode)

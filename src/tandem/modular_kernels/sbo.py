@@ -68,7 +68,12 @@ class CommStream:
     def _streams(self, device: torch.device):
         platform = get_platform(device.type)
         ctx = current_ubatch_context()
-        comm = ctx.comm_stream if ctx is not None else self._own.setdefault(device.type, platform.new_stream())
+        if ctx is not None:
+            comm = ctx.comm_stream
+        else:
+            if device.type not in self._own:
+                self._own[device.type] = platform.new_stream()
+            comm = self._own[device.type]
         return platform, platform.current_stream(), comm
 
     @staticmethod
@@ -89,11 +94,22 @@ class CommStream:
         finally:
             platform.set_stream(compute)
 
-    @contextmanager
-    def receive(self, device: torch.device) -> Iterator[None]:
-        """Receive on the compute stream after what the comm stream issued; later comm work
-        (and its reuse of memory the receive read) waits for the receive."""
+    def joined(self, hook, device: torch.device):
+        """`hook` (a receive hook, run by whichever ubatch receives) made to run after what
+        the comm stream issued; None stays None."""
+        if hook is None:
+            return None
+
+        def run() -> None:
+            self.join(device)
+            hook()
+
+        return run
+
+    def join(self, device: torch.device) -> None:
+        """Before the receive on the compute stream: wait for what the comm stream issued.
+        (The other direction needs no event: every `issue` starts behind all compute queued
+        so far, so comm-stream work never overtakes a receive that reads its buffers, and
+        a graph capture sees each fork joined.)"""
         platform, compute, comm = self._streams(device)
         self._order(platform, comm, compute)
-        yield
-        self._order(platform, compute, comm)
