@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 PROMPTS = ["Experts everywhere", "Hi", "Dual batch overlap hides the all-to-all"]
 
 
@@ -18,14 +20,19 @@ def _generate(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
-def test_generate_with_dbo_on_two_ranks_matches_single_rank_greedy():
+@pytest.mark.parametrize(
+    "overlap, executor",
+    [(["--enable-dbo"], "thread"), (["--enable-two-batch-overlap"], "stages")],
+    ids=["dbo", "two-batch-overlap"],
+)
+def test_generate_with_overlap_on_two_ranks_matches_single_rank_greedy(overlap, executor):
     common = [*PROMPTS, "--max-tokens", "6", "--ignore-eos", "--temperature", "0", "--json"]
     single = _generate(*common)
     assert single.returncode == 0, single.stderr
     dbo = _generate(
         *common,
         "--data-parallel-size", "2",
-        "--enable-dbo",
+        *overlap,
         "--dbo-decode-token-threshold", "0",
         "--dbo-prefill-token-threshold", "0",
     )
@@ -35,7 +42,7 @@ def test_generate_with_dbo_on_two_ranks_matches_single_rank_greedy():
     assert [len(row["token_ids"]) for row in rows] == [6, 6, 6]
     assert all(isinstance(row["text"], str) for row in rows)
     # Logs go to stderr and say what ran; stdout holds only the completions.
-    assert "dp=2" in dbo.stderr and "dbo=on" in dbo.stderr
+    assert "dp=2" in dbo.stderr and "dbo=on" in dbo.stderr and f"executor={executor}" in dbo.stderr
     # SBO with the combine sent block by block, inside the DBO ubatches: same tokens.
     sbo = _generate(*common, "--data-parallel-size", "2", "--enable-dbo", "--dbo-decode-token-threshold", "0",
                     "--enable-sbo", "--sbo-mode", "combine-down-gemm")
@@ -48,6 +55,11 @@ def test_generate_rejects_an_unknown_sbo_mode():
     result = _generate("hello", "--enable-sbo", "--sbo-mode", "turbo", timeout=60)
     assert result.returncode != 0
     assert "--sbo-mode must be one of auto, combine-down-gemm" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_two_batch_overlap_contradicting_an_executor_is_refused():
+    result = _generate("hi", "--enable-two-batch-overlap", "--ubatch-executor", "greenlet", timeout=60)
+    assert result.returncode != 0 and "--enable-two-batch-overlap" in result.stderr
 
 
 def test_generate_prints_one_line_per_prompt_in_order():

@@ -3,12 +3,14 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from tandem.contexts import (
+    ExecutionOperation,
     ForwardContext,
     GreenletExecutor,
     ThreadExecutor,
     UBatchAborted,
     UBatchContext,
     UBatchTimeoutError,
+    YieldOperation,
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_maybe_run_recv_hook,
@@ -20,6 +22,8 @@ from tandem.contexts import (
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
+    execute_operations,
+    execute_overlapped_operations,
     get_forward_context,
     make_ubatch_contexts,
     run_ubatches,
@@ -46,6 +50,7 @@ except PackageNotFoundError:  # running from a source tree
 __all__ = [
     "AttentionSlice",
     "BalancedSplit",
+    "ExecutionOperation",
     "ForwardContext",
     "GreenletExecutor",
     "ThreadExecutor",
@@ -54,6 +59,7 @@ __all__ = [
     "UBatchDecision",
     "UBatchSlice",
     "UBatchTimeoutError",
+    "YieldOperation",
     "balanced_split",
     "check_ubatch_thresholds",
     "coordinate_ubatching",
@@ -68,6 +74,8 @@ __all__ = [
     "dbo_yield",
     "dbo_yield_and_switch_from_comm_to_compute",
     "dbo_yield_and_switch_from_compute_to_comm",
+    "execute_operations",
+    "execute_overlapped_operations",
     "get_forward_context",
     "is_last_ubatch_empty",
     "make_ubatch_contexts",

@@ -36,7 +36,13 @@ _MODEL = typer.Option("tiny-moe", help="A Hugging Face model directory, or the b
 _DATA_PARALLEL_SIZE = typer.Option(1, help="DP ranks (processes); experts are sharded across them.")
 _ENABLE_DBO = typer.Option(False, help="Split large steps into ubatches that overlap communication.")
 _NUM_UBATCHES = typer.Option(2, help="Ubatches per DBO step.")
-_UBATCH_EXECUTOR = typer.Option("thread", help="thread | greenlet")
+_UBATCH_EXECUTOR = typer.Option("thread", help="thread | greenlet | stages (TBO: operation lists, no threads)")
+_ENABLE_TWO_BATCH_OVERLAP = typer.Option(
+    False, help="SGLang's name for two-batch overlap: the same as --enable-dbo --ubatch-executor stages."
+)
+_TBO_THRESHOLD = typer.Option(
+    0.48, help="TBO prefill split: cut inside a sequence when no sequence boundary gives each ubatch this share."
+)
 _DBO_DECODE_THRESHOLD = typer.Option(32, help="Smallest uniform-decode step that uses DBO.")
 _DBO_PREFILL_THRESHOLD = typer.Option(512, help="Smallest other step that uses DBO.")
 _THRESHOLDS_FILE = typer.Option(None, help="JSON from `tandem tune`; overrides the two thresholds.")
@@ -88,8 +94,10 @@ _ENGINE_FLAGS = (
     "model",
     "data_parallel_size",
     "enable_dbo",
+    "enable_two_batch_overlap",
     "num_ubatches",
     "ubatch_executor",
+    "tbo_token_distribution_threshold",
     "dbo_decode_token_threshold",
     "dbo_prefill_token_threshold",
     "thresholds_file",
@@ -143,6 +151,8 @@ def _engine_config(
     pp_layer_partition: str | None = None,
     pp_async_batch_depth: int = 0,
     enable_dynamic_chunking: bool = False,
+    enable_two_batch_overlap: bool = False,
+    tbo_token_distribution_threshold: float = 0.48,
     sbo_mode: str = "auto",
     cache=None,
     max_num_batched_tokens: int = 2048,
@@ -152,6 +162,12 @@ def _engine_config(
     from tandem.config import CacheConfig, EngineConfig, OverlapConfig, ParallelConfig
 
     _check_device(device)
+    if enable_two_batch_overlap:
+        if ubatch_executor not in ("thread", "stages"):  # "thread" is the default: not a choice
+            raise typer.BadParameter(
+                f"--enable-two-batch-overlap runs the stages executor; it contradicts --ubatch-executor {ubatch_executor}"
+            )
+        enable_dbo, ubatch_executor = True, "stages"
     try:
         if pipeline_parallel_size > 1:
             _check_pipeline_partition(model, pipeline_parallel_size, pp_layer_partition)
@@ -165,6 +181,7 @@ def _engine_config(
                 dbo_prefill_token_threshold=dbo_prefill_token_threshold,
                 graph_mode=graph_mode,
                 comm_sms=comm_sms,
+                tbo_token_distribution_threshold=tbo_token_distribution_threshold,
             ).with_thresholds_file(thresholds_file),
             parallel=ParallelConfig(
                 data_parallel_size=data_parallel_size,
@@ -222,8 +239,10 @@ def generate(
     model: str = _MODEL,
     data_parallel_size: int = _DATA_PARALLEL_SIZE,
     enable_dbo: bool = _ENABLE_DBO,
+    enable_two_batch_overlap: bool = _ENABLE_TWO_BATCH_OVERLAP,
     num_ubatches: int = _NUM_UBATCHES,
     ubatch_executor: str = _UBATCH_EXECUTOR,
+    tbo_token_distribution_threshold: float = _TBO_THRESHOLD,
     dbo_decode_token_threshold: int = _DBO_DECODE_THRESHOLD,
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
@@ -310,8 +329,10 @@ def serve(
     port: int = typer.Option(8000),
     data_parallel_size: int = _DATA_PARALLEL_SIZE,
     enable_dbo: bool = _ENABLE_DBO,
+    enable_two_batch_overlap: bool = _ENABLE_TWO_BATCH_OVERLAP,
     num_ubatches: int = _NUM_UBATCHES,
     ubatch_executor: str = _UBATCH_EXECUTOR,
+    tbo_token_distribution_threshold: float = _TBO_THRESHOLD,
     dbo_decode_token_threshold: int = _DBO_DECODE_THRESHOLD,
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
@@ -442,7 +463,7 @@ def _int_list(text: str, flag: str, *, sort: bool = True) -> list[int]:
 
 def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabric, fabric_latency_us, fabric_gbps,
                 num_ubatches, all2all_backend, moe_backend, context_len, prefill_len, trace=False, device="auto",
-                dtype="auto"):
+                dtype="auto", tbo_token_distribution_threshold=0.48):
     from tandem.bench.sweep import CALIBRATED, BenchSpec
     from tandem.bench.workloads import MOE_STACK
     from tandem.platform.device import resolve_device
@@ -469,6 +490,7 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
             ubatch_executor="thread", dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None,
             enable_sbo=False, all2all_backend=all2all_backend, moe_backend=moe_backend, graph_mode="none",
             fabric_latency_us=None, fabric_gbps=None, device=device, dtype=dtype,
+            tbo_token_distribution_threshold=tbo_token_distribution_threshold,
         )
     return BenchSpec(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=modes, repeat=repeat, warmup=warmup,
@@ -511,7 +533,8 @@ def bench(
     modes: str = typer.Option(
         "none,dbo,dbo-greenlet,sbo,dbo+sbo",
         help="none | dbo (threads) | dbo-greenlet | sbo (--sbo-mode auto) | dbo+sbo | sbo-combine-down-gemm | "
-        "sbo-combine-shared | sbo-dispatch-shared (one SGLang SBO mode each).",
+        "sbo-combine-shared | sbo-dispatch-shared (one SGLang SBO mode each) | tbo (two-batch overlap: the stage "
+        "executor, SGLang's operation strategies, no threads).",
     ),
     phase: str = typer.Option("decode", help="decode (one new token per request) | prefill (long requests)."),
     repeat: int = _BENCH_REPEAT,
@@ -520,6 +543,7 @@ def bench(
     fabric_latency_us: float = _FABRIC_LATENCY_US,
     fabric_gbps: float = _FABRIC_GBPS,
     num_ubatches: int = _NUM_UBATCHES,
+    tbo_token_distribution_threshold: float = _TBO_THRESHOLD,
     all2all_backend: str = _ALL2ALL_BACKEND,
     moe_backend: str = _MOE_BACKEND,
     context_len: int = _BENCH_CONTEXT_LEN,
@@ -559,7 +583,7 @@ def bench(
         modes=mode_list, repeat=repeat, warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us,
         fabric_gbps=fabric_gbps, num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
         context_len=context_len, prefill_len=prefill_len, trace=trace is not None or timeline is not None,
-        device=device, dtype=dtype,
+        device=device, dtype=dtype, tbo_token_distribution_threshold=tbo_token_distribution_threshold,
     )
     result = _run_bench_sweep(spec)
     rows = rows_from_sweep(result, phase, mode_list)
@@ -592,6 +616,8 @@ def tune(
     decode_tokens: str = typer.Option("8,16,32,64,128,256", help="Decode batch sizes (tokens per rank) to sweep."),
     prefill_tokens: str = typer.Option("64,128,256,512,1024,2048", help="Prefill sizes (tokens per rank) to sweep."),
     ubatch_executor: str = _UBATCH_EXECUTOR,
+    enable_two_batch_overlap: bool = _ENABLE_TWO_BATCH_OVERLAP,
+    tbo_token_distribution_threshold: float = _TBO_THRESHOLD,
     repeat: int = _BENCH_REPEAT,
     warmup: int = _BENCH_WARMUP,
     fabric: str = _BENCH_FABRIC,
@@ -616,15 +642,19 @@ def tune(
 
     if not 0 <= margin < 1:
         raise typer.BadParameter(f"--margin must be in [0, 1), got {margin}")
-    if ubatch_executor not in ("thread", "greenlet"):
-        raise typer.BadParameter("--ubatch-executor must be thread or greenlet")
-    dbo_mode = "dbo" if ubatch_executor == "thread" else "dbo-greenlet"
+    if enable_two_batch_overlap:
+        ubatch_executor = "stages"
+    modes_of = {"thread": "dbo", "greenlet": "dbo-greenlet", "stages": "tbo"}
+    if ubatch_executor not in modes_of:
+        raise typer.BadParameter(f"--ubatch-executor must be one of {', '.join(modes_of)}")
+    dbo_mode = modes_of[ubatch_executor]
     grids = [("decode", _int_list(decode_tokens, "--decode-tokens")), ("prefill", _int_list(prefill_tokens, "--prefill-tokens"))]
     spec = _bench_spec(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=["none", dbo_mode], repeat=repeat,
         warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps,
         num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
         context_len=context_len, prefill_len=prefill_len, device=device, dtype=dtype,
+        tbo_token_distribution_threshold=tbo_token_distribution_threshold,
     )
     result = _run_bench_sweep(spec)
     decisions = []

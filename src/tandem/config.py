@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-EXECUTORS = ("thread", "greenlet")
+EXECUTORS = ("thread", "greenlet", "stages")
 GRAPH_MODES = ("none", "full")
 
 
@@ -22,6 +22,9 @@ class OverlapConfig:
     graph_mode: str = "none"
     #: SMs reserved for communication kernels while ubatches overlap (`--comm-sms`, GPU only).
     comm_sms: int | None = None
+    #: TBO prefill split: sequences are cut inside one when no sequence boundary leaves
+    #: each part at least this share of the tokens (SGLang's tbo_token_distribution_threshold).
+    tbo_token_distribution_threshold: float = 0.48
 
     def __post_init__(self) -> None:
         if self.comm_sms is not None and (self.comm_sms < 2 or self.comm_sms % 2):
@@ -32,6 +35,10 @@ class OverlapConfig:
             raise ValueError(f"--ubatch-executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"--graph-mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}")
+        if not 0.0 <= self.tbo_token_distribution_threshold <= 0.5:
+            raise ValueError(
+                f"--tbo-token-distribution-threshold must lie in [0, 0.5], got {self.tbo_token_distribution_threshold}"
+            )
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

@@ -45,12 +45,12 @@ def test_bench_writes_json_and_png(tmp_path):
 def test_bench_moe_stack_with_a_preset(tmp_path):
     out = tmp_path / "stack.json"
     result = run_cli(
-        "bench", "--model", "moe-stack", "--tokens", "8", "--modes", "none,dbo,sbo,sbo-combine-down-gemm", "--repeat", "1", "--warmup", "0",
+        "bench", "--model", "moe-stack", "--tokens", "8", "--modes", "none,dbo,sbo,sbo-combine-down-gemm,tbo", "--repeat", "1", "--warmup", "0",
         "--fabric", "deepep-ll-h800", "--json", str(out),
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
-    assert [r["mode"] for r in data["rows"]] == ["none", "dbo", "sbo", "sbo-combine-down-gemm"]
+    assert [r["mode"] for r in data["rows"]] == ["none", "dbo", "sbo", "sbo-combine-down-gemm", "tbo"]
     assert data["config"]["fabric"] == "deepep-ll-h800"
 
 

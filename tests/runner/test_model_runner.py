@@ -50,7 +50,13 @@ def _run(rank, world, configs, max_tokens_per_rank):
 
 @pytest.mark.parametrize(
     "num_ubatches, all2all, executor, graph_mode",
-    [(2, "torch_a2a", "thread", "none"), (3, "torch_a2a_ll", "greenlet", "none"), (2, "torch_a2a_ll", "thread", "full")],
+    [
+        (2, "torch_a2a", "thread", "none"),
+        (3, "torch_a2a_ll", "greenlet", "none"),
+        (2, "torch_a2a_ll", "thread", "full"),
+        (2, "torch_a2a", "stages", "none"),
+        (2, "torch_a2a_ll", "stages", "full"),
+    ],
 )
 def test_dbo_on_and_off_give_identical_greedy_tokens(num_ubatches, all2all, executor, graph_mode):
     configs = [

@@ -55,7 +55,9 @@ class BenchSpec:
 
 def _workload(spec: BenchSpec, rank: int, world: int, phase: str, max_tokens: int):
     if spec.model == MOE_STACK:
-        return MoEStackWorkload(rank, world, backend=spec.all2all_backend or "torch_a2a", num_ubatches=spec.num_ubatches)
+        return MoEStackWorkload(
+            rank, world, backend=spec.all2all_backend or "torch_a2a", num_ubatches=spec.num_ubatches, phase=phase
+        )
     return ModelStepWorkload(
         spec.engine_config, phase=phase, context_len=spec.context_len, prefill_len=spec.prefill_len,
         max_tokens=max_tokens, distributed=world > 1,

@@ -12,7 +12,8 @@ Two workloads, same interface:
 - `MoEStackWorkload` (`--model moe-stack`): a stack of MoE layers (attention stand-in,
   routed top-k experts, one shared expert) whose floor is measured directly: a
   compute-only step (experts local, no all-to-all) and a communication-only step (zero-cost
-  experts, no attention). It has no attention over a KV cache, so `--phase` changes nothing.
+  experts, no attention). It has no attention over a KV cache, so `--phase` only picks
+  the strategy of the `tbo` mode (SGLang's decode, delta 2, or prefill, delta 0).
 
 Every step starts after a barrier; its time is the slowest rank's. The time model
 (compute, receive wait, communication, switch) is gathered from every rank.
@@ -26,7 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from tandem.contexts import CommCounters, make_executor, run_ubatches, time_model
+from tandem.contexts import CommCounters, OperationsStrategy, StageExecutor, make_executor, run_ubatches, time_model
+from tandem.models.layer_operations import DecoderLayerOperations
 from tandem.modular_kernels import (
     ActivationFormat,
     Experts,
@@ -41,8 +43,9 @@ from tandem.runner.model_runner import StepTimes
 #: SGLang's SBO modes, each as its own bench mode (`sbo` and `dbo+sbo` run `auto`).
 SBO_MODE_NAMES = {f"sbo-{m}": m for m in ("combine-down-gemm", "combine-shared", "dispatch-shared")}
 #: Modes every workload runs: no overlap, DBO on threads or greenlets, SBO (auto or one
-#: mode), DBO with SBO.
-MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo", *SBO_MODE_NAMES)
+#: mode), DBO with SBO, and TBO (the ubatches interleaved stage by stage by the stage
+#: executor, no threads).
+MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo", *SBO_MODE_NAMES, "tbo")
 PHASES = ("decode", "prefill")
 MOE_STACK = "moe-stack"
 
@@ -95,6 +98,8 @@ def _mode_flags(mode: str) -> tuple[bool, str, str | None]:
     """(DBO on, executor, SBO mode or None) of a mode."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if mode == "tbo":
+        return True, "stages", None
     dbo = mode.startswith("dbo")
     sbo = "auto" if mode in ("sbo", "dbo+sbo") else SBO_MODE_NAMES.get(mode)
     return dbo, "greenlet" if mode == "dbo-greenlet" else "thread", sbo
@@ -130,6 +135,7 @@ class ModelStepWorkload:
         self.base_overlap = config.overlap
         self.kernels = _kernels(self.runner.model)
         self.executors = {kind: make_executor(kind) for kind in ("thread", "greenlet")}
+        self.executors["stages"] = StageExecutor()
         self.request_blocks = [self.runner.allocator.allocate(per_request) for _ in range(num_requests)]
         self.params = SamplingParams(max_tokens=1)
         self.vocab = 200  # byte ids: valid for every model's vocabulary
@@ -199,6 +205,35 @@ class _NoExperts(Experts):
         return torch.zeros(tokens.hidden.shape, dtype=tokens.dtype)
 
 
+class _StackLayer(DecoderLayerOperations):
+    """One layer of the stack as TBO operations (the same math as `MoEStack._forward`):
+    no norms, the attention stand-in cut into prepare (`tanh(x wa)`) and core (`@ wb`), the
+    router, the kernel's steps."""
+
+    def __init__(self, weights: dict, kernel: FusedMoEModularKernel, top_k: int):
+        self.weights, self.kernel, self.top_k = weights, kernel, top_k
+        self.self_attn = self.feed_forward = self
+        self.expert_weights = (weights["w1"], weights["w2"])
+
+    @staticmethod
+    def input_layernorm(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    post_attention_layernorm = input_layernorm
+
+    def prepare(self, positions, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weights["wa"])
+
+    def attention_core(self, prepared: torch.Tensor) -> torch.Tensor:
+        return prepared @ self.weights["wb"]
+
+    def router_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weights["router"]
+
+    def select(self, logits: torch.Tensor):
+        return select_experts(logits, self.top_k, renormalize=True)
+
+
 #: The stack's shape (the MoE-layer benchmark's): hidden 1024, intermediate 512, top-2 of
 #: 8 routed experts, one shared expert, 4 layers.
 STACK_SHAPE = dict(hidden=1024, intermediate=512, experts=8, top_k=2, layers=4)
@@ -214,8 +249,20 @@ class MoEStack:
     EXTRA_MODES = ("compute", "compute-split", "comm", "dbo-shared@dispatch")
 
     def __init__(
-        self, rank: int, world: int, *, backend: str = "torch_a2a", num_ubatches: int = 2, executor: str = "thread", **shape
+        self,
+        rank: int,
+        world: int,
+        *,
+        backend: str = "torch_a2a",
+        num_ubatches: int = 2,
+        executor: str = "thread",
+        phase: str = "decode",
+        **shape,
     ):
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        #: Only `tbo` reads it: SGLang's decode strategy (delta 2) or prefill strategy (delta 0).
+        self.phase = phase
         cfg = {**STACK_SHAPE, **shape}
         self.cfg, self.rank, self.world = cfg, rank, world
         self.backend, self.num_ubatches, self.executor = backend, num_ubatches, executor
@@ -236,6 +283,7 @@ class MoEStack:
                 )
             )
         self.executors = {kind: make_executor(kind) for kind in ("thread", "greenlet")}
+        self.executors["stages"] = StageExecutor()
         self._inputs: dict[int, torch.Tensor] = {}
         #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`), or None.
         self.tracer = None
@@ -263,8 +311,20 @@ class MoEStack:
             weights, ids = select_experts(h @ layer["router"], self.cfg["top_k"], renormalize=True)
             if local_ids:
                 ids = ids % E_local
-            x = x + kernel(h, layer["w1"], layer["w2"], weights, ids)
+            x = h + kernel(h, layer["w1"], layer["w2"], weights, ids)
         return x
+
+    def _forward_tbo(self, x, kernels):
+        """The stack on the stage executor with SGLang's strategy for the phase."""
+        layers = [_StackLayer(layer, kernel, self.cfg["top_k"]) for layer, kernel in zip(self.layers, kernels)]
+        decode = self.phase == "decode"
+        strategy = OperationsStrategy.concat([layer.operations_strategy(decode=decode) for layer in layers])
+        chunks = x.tensor_split(self.num_ubatches)
+        return self.executors["stages"].run(
+            [{"hidden_states": chunk, "positions": None} for chunk in chunks],
+            [strategy.operations] * len(chunks),
+            [i * strategy.delta_stages for i in range(len(chunks))],
+        )
 
     def step(self, mode: str, tokens: int, fabric: FabricModel | None) -> StepTimes:
         """One step of `mode` on this rank (no barrier, no gathering): its time model."""
@@ -272,7 +332,7 @@ class MoEStack:
             raise ValueError(f"unknown mode {mode!r}")
         x = self.inputs(tokens)
         comm = not mode.startswith("compute")
-        dbo = mode.startswith("dbo")
+        dbo = mode.startswith("dbo") or mode == "tbo"
         if mode == "dbo-shared@dispatch":
             sbo = "dispatch-shared"
         else:
@@ -285,12 +345,14 @@ class MoEStack:
                 k.experts = _NoExperts(k.experts.activation_format)
                 k.shared_experts = None
         run = lambda chunk: self._forward(chunk, kernels, compute=mode != "comm", local_ids=not comm)  # noqa: E731
-        executor = self.executors["greenlet" if mode == "dbo-greenlet" else self.executor]
+        executor = self.executors["stages" if mode == "tbo" else "greenlet" if mode == "dbo-greenlet" else self.executor]
         counters = CommCounters(tracer=self.tracer)
         switch_before = executor.switch_time_s
         start = time.perf_counter()
         with time_model(counters):
-            if dbo:
+            if mode == "tbo":
+                self._forward_tbo(x, kernels)
+            elif dbo:
                 run_ubatches([lambda c=c: run(c) for c in x.tensor_split(self.num_ubatches)], executor=executor)
             elif mode == "compute-split":
                 for chunk in x.tensor_split(self.num_ubatches):
@@ -305,8 +367,10 @@ class MoEStack:
 
 
 class MoEStackWorkload:
-    def __init__(self, rank: int, world: int, *, backend: str, num_ubatches: int, executor: str = "thread", **shape):
-        self.stack = MoEStack(rank, world, backend=backend, num_ubatches=num_ubatches, executor=executor, **shape)
+    def __init__(
+        self, rank: int, world: int, *, backend: str, num_ubatches: int, executor: str = "thread", phase: str = "decode", **shape
+    ):
+        self.stack = MoEStack(rank, world, backend=backend, num_ubatches=num_ubatches, executor=executor, phase=phase, **shape)
         self.distributed = world > 1
         self.fabric: FabricModel | None = None
         self.num_moe_layers = self.stack.cfg["layers"]

@@ -1,4 +1,4 @@
-"""UBatchContext, the dbo_* functions, executors (threads, greenlets) and the forward context."""
+"""UBatchContext, the dbo_* functions, executors (threads, greenlets, stages) and the forward context."""
 
 from tandem.contexts.dbo import (
     dbo_current_ubatch_id,
@@ -21,6 +21,14 @@ from tandem.contexts.executors import (
     make_executor,
     run_ubatches,
 )
+from tandem.contexts.operations import (
+    ExecutionOperation,
+    OperationsStrategy,
+    StageExecutor,
+    YieldOperation,
+    execute_operations,
+    execute_overlapped_operations,
+)
 from tandem.contexts.time_model import CommCounters, current_comm_counters, time_model, timed_blocking, timed_receive
 from tandem.contexts.forward_context import ForwardContext, get_forward_context, set_forward_context
 from tandem.contexts.ubatch_context import (
@@ -37,6 +45,12 @@ __all__ = [
     "timed_blocking",
     "timed_receive",
     "DEFAULT_TIMEOUT_S",
+    "ExecutionOperation",
+    "OperationsStrategy",
+    "StageExecutor",
+    "YieldOperation",
+    "execute_operations",
+    "execute_overlapped_operations",
     "ForwardContext",
     "GreenletExecutor",
     "ThreadExecutor",

@@ -12,6 +12,7 @@ from torch import nn
 from tandem.distributed.partition import MissingLayer, StageLayers, build_layers
 from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
 from tandem.models.hf_config import as_config, check_silu, config_value, rope_theta
+from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
 from tandem.models.layers import Attention, RMSNorm, StackedExperts
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
@@ -20,7 +21,7 @@ _FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DecoderLayerOperations, nn.Module):
     def __init__(self, self_attn: Attention, mlp: nn.Module, hidden_size: int, eps: float, dtype: torch.dtype, mlp_name: str):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
@@ -29,9 +30,16 @@ class DecoderLayer(nn.Module):
         self.mlp_name = mlp_name
         setattr(self, mlp_name, mlp)
 
+    @property
+    def feed_forward(self) -> nn.Module:
+        return getattr(self, self.mlp_name)
+
+    def attention_core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.self_attn.core(prepared)
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + getattr(self, self.mlp_name)(self.post_attention_layernorm(hidden))
+        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
 
 
 class DecoderBackbone(nn.Module):
@@ -46,7 +54,7 @@ class DecoderBackbone(nn.Module):
         self.norm = RMSNorm(hidden_size, eps, dtype) if stage.is_last else MissingLayer()
 
 
-class MoEDecoderForCausalLM(CausalLM):
+class MoEDecoderForCausalLM(OperationsModel, CausalLM):
     """Parameters carry the HF checkpoint names (`model.layers.{i}.self_attn.q_proj.weight`,
     ...), except the routed experts, stacked as `...experts.w13` / `...experts.w2`.
     Subclasses build one layer's attention and MLP, and may rename checkpoint names."""

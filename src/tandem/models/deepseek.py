@@ -39,6 +39,8 @@ from torch import nn
 from tandem.contexts import get_forward_context
 from tandem.distributed.partition import MissingLayer, StageLayers, build_layers
 from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
+from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
+from tandem.models.layers import current_attention_metadata
 from tandem.models.paged_attention import AttentionMetadata, paged_attention, write_to_cache
 from tandem.modular_kernels import select_experts
 
@@ -328,8 +330,11 @@ class MLAttention(nn.Module):
         return KVCacheSpec({"key": (self.num_heads, c.qk_head_dim), "value": (self.num_heads, c.v_head_dim)}, self.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        if self.cache is None:
-            raise RuntimeError("attention layer has no KV cache: call bind_kv_cache() before forward()")
+        return self.core(self.prepare(positions, x), metadata)
+
+    def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Query and latent projections with rotary embedding (TBO's attention prepare):
+        `(q_nope, q_rope, latent, k_rope)`."""
         c, T, nh = self.cfg, x.shape[0], self.num_heads
         if c.q_lora_rank is None:
             q = self.q_proj(x)
@@ -341,7 +346,14 @@ class MLAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         q_rope = self.rotary.apply(q_rope, cos, sin)
         k_rope = self.rotary.apply(k_rope.unsqueeze(1), cos, sin)  # [T, 1, rope]
+        return q_nope, q_rope, latent, k_rope
 
+    def core(self, prepared: tuple[torch.Tensor, ...], metadata: AttentionMetadata) -> torch.Tensor:
+        """Cache write, attention (latent or expanded), output projection (TBO's attention core)."""
+        if self.cache is None:
+            raise RuntimeError("attention layer has no KV cache: call bind_kv_cache() before forward()")
+        q_nope, q_rope, latent, k_rope = prepared
+        c, T, nh = self.cfg, q_nope.shape[0], self.num_heads
         w_kv = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         if self.kv_cache_mode == "latent":
             cache = self.cache["kv_latent"]
@@ -413,10 +425,20 @@ class DeepseekMoE(nn.Module):
             num_experts=E, top_k=K, hidden_size=cfg.hidden_size, shared_experts=self.shared_experts
         )
 
+    @property
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.experts.w1, self.experts.w2
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, *self.expert_weights, *self.select(self.router_logits(x)))
+
+    def select(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        topk_weights, topk_ids = select_experts(
-            self.gate(x),
+        return select_experts(
+            router_logits,
             c.num_experts_per_tok,
             renormalize=c.norm_topk_prob,
             scoring=c.scoring_func,
@@ -425,10 +447,9 @@ class DeepseekMoE(nn.Module):
             correction_bias=self.gate.e_score_correction_bias,
             routed_scaling_factor=c.routed_scaling_factor,
         )
-        return self.kernel(x, self.experts.w1, self.experts.w2, topk_weights, topk_ids)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DecoderLayerOperations, nn.Module):
     def __init__(self, cfg: DeepseekConfig, layer: int, moe: MoEOptions, dtype: torch.dtype, kv_cache_mode: str):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -436,6 +457,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = DeepseekMoE(cfg, moe, dtype) if self.is_moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return self.mlp
+
+    def attention_core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.self_attn.core(prepared, current_attention_metadata())
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, metadata)
@@ -469,7 +497,7 @@ _DIRECT_IN_LAYER = re.compile(
 )
 
 
-class _DeepseekForCausalLM(CausalLM):
+class _DeepseekForCausalLM(OperationsModel, CausalLM):
     version: int = 0
 
     def __init__(

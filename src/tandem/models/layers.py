@@ -106,9 +106,10 @@ class Attention(nn.Module):
         return KVCacheSpec({"key": shape, "value": shape}, self.dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.kv_cache is None:
-            raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
-        metadata = current_attention_metadata()
+        return self.core(self.prepare(positions, x))
+
+    def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections, QK norm and rotary embedding: `(q, k, v)` (TBO's attention prepare)."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -116,10 +117,18 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        return q, k, v
+
+    def core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Cache write, attention over the cache, output projection (TBO's attention core)."""
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
+        q, k, v = prepared
+        metadata = current_attention_metadata()
         write_to_cache(self.kv_cache["key"], k, metadata.slot_mapping)
         write_to_cache(self.kv_cache["value"], v, metadata.slot_mapping)
         out = paged_attention(q, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
 class GatedMLP(nn.Module):
@@ -263,6 +272,15 @@ class MoEBlock(nn.Module):
     def shared_experts_forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no shared experts")
 
+    @property
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.experts.w13, self.experts.w2
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
+
+    def select(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(router_logits, self.top_k, renormalize=self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, renormalize=self.renormalize)
-        return self.kernel(x, self.experts.w13, self.experts.w2, topk_weights, topk_ids)
+        return self.kernel(x, *self.expert_weights, *self.select(self.router_logits(x)))

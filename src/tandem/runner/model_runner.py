@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from tandem.config import OverlapConfig
 from tandem.contexts import CommCounters, ForwardContext, set_forward_context, time_model, timed_blocking
@@ -24,8 +25,8 @@ from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
 from tandem.runner.sampling import SamplingParams, sample_tokens
-from tandem.runner.ubatch_wrapper import UBatchWrapper
-from tandem.ubatch import check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
+from tandem.runner.ubatch_wrapper import TBO_DECODE, UBatchWrapper
+from tandem.ubatch import balanced_split, check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
 
 
 @dataclass
@@ -145,8 +146,32 @@ class ModelRunner:
             # Own tokens only; an idle rank runs one padding token to join the collectives.
             padded = max(sum(counts), 1)
         if decision.should_ubatch:
-            slices = split_by_tokens(counts, self.overlap.num_ubatches, num_tokens_padded=padded)
+            slices = split_by_tokens(
+                counts, self.overlap.num_ubatches, num_tokens_padded=padded, split_point=self._tbo_split_point(counts)
+            )
         return build_step_inputs(chunks, self.block_size, padded, device=self.device), slices
+
+    def _every_rank_decodes(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """TBO's decode strategy (delta 2) and prefill strategy (delta 0) issue their
+        all-to-alls in different orders, so the DP ranks must agree on one: decode only if no
+        rank prefills (an idle rank follows the others, as in SGLang)."""
+        prefills = any(len(c.token_ids) != 1 for c in chunks)
+        if self.dp_group is None and not (dist.is_available() and dist.is_initialized()):
+            return not prefills
+        flag = torch.tensor([int(prefills)], dtype=torch.int64)
+        with timed_blocking():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return not bool(flag.item())
+
+    def _tbo_split_point(self, counts: list[int]) -> int | None:
+        """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split
+        by sequences, or inside one sequence when no boundary is balanced enough; None (cut
+        by tokens) for decode batches and for the other executors."""
+        num_tokens = sum(counts)
+        if self.overlap.executor != "stages" or self.overlap.num_ubatches != 2 or all(n == 1 for n in counts):
+            return None
+        split = balanced_split(counts, self.overlap.tbo_token_distribution_threshold)
+        return split.token_index if 0 < split.token_index < num_tokens else None
 
     @torch.no_grad()
     def execute(
@@ -193,7 +218,10 @@ class ModelRunner:
         if inputs.input_ids.shape[0] == 0:  # every DP rank is idle
             return StepResult([], 0, 0, False)
         self.ubatched_steps += slices is not None
-        with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices)):
+        extras = {}
+        if slices is not None and self.overlap.executor == "stages":
+            extras[TBO_DECODE] = self._every_rank_decodes(chunks)
+        with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=extras)):
             hidden = self.wrapper(inputs.input_ids, inputs.positions)
         if not chunks:
             return StepResult([], 0, inputs.input_ids.shape[0], slices is not None)

@@ -7,9 +7,14 @@ MoE layers use `FusedMoEModularKernel`. It reads the forward context:
 - `ubatch_slices`: each positional tensor is cut along dim 0 by the slices' token ranges,
   the attention metadata is split per ubatch (`AttentionMetadata.split`), every ubatch runs
   the model on its own executor worker (thread or greenlet) under its own forward context,
-  and the outputs (tensors, or tuples / lists of tensors) are concatenated back.
+  and the outputs (tensors, or tuples / lists of tensors) are concatenated back;
+- `ubatch_slices` with the `"stages"` executor (TBO): the model's `operations_inputs` runs
+  on the whole batch (embedding, leading dense layers), its per-ubatch inputs are
+  interleaved stage by stage through `operations_strategy(decode)` on the caller's thread,
+  each stage under its ubatch's forward context, and `operations_output` finishes the
+  concatenated result.
 
-`graph_mode="full"` captures one graph per (padded token count, ubatch count) for
+`graph_mode="full"` captures one graph per (padded token count, ubatch count, TBO strategy) for
 decode-only batches (`AttentionMetadata.decode_only`) of up to `max_graph_tokens` tokens,
 as vLLM's full decode graphs do; other batches run eagerly. A capture runs the step once
 with the ubatch workers live (their ops join the capture, see `tandem.platform.graph`); a
@@ -32,6 +37,7 @@ import torch
 from tandem.contexts import (
     DEFAULT_TIMEOUT_S,
     ForwardContext,
+    StageExecutor,
     UBatchExecutor,
     get_forward_context,
     make_executor,
@@ -46,6 +52,9 @@ from tandem.platform import Graph, Platform, get_platform, graph_capture_active
 from tandem.ubatch import UBatchSlice, split_by_tokens
 
 GRAPH_MODES = ("none", "full")
+#: Forward-context extra: True when every DP rank runs TBO's decode strategy this step
+#: (the runner agrees on it); without it a ubatch's own metadata decides.
+TBO_DECODE = "tbo_decode"
 
 
 def merge_outputs(outputs: Sequence[Any]) -> Any:
@@ -84,7 +93,7 @@ class UBatchWrapper:
         model: Any,
         *,
         num_ubatches: int = 2,
-        executor: str | UBatchExecutor = "thread",
+        executor: str | UBatchExecutor | StageExecutor = "thread",
         graph_mode: str = "none",
         max_graph_tokens: int = 512,
         max_blocks_per_seq: int | None = None,
@@ -102,6 +111,8 @@ class UBatchWrapper:
         #: SMs for communication kernels while ubatches overlap (`--comm-sms`; GPU only).
         self.comm_sms = comm_sms
         self.num_ubatches = num_ubatches
+        if executor == "stages":
+            executor = StageExecutor()
         self.executor = make_executor(executor, timeout) if isinstance(executor, str) else executor
         self.graph_mode = graph_mode
         self.max_graph_tokens = max_graph_tokens
@@ -111,7 +122,7 @@ class UBatchWrapper:
         #: One comm stream for every run of this wrapper (as vLLM keeps one), made on first use:
         #: streams are not free to create, and a graph's captured work refers to it.
         self._comm_stream: Any = None
-        self.graphs: dict[tuple[int, int], _StepGraph] = {}
+        self.graphs: dict[tuple[int, int, bool | None], _StepGraph] = {}
         #: Forwards run, by how: plain eager, eager as ubatches, graph captures, graph replays.
         self.eager_runs = 0
         self.ubatched_runs = 0
@@ -145,14 +156,18 @@ class UBatchWrapper:
             per_ubatch = metadata.split(list(slices))
         else:
             raise TypeError(f"UBatchWrapper cannot split attention metadata of type {type(metadata).__name__}")
+        sub_contexts = [
+            ForwardContext(attn_metadata=m, ubatch_slices=None, extras={**ctx.extras, "ubatch_index": i})
+            for i, m in enumerate(per_ubatch)
+        ]
+        if isinstance(self.executor, StageExecutor):
+            self.ubatched_runs += 1
+            return self._run_stages(ctx, inputs, slices, sub_contexts, kwargs)
 
         def ubatch(index: int, ub: UBatchSlice):
             if prepare_streams:
                 self._prepare_streams_for_capture()
-            sub_context = ForwardContext(
-                attn_metadata=per_ubatch[index], ubatch_slices=None, extras={**ctx.extras, "ubatch_index": index}
-            )
-            with set_forward_context(sub_context):
+            with set_forward_context(sub_contexts[index]):
                 return self.model(*(x[ub.token_slice] for x in inputs), **kwargs)
 
         fns = [lambda i=i, ub=ub: ubatch(i, ub) for i, ub in enumerate(slices)]
@@ -175,6 +190,26 @@ class UBatchWrapper:
             self.platform.prepare_stream_for_capture(ubatch.compute_stream)
             self.platform.prepare_stream_for_capture(ubatch.comm_stream)
 
+    def _run_stages(self, ctx, inputs, slices, sub_contexts, kwargs) -> Any:
+        model = self.model
+        if not hasattr(model, "operations_strategy"):
+            raise TypeError(
+                f"{type(model).__name__} exposes no operations (operations_inputs / operations_strategy / "
+                "operations_output): use the thread or greenlet executor for it"
+            )
+        whole = model.operations_inputs(*inputs, **kwargs)
+        per_ubatch = [{name: value[ub.token_slice] for name, value in whole.items()} for ub in slices]
+        metadata = ctx.attn_metadata
+        decode = ctx.extras.get(TBO_DECODE, isinstance(metadata, AttentionMetadata) and metadata.decode_only)
+        strategy = model.operations_strategy(decode=decode)
+        outputs = self.executor.run(
+            per_ubatch,
+            [strategy.operations] * len(slices),
+            [i * strategy.delta_stages for i in range(len(slices))],
+            forward_contexts=sub_contexts,
+        )
+        return model.operations_output({name: merge_outputs([out[name] for out in outputs]) for name in outputs[0]})
+
     # -- graphs --------------------------------------------------------------------------
 
     def _graphable(self, ctx: ForwardContext | None, inputs: Sequence[torch.Tensor]) -> bool:
@@ -187,7 +222,7 @@ class UBatchWrapper:
         metadata: AttentionMetadata = ctx.attn_metadata
         num_tokens = inputs[0].shape[0]
         num_ubatches = len(ctx.ubatch_slices) if ctx.ubatch_slices else 0
-        key = (num_tokens, num_ubatches)
+        key = (num_tokens, num_ubatches, ctx.extras.get(TBO_DECODE))
         step = self.graphs.get(key)
         if step is not None and step.metadata.block_table.shape[1] < metadata.block_table.shape[1]:
             step.graph.reset()  # sequences outgrew the captured block table: capture wider
@@ -268,4 +303,4 @@ class UBatchWrapper:
         self.graphs.clear()
 
 
-__all__ = ["GRAPH_MODES", "UBatchWrapper", "merge_outputs"]
+__all__ = ["GRAPH_MODES", "TBO_DECODE", "UBatchWrapper", "merge_outputs"]

@@ -1,0 +1,155 @@
+"""Decoder layers and models as TBO operations (SGLang's `operations_strategy.py`).
+
+`DecoderLayerOperations` is mixed into a pre-norm MoE decoder layer (input norm →
+attention → residual → post-attention norm → MLP or MoE → residual). Its operations carry
+`{"hidden_states", "positions"}` from layer to layer and keep what a later stage needs in
+the micro-batch's state; the MoE ones are the kernel's steps (`dispatch_send`, ...).
+
+Strategies, as SGLang cuts them (`|` is a `YieldOperation`; lists of consecutive layers are
+concatenated, so a layer's last stage and the next layer's first are one stage):
+
+- with shared experts (DeepSeek-V2/V3, Qwen2-MoE), decode, delta 2: attention prepare |
+  attention core, gate, select | dispatch send, shared experts | dispatch receive, experts,
+  combine send | combine receive | output;
+- with shared experts, prefill, delta 0: attention, gate, select, dispatch send | dispatch
+  receive, experts, combine send | shared experts, combine receive, output;
+- without (Qwen3-MoE, Mixtral), decode, delta 2: attention prepare | attention core, gate,
+  select | dispatch send | dispatch receive, experts, combine send | combine receive,
+  output |; prefill as above without the shared experts;
+- a dense layer between MoE layers: its operations with no yield (nothing to overlap).
+
+`OperationsModel` gives a model the three methods `UBatchWrapper` runs TBO with: the
+embedding and the leading dense layers (`first_k_dense_replace`) on the whole batch, outside
+the overlap as in SGLang; the strategy of the remaining layers; the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.contexts import OperationsStrategy, YieldOperation, execute_operations
+
+DECODE_DELTA_STAGES = 2
+PREFILL_DELTA_STAGES = 0
+
+
+def _kernel_step(name: str, step: str):
+    """The operation `op_{name}`: the MoE kernel's `step` on this micro-batch's layer call."""
+
+    def op(self, state: dict) -> dict:
+        getattr(self.feed_forward.kernel, step)(state["moe"])
+        return {}
+
+    op.__name__, op.__qualname__ = f"op_{name}", f"DecoderLayerOperations.op_{name}"
+    return op
+
+
+class DecoderLayerOperations:
+    """Operations of a decoder layer that has `input_layernorm`, `self_attn.prepare(positions,
+    x)`, `attention_core(prepared)`, `post_attention_layernorm` and `feed_forward` (a dense
+    MLP, or an MoE block with `router_logits`, `select`, `expert_weights` and `kernel`)."""
+
+    @property
+    def is_sparse(self) -> bool:
+        return getattr(self.feed_forward, "kernel", None) is not None
+
+    # -- attention -----------------------------------------------------------------------
+
+    def op_comm_prepare_attn(self, state: dict, hidden_states: torch.Tensor, positions: torch.Tensor) -> dict:
+        state["residual"], state["positions"] = hidden_states, positions
+        return {"hidden_states": self.input_layernorm(hidden_states)}
+
+    def op_attn_prepare(self, state: dict, hidden_states: torch.Tensor) -> dict:
+        state["attention"] = self.self_attn.prepare(state["positions"], hidden_states)
+        return {}
+
+    def op_attn_core(self, state: dict) -> dict:
+        return {"attn_output": self.attention_core(state.pop("attention"))}
+
+    def op_comm_prepare_mlp(self, state: dict, attn_output: torch.Tensor) -> dict:
+        state["residual"] = state["residual"] + attn_output
+        return {"hidden_states": self.post_attention_layernorm(state["residual"])}
+
+    # -- MLP / MoE -----------------------------------------------------------------------
+
+    def op_dense_mlp(self, state: dict, hidden_states: torch.Tensor) -> dict:
+        return {"mlp_output": self.feed_forward(hidden_states)}
+
+    def op_gate(self, state: dict, hidden_states: torch.Tensor) -> dict:
+        state["moe_input"] = hidden_states
+        return {"router_logits": self.feed_forward.router_logits(hidden_states)}
+
+    def op_select_experts(self, state: dict, router_logits: torch.Tensor) -> dict:
+        state["topk"] = self.feed_forward.select(router_logits)
+        return {}
+
+    def op_dispatch_send(self, state: dict) -> dict:
+        moe = self.feed_forward
+        state["moe"] = moe.kernel.dispatch_send(state.pop("moe_input"), *moe.expert_weights, *state.pop("topk"))
+        return {}
+
+    op_shared_experts = _kernel_step("shared_experts", "compute_shared")
+    op_dispatch_recv = _kernel_step("dispatch_recv", "dispatch_recv")
+    op_experts = _kernel_step("experts", "compute_experts")
+    op_combine_send = _kernel_step("combine_send", "combine_send")
+    op_combine_recv = _kernel_step("combine_recv", "combine_recv")
+
+    def op_output(self, state: dict) -> dict:
+        return {"mlp_output": self.feed_forward.kernel.output(state.pop("moe"))}
+
+    def op_comm_postprocess_layer(self, state: dict, mlp_output: torch.Tensor) -> dict:
+        return {"hidden_states": state.pop("residual") + mlp_output, "positions": state.pop("positions")}
+
+    # -- strategies ----------------------------------------------------------------------
+
+    def operations_strategy(self, decode: bool) -> OperationsStrategy:
+        delta = DECODE_DELTA_STAGES if decode else PREFILL_DELTA_STAGES
+        attention = [self.op_comm_prepare_attn, self.op_attn_prepare, self.op_attn_core, self.op_comm_prepare_mlp]
+        if not self.is_sparse:
+            return OperationsStrategy([*attention, self.op_dense_mlp, self.op_comm_postprocess_layer], delta)
+        Y = YieldOperation
+        route = [self.op_gate, self.op_select_experts]
+        experts = [self.op_dispatch_recv, self.op_experts, self.op_combine_send]
+        shared = [self.op_shared_experts] if self.feed_forward.kernel.shared_experts is not None else []
+        finish = [self.op_output, self.op_comm_postprocess_layer]
+        if not decode:
+            ops = [*attention, *route, self.op_dispatch_send, Y(), *experts, Y(), *shared, self.op_combine_recv, *finish]
+        elif shared:
+            ops = [
+                *attention[:2], Y(), *attention[2:], *route, Y(), self.op_dispatch_send, *shared, Y(),
+                *experts, Y(), self.op_combine_recv, Y(), *finish,
+            ]  # fmt: skip
+        else:
+            ops = [
+                *attention[:2], Y(), *attention[2:], *route, Y(), self.op_dispatch_send, Y(),
+                *experts, Y(), self.op_combine_recv, *finish, Y(),
+            ]  # fmt: skip
+        return OperationsStrategy(ops, delta)
+
+
+class OperationsModel:
+    """For a causal LM whose `self.model` has `embed_tokens`, `layers` (each a
+    `DecoderLayerOperations`) and `norm`: what `UBatchWrapper` runs TBO with."""
+
+    def _first_overlapped_layer(self) -> int:
+        layers = self.model.layers
+        return next((i for i, layer in enumerate(layers) if layer.is_sparse), len(layers))
+
+    def operations_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Embedding and the leading dense layers, on the whole batch."""
+        inputs = {"hidden_states": self.model.embed_tokens(input_ids), "positions": positions}
+        for layer in self.model.layers[: self._first_overlapped_layer()]:
+            inputs = execute_operations(inputs, layer.operations_strategy(decode=False).operations)
+        return inputs
+
+    def operations_strategy(self, decode: bool) -> OperationsStrategy:
+        layers = self.model.layers[self._first_overlapped_layer() :]
+        if len(layers) == 0:
+            raise ValueError(f"{type(self).__name__} has no MoE layer, so nothing for two-batch overlap to overlap")
+        return OperationsStrategy.concat([layer.operations_strategy(decode) for layer in layers])
+
+    def operations_output(self, outputs: dict) -> torch.Tensor:
+        return self.model.norm(outputs["hidden_states"])
+
+
+__all__ = ["DECODE_DELTA_STAGES", "PREFILL_DELTA_STAGES", "DecoderLayerOperations", "OperationsModel"]
