@@ -1,0 +1,131 @@
+"""The overlap planner on synthetic counters: fit, predict, choice, exploration bounds."""
+
+import json
+import math
+import random
+
+import pytest
+
+from tandem.ubatch.planner import (
+    MAX_EXPLORE_SHARE,
+    OverlapPlanner,
+    StepMeasurement,
+    StepShape,
+    TunePrior,
+    overlap_choices,
+)
+
+CHOICES = overlap_choices(3, dbo=True, sbo=False)  # none, dbo-2, dbo-3
+
+
+def true_times(choice, shape):
+    """A synthetic rank: compute 2 ms + 20 µs/token + 1 ns/attention pair, link 1 ms +
+    15 µs/token, splitting costs 0.4 ms per extra ubatch, 50 µs of switches."""
+    compute = 2e-3 + 20e-6 * shape.num_tokens + 1e-9 * shape.attention
+    comm = 1e-3 + 15e-6 * shape.num_tokens
+    k = choice.num_ubatches
+    if k == 1:
+        return StepMeasurement(compute + comm, compute, comm, 0.0)
+    compute_k, switch = compute + 0.4e-3 * (k - 1), 50e-6
+    comm_k = comm + (k - 1) * 1e-3
+    step = max(compute_k + switch, comm_k) + min(compute_k + switch, comm_k) / k
+    return StepMeasurement(step, compute_k, comm_k, switch)
+
+
+def shapes(n, seed=0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        tokens = rng.choice([8, 16, 32, 64, 128, 256, 512])
+        yield StepShape(tokens, attention=tokens * rng.choice([64, 512, 4096]), decode=True)
+
+
+def run(planner, steps, seed=0):
+    taken = []
+    for shape in shapes(steps, seed):
+        predicted = planner.predict(shape)
+        feasible = [c.num_ubatches <= shape.num_tokens for c in planner.choices]
+        planned = planner.choose(predicted, feasible, fallback=planner.choices[0])
+        planner.observe(planned, shape, true_times(planned.choice, shape))
+        taken.append((shape, planned))
+    return taken
+
+
+def test_fit_predicts_every_choice_after_training():
+    planner = OverlapPlanner(CHOICES, explore_share=0.05, seed=1)
+    run(planner, 600)
+    for shape in [StepShape(16, 16 * 512), StepShape(200, 200 * 64), StepShape(512, 512 * 4096)]:
+        for choice, predicted in zip(CHOICES, planner.predict(shape)):
+            assert predicted == pytest.approx(true_times(choice, shape).step_s, rel=0.05), (choice.name, shape)
+
+
+def test_choice_is_the_fastest_once_trained():
+    planner = OverlapPlanner(CHOICES, explore_share=0.0, seed=1)
+    planner.explore_share = 0.05
+    run(planner, 600)
+    planner.explore_share = 0.0
+    for planned_shape, planned in run(planner, 200, seed=5):
+        best = min(CHOICES, key=lambda c: true_times(c, planned_shape).step_s)
+        chosen = true_times(planned.choice, planned_shape).step_s
+        assert chosen <= true_times(best, planned_shape).step_s * 1.02, (planned_shape, planned.choice.name, best.name)
+    # Small steps run unsplit, large ones split: both regimes exist in this synthetic rank.
+    small, large = StepShape(8, 8 * 64), StepShape(512, 512 * 64)
+    pick = lambda s: CHOICES[min(range(3), key=lambda i: planner.predict(s)[i])].name  # noqa: E731
+    assert pick(small) == "none" and pick(large).startswith("dbo")
+
+
+def test_exploration_is_bounded_seeded_and_identical_across_ranks():
+    a, b = OverlapPlanner(CHOICES, explore_share=0.05, seed=7), OverlapPlanner(CHOICES, explore_share=0.05, seed=7)
+    agreed = [0.001, 0.002, 0.003]
+    steps_a = [a.choose(agreed, [True] * 3, CHOICES[0]) for _ in range(4000)]
+    steps_b = [b.choose(agreed, [True] * 3, CHOICES[0]) for _ in range(4000)]
+    assert steps_a == steps_b
+    explored = sum(s.explored for s in steps_a) / len(steps_a)
+    assert 0.03 < explored <= MAX_EXPLORE_SHARE + 0.01
+    assert {s.choice.name for s in steps_a if s.explored} == {"dbo-2", "dbo-3"}
+    assert all(s.choice.name == "none" for s in steps_a if not s.explored)
+    with pytest.raises(ValueError, match="explore share"):
+        OverlapPlanner(CHOICES, explore_share=0.06)
+
+
+def test_infeasible_choices_are_never_taken_and_unknown_ones_fall_back():
+    planner = OverlapPlanner(CHOICES, explore_share=0.05)
+    for _ in range(500):
+        step = planner.choose([0.003, 0.001, 0.0005], [True, True, False], CHOICES[0])
+        assert step.choice.name != "dbo-3"
+    fresh = OverlapPlanner(CHOICES, explore_share=0.0)
+    assert fresh.predict(StepShape(64)) == [math.inf] * 3
+    assert fresh.choose([math.inf] * 3, [True] * 3, CHOICES[1]).choice.name == "dbo-2"
+
+
+def test_tune_file_is_the_prior_until_the_fit_has_data(tmp_path):
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps({
+        "dbo_decode_token_threshold": 64, "dbo_prefill_token_threshold": 512, "config": {"num_ubatches": 2},
+        "sweep": {"decode": [{"tokens_per_rank": 32, "none_ms": 4.0, "dbo_ms": 5.0},
+                             {"tokens_per_rank": 128, "none_ms": 8.0, "dbo_ms": 6.0}],
+                  "prefill": [{"tokens_per_rank": 512, "none_ms": 20.0, "dbo_ms": 15.0}]},
+    }))
+    planner = OverlapPlanner(overlap_choices(3, dbo=True, sbo=False), prior=TunePrior.from_file(path))
+    none, dbo2, dbo3 = planner.predict(StepShape(80, decode=True))
+    assert (none, dbo2, dbo3) == (pytest.approx(0.006), pytest.approx(0.0055), math.inf)
+    assert planner.predict(StepShape(1024, decode=False))[:2] == [pytest.approx(0.040), pytest.approx(0.030)]
+    with pytest.raises(ValueError, match="sweep"):
+        (tmp_path / "bad.json").write_text("{}")
+        TunePrior.from_file(tmp_path / "bad.json")
+
+
+def test_stats_count_choices_and_prediction_error():
+    planner = OverlapPlanner(CHOICES, explore_share=0.05, seed=3)
+    taken = run(planner, 300)
+    stats = planner.stats
+    assert sum(stats.choices.values()) == 300
+    assert stats.explored_steps == sum(p.explored for _, p in taken)
+    assert 0 < stats.predicted_steps < 300
+    assert stats.abs_error_s / stats.predicted_steps < 0.2 * stats.measured_s / stats.predicted_steps
+
+
+def test_sbo_is_a_choice_only_when_enabled():
+    assert [c.name for c in overlap_choices(2, dbo=True, sbo=True)] == ["none", "sbo", "dbo-2"]
+    assert [c.name for c in overlap_choices(4, dbo=False, sbo=False)] == ["none"]
+    with pytest.raises(ValueError, match="no overlap"):
+        OverlapPlanner(overlap_choices(2, dbo=True, sbo=False)[1:])
