@@ -8,6 +8,10 @@ from pathlib import Path
 
 EXECUTORS = ("thread", "greenlet")
 GRAPH_MODES = ("none", "full")
+#: `static`: the two token thresholds decide; `auto`: the overlap planner (tandem.ubatch.planner).
+OVERLAP_POLICIES = ("static", "auto")
+#: Where a DBO step is cut: at the token midpoint, or where the ubatches' predicted costs match.
+UBATCH_SPLITS = ("tokens", "balanced-cost")
 
 
 @dataclass
@@ -20,6 +24,12 @@ class OverlapConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     graph_mode: str = "none"
+    overlap_policy: str = "static"
+    ubatch_split: str = "tokens"
+    #: The `tandem tune` file the thresholds came from; `auto` starts from its sweep.
+    thresholds_file: str | None = None
+    #: Share of steps the planner runs a choice other than its best (at most 0.05).
+    planner_explore_share: float = 0.03
 
     def __post_init__(self) -> None:
         if self.num_ubatches < 2:
@@ -28,6 +38,12 @@ class OverlapConfig:
             raise ValueError(f"--ubatch-executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"--graph-mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}")
+        if self.overlap_policy not in OVERLAP_POLICIES:
+            raise ValueError(f"--overlap-policy must be one of {OVERLAP_POLICIES}, got {self.overlap_policy!r}")
+        if self.ubatch_split not in UBATCH_SPLITS:
+            raise ValueError(f"--ubatch-split must be one of {UBATCH_SPLITS}, got {self.ubatch_split!r}")
+        if not 0.0 <= self.planner_explore_share <= 0.05:
+            raise ValueError(f"planner_explore_share must lie in [0, 0.05], got {self.planner_explore_share}")
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -47,7 +63,7 @@ class OverlapConfig:
         missing = [k for k in keys if not isinstance(data.get(k), int)]
         if missing:
             raise ValueError(f"thresholds file {path} lacks integer {', '.join(missing)}")
-        return OverlapConfig(**{**asdict(self), **{k: data[k] for k in keys}})
+        return OverlapConfig(**{**asdict(self), **{k: data[k] for k in keys}, "thresholds_file": str(path)})
 
 
 @dataclass

@@ -23,7 +23,16 @@ from tandem.runner.future_map import FutureMap
 from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.runner.sampling import SamplingParams, sample
 from tandem.runner.ubatch_wrapper import UBatchWrapper
-from tandem.ubatch import check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
+from tandem.ubatch import attention_work, check_ubatch_thresholds, coordinate_ubatching, split_by_cost, split_by_tokens
+from tandem.ubatch.cost_split import DEFAULT_ATTENTION_WEIGHT
+from tandem.ubatch.planner import (
+    OverlapPlanner,
+    PlannedStep,
+    StepMeasurement,
+    StepShape,
+    TunePrior,
+    overlap_choices,
+)
 
 
 @dataclass
@@ -103,28 +112,86 @@ class ModelRunner:
         from tandem.testing.faults import install_from_env
 
         self.fault_hooks = install_from_env(self)
+        #: Overlap planners by the settings they plan for: whoever swaps `overlap` (bench
+        #: modes) gets back the planner, and what it learnt, of each setting.
+        self._planners: dict[tuple, OverlapPlanner] = {}
+        self._planned: tuple[OverlapPlanner, PlannedStep, StepShape] | None = None
+
+    def _moe_kernels(self) -> list:
+        return [m.kernel for m in self.model.modules() if hasattr(getattr(m, "kernel", None), "enable_sbo")]
+
+    @property
+    def planner(self) -> OverlapPlanner | None:
+        """The overlap planner under `--overlap-policy auto`; under `--ubatch-split
+        balanced-cost` too, where it only observes (its fit prices attention for the cut)."""
+        o = self.overlap
+        if o.overlap_policy != "auto" and o.ubatch_split != "balanced-cost":
+            return None
+        auto = o.overlap_policy == "auto"
+        key = (auto, o.num_ubatches, o.enable_dbo, o.thresholds_file, o.planner_explore_share)
+        if key not in self._planners:
+            sbo = any(k.enable_sbo for k in self._moe_kernels())
+            self._planners[key] = OverlapPlanner(
+                overlap_choices(o.num_ubatches, dbo=o.enable_dbo, sbo=sbo),
+                explore_share=o.planner_explore_share if auto else 0.0,
+                prior=TunePrior.from_file(o.thresholds_file) if auto and o.thresholds_file else None,
+            )
+        return self._planners[key]
 
     @property
     def ubatch_yields(self) -> int:
         return self.wrapper.executor.switches
 
-    def _plan(self, num_scheduled_tokens: list[int]):
-        num_tokens = sum(num_scheduled_tokens)
-        uniform_decode = bool(num_scheduled_tokens) and all(n == 1 for n in num_scheduled_tokens)
-        wants = self.overlap.enable_dbo and check_ubatch_thresholds(
-            num_tokens,
-            uniform_decode,
-            self.overlap.dbo_decode_token_threshold,
-            self.overlap.dbo_prefill_token_threshold,
+    def _plan(self, counts: list[int], contexts: list[int]):
+        """Agree with the other DP ranks on the step's padded size and its ubatch count."""
+        num_tokens = sum(counts)
+        uniform_decode = bool(counts) and all(n == 1 for n in counts)
+        o = self.overlap
+        wants = o.enable_dbo and check_ubatch_thresholds(
+            num_tokens, uniform_decode, o.dbo_decode_token_threshold, o.dbo_prefill_token_threshold
         )
+        planner = self.planner
+        shape = StepShape(num_tokens, attention_work(counts, contexts), uniform_decode) if planner else None
+        predicted = planner.predict(shape) if planner is not None and o.overlap_policy == "auto" else None
         with timed_blocking():
-            return coordinate_ubatching(num_tokens, wants, group=self.dp_group, num_ubatches=self.overlap.num_ubatches)
+            decision = coordinate_ubatching(
+                num_tokens, wants, group=self.dp_group, num_ubatches=o.num_ubatches, predicted_s=predicted
+            )
+        if planner is None:
+            self._planned = None
+            return decision, o.num_ubatches if decision.should_ubatch else 1
+        # The static rule's choice: the fallback of `auto` while it has no prediction.
+        static = next(
+            c for c in reversed(planner.choices)
+            if c.num_ubatches == (o.num_ubatches if decision.should_ubatch else 1)
+        )
+        if predicted is None:
+            own = planner.predict(shape)
+            planned = PlannedStep(static, own[planner.choices.index(static)], False)
+        else:
+            feasible = [c.num_ubatches == 1 or decision.fits(c.num_ubatches) for c in planner.choices]
+            planned = planner.choose(decision.predicted_s, feasible, static, own_s=predicted)
+            if any(c.sbo for c in planner.choices):
+                for kernel in self._moe_kernels():
+                    kernel.enable_sbo = planned.choice.sbo
+        self._planned = (planner, planned, shape)
+        return decision, planned.choice.num_ubatches
+
+    def _split(self, counts: list[int], contexts: list[int], num_ubatches: int, padded: int):
+        if self.overlap.ubatch_split == "tokens":
+            return split_by_tokens(counts, num_ubatches, num_tokens_padded=padded)
+        weight = self.planner.model.attention_weight if self.planner is not None else None
+        return split_by_cost(
+            counts, contexts, num_ubatches, num_tokens_padded=padded,
+            attention_weight=DEFAULT_ATTENTION_WEIGHT if weight is None else weight,
+        )
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[StepInputs, list | None]:
         counts = [len(c.token_ids) for c in chunks]
-        decision = self._plan(counts)
+        contexts = [c.num_computed for c in chunks]
+        decision, num_ubatches = self._plan(counts, contexts)
         slices = None
-        if decision.should_ubatch or self.overlap.graph_mode == "full":
+        if num_ubatches > 1 or self.overlap.graph_mode == "full":
             # Same shape on every rank: one graph per size, and ubatches cut at the same points.
             padded = decision.num_tokens_padded
         elif decision.num_tokens_padded == 0:
@@ -132,8 +199,8 @@ class ModelRunner:
         else:
             # Own tokens only; an idle rank runs one padding token to join the collectives.
             padded = max(sum(counts), 1)
-        if decision.should_ubatch:
-            slices = split_by_tokens(counts, self.overlap.num_ubatches, num_tokens_padded=padded)
+        if num_ubatches > 1:
+            slices = self._split(counts, contexts, num_ubatches, padded)
         return build_step_inputs(chunks, self.block_size, padded), slices
 
     @torch.no_grad()
@@ -152,9 +219,12 @@ class ModelRunner:
         counters = CommCounters()
         switch_before = self.wrapper.executor.switch_time_s
         start = time.perf_counter()
+        completed = False
         try:
             with time_model(counters):
-                return self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
+                result = self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
+            completed = True
+            return result
         finally:
             elapsed = time.perf_counter() - start
             self.step_time_s += elapsed
@@ -168,6 +238,10 @@ class ModelRunner:
             )
             self.last_step_times = times
             self.total_step_times = self.total_step_times + times
+            planned, self._planned = self._planned, None
+            if planned is not None and completed:
+                planner, step, shape = planned
+                planner.observe(step, shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s))
 
     def _execute(self, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
         inputs, slices = self.prepare(chunks)
