@@ -39,7 +39,17 @@ _NUM_UBATCHES = typer.Option(2, help="Ubatches per DBO step.")
 _UBATCH_EXECUTOR = typer.Option("thread", help="thread | greenlet")
 _DBO_DECODE_THRESHOLD = typer.Option(32, help="Smallest uniform-decode step that uses DBO.")
 _DBO_PREFILL_THRESHOLD = typer.Option(512, help="Smallest other step that uses DBO.")
-_THRESHOLDS_FILE = typer.Option(None, help="JSON from `tandem tune`; overrides the two thresholds.")
+_THRESHOLDS_FILE = typer.Option(
+    None, help="JSON from `tandem tune`; overrides the two thresholds (static) or seeds the planner (auto)."
+)
+_OVERLAP_POLICY = typer.Option(
+    "static",
+    help="static (the two token thresholds decide) | auto (per step, the fastest of no overlap, SBO and DBO with "
+    "2..N ubatches as predicted by a cost model fitted to the measured step times; needs --enable-dbo for DBO).",
+)
+_UBATCH_SPLIT = typer.Option(
+    "tokens", help="tokens (cut at the token midpoint) | balanced-cost (equal predicted work: attention + MoE tokens)."
+)
 _ENABLE_SBO = typer.Option(False, help="Overlap shared experts with the combine in flight.")
 _ALL2ALL_BACKEND = typer.Option(
     None, help="local | torch_a2a | torch_a2a_ll | deepep_low_latency | deepep_high_throughput"
@@ -64,6 +74,8 @@ _ENGINE_FLAGS = (
     "dbo_decode_token_threshold",
     "dbo_prefill_token_threshold",
     "thresholds_file",
+    "overlap_policy",
+    "ubatch_split",
     "enable_sbo",
     "all2all_backend",
     "moe_backend",
@@ -95,6 +107,8 @@ def _engine_config(
     fabric_latency_us: float | None,
     fabric_gbps: float | None,
     fabric: str | None = None,
+    overlap_policy: str = "static",
+    ubatch_split: str = "tokens",
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
@@ -111,6 +125,8 @@ def _engine_config(
                 dbo_decode_token_threshold=dbo_decode_token_threshold,
                 dbo_prefill_token_threshold=dbo_prefill_token_threshold,
                 graph_mode=graph_mode,
+                overlap_policy=overlap_policy,
+                ubatch_split=ubatch_split,
             ).with_thresholds_file(thresholds_file),
             parallel=ParallelConfig(
                 data_parallel_size=data_parallel_size,
@@ -139,6 +155,8 @@ def generate(
     dbo_decode_token_threshold: int = _DBO_DECODE_THRESHOLD,
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
+    overlap_policy: str = _OVERLAP_POLICY,
+    ubatch_split: str = _UBATCH_SPLIT,
     enable_sbo: bool = _ENABLE_SBO,
     all2all_backend: str = _ALL2ALL_BACKEND,
     moe_backend: str = _MOE_BACKEND,
@@ -174,6 +192,7 @@ def generate(
     log(
         f"model={model} dp={p.data_parallel_size} all2all={p.all2all_backend} moe={p.moe_backend} "
         f"dbo={'on' if o.enable_dbo else 'off'} (ubatches={o.num_ubatches}, executor={o.executor}, "
+        f"policy={o.overlap_policy} split={o.ubatch_split} "
         f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold}) "
         f"sbo={'on' if p.enable_sbo else 'off'} graph={o.graph_mode}"
     )
@@ -216,6 +235,8 @@ def serve(
     dbo_decode_token_threshold: int = _DBO_DECODE_THRESHOLD,
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
+    overlap_policy: str = _OVERLAP_POLICY,
+    ubatch_split: str = _UBATCH_SPLIT,
     enable_sbo: bool = _ENABLE_SBO,
     all2all_backend: str = _ALL2ALL_BACKEND,
     moe_backend: str = _MOE_BACKEND,
@@ -331,7 +352,8 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabric, fabric_latency_us, fabric_gbps,
-                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len):
+                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len, ubatch_split="tokens",
+                thresholds_file=None):
     from tandem.bench.sweep import CALIBRATED, BenchSpec
     from tandem.bench.workloads import MOE_STACK
 
@@ -348,14 +370,15 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
     if model != MOE_STACK:
         engine = _engine_config(
             model=model, data_parallel_size=data_parallel_size, enable_dbo=False, num_ubatches=num_ubatches,
-            ubatch_executor="thread", dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None,
-            enable_sbo=False, all2all_backend=all2all_backend, moe_backend=moe_backend, graph_mode="none",
-            fabric_latency_us=None, fabric_gbps=None,
+            ubatch_executor="thread", dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0,
+            thresholds_file=thresholds_file, enable_sbo=False, all2all_backend=all2all_backend, moe_backend=moe_backend,
+            graph_mode="none", fabric_latency_us=None, fabric_gbps=None, ubatch_split=ubatch_split,
         )
     return BenchSpec(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=modes, repeat=repeat, warmup=warmup,
         fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps, num_ubatches=num_ubatches,
         all2all_backend=all2all_backend, context_len=context_len, prefill_len=prefill_len, engine_config=engine,
+        ubatch_split=ubatch_split, thresholds_file=thresholds_file,
     )
 
 
@@ -391,7 +414,8 @@ def bench(
     modes: str = typer.Option(
         "none,dbo,dbo-greenlet,sbo,dbo+sbo",
         help="none | dbo (threads) | dbo-greenlet | sbo | dbo+sbo (under DBO the kernel already runs the shared "
-        "experts in the transfer window, so dbo+sbo schedules like dbo).",
+        "experts in the transfer window, so dbo+sbo schedules like dbo) | auto (the overlap planner picks none or "
+        "DBO per step; it learns over the run, exploring up to 3% of steps).",
     ),
     phase: str = typer.Option("decode", help="decode (one new token per request) | prefill (long requests)."),
     repeat: int = _BENCH_REPEAT,
@@ -404,6 +428,8 @@ def bench(
     moe_backend: str = _MOE_BACKEND,
     context_len: int = _BENCH_CONTEXT_LEN,
     prefill_len: int = _BENCH_PREFILL_LEN,
+    ubatch_split: str = _UBATCH_SPLIT,
+    thresholds_file: str = _THRESHOLDS_FILE,
     json_path: str = typer.Option(None, "--json", help="Write the rows and the settings to this JSON file."),
     plot: str = typer.Option(None, help="Write a PNG plot of step time against tokens per rank (needs matplotlib)."),
 ) -> None:
@@ -430,7 +456,7 @@ def bench(
         model=model, data_parallel_size=data_parallel_size, grids=[(phase, _int_list(tokens, "--tokens"))],
         modes=mode_list, repeat=repeat, warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us,
         fabric_gbps=fabric_gbps, num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
-        context_len=context_len, prefill_len=prefill_len,
+        context_len=context_len, prefill_len=prefill_len, ubatch_split=ubatch_split, thresholds_file=thresholds_file,
     )
     result = _run_bench_sweep(spec)
     rows = rows_from_sweep(result, phase, mode_list)
@@ -464,6 +490,7 @@ def tune(
     moe_backend: str = _MOE_BACKEND,
     context_len: int = _BENCH_CONTEXT_LEN,
     prefill_len: int = _BENCH_PREFILL_LEN,
+    ubatch_split: str = _UBATCH_SPLIT,
 ) -> None:
     """Sweep decode and prefill steps with and without DBO, pick for each phase the smallest
     token count from which DBO beats no overlap by --margin at every larger size tried, and
@@ -484,7 +511,7 @@ def tune(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=["none", dbo_mode], repeat=repeat,
         warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps,
         num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
-        context_len=context_len, prefill_len=prefill_len,
+        context_len=context_len, prefill_len=prefill_len, ubatch_split=ubatch_split,
     )
     result = _run_bench_sweep(spec)
     decisions = []

@@ -36,6 +36,9 @@ class BenchSpec:
     all2all_backend: str | None = None
     context_len: int = 128
     prefill_len: int = 512
+    ubatch_split: str = "tokens"
+    #: A `tandem tune` file: the `auto` mode's prior (and static thresholds).
+    thresholds_file: str | None = None
     #: The EngineConfig for model-step workloads (built by the CLI from the shared flags).
     engine_config: Any = None
 
@@ -48,7 +51,10 @@ class BenchSpec:
 
 def _workload(spec: BenchSpec, rank: int, world: int, phase: str, max_tokens: int):
     if spec.model == MOE_STACK:
-        return MoEStackWorkload(rank, world, backend=spec.all2all_backend or "torch_a2a", num_ubatches=spec.num_ubatches)
+        return MoEStackWorkload(
+            rank, world, backend=spec.all2all_backend or "torch_a2a", num_ubatches=spec.num_ubatches,
+            thresholds_file=spec.thresholds_file,
+        )
     return ModelStepWorkload(
         spec.engine_config, phase=phase, context_len=spec.context_len, prefill_len=spec.prefill_len,
         max_tokens=max_tokens, distributed=world > 1,
