@@ -129,3 +129,15 @@ def test_sbo_is_a_choice_only_when_enabled():
     assert [c.name for c in overlap_choices(4, dbo=False, sbo=False)] == ["none"]
     with pytest.raises(ValueError, match="no overlap"):
         OverlapPlanner(overlap_choices(2, dbo=True, sbo=False)[1:])
+
+
+def test_attention_price_is_learnt_even_when_every_step_is_split():
+    from tandem.ubatch.planner import OverlapCostModel
+
+    model = OverlapCostModel(CHOICES)
+    assert model.attention_weight is None
+    dbo = CHOICES[1]
+    for shape in shapes(50):
+        model.observe(dbo, shape, true_times(dbo, shape))
+    # 1 ns per pair over 20 µs per token (the split's fixed cost is not per token).
+    assert model.attention_weight == pytest.approx(1e-9 / 20e-6, rel=0.05)

@@ -18,6 +18,8 @@ all ranks while any rank `has_work`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,6 +58,8 @@ class EngineStats:
     comm_time_s: float = 0.0
     ubatch_switch_s: float = 0.0
     failed_steps: int = 0
+    #: The overlap planner's counters (`tandem.ubatch.planner.PlannerStats` as a dict), if one runs.
+    planner: dict | None = None
 
 
 class Engine:
@@ -227,6 +231,7 @@ class Engine:
             comm_time_s=runner.total_step_times.comm_s,
             ubatch_switch_s=runner.total_step_times.switch_s,
             failed_steps=self.failed_steps,
+            planner=dataclasses.asdict(runner.planner.stats) if runner.planner is not None else None,
         )
 
     def close(self) -> None:

@@ -170,6 +170,9 @@ class OverlapCostModel:
 
     def __init__(self, choices: Sequence[OverlapChoice]):
         self.compute = _ForgettingLeastSquares(3)
+        #: Compute of every step, split or not: what prices attention for cost-aware cuts
+        #: (a planner that always splits still learns it).
+        self.price = _ForgettingLeastSquares(3)
         self.comm = _ForgettingLeastSquares(2)
         splits = {c.num_ubatches for c in choices if c.num_ubatches > 1}
         self.split = {k: _ForgettingLeastSquares(2) for k in splits}
@@ -191,9 +194,9 @@ class OverlapCostModel:
     @property
     def attention_weight(self) -> float | None:
         """Fitted cost of one (query, key) pair over the cost of one token, or None while unknown."""
-        per_token = self.compute.coef[1] * _TOKEN_SCALE
-        per_pair = self.compute.coef[2] * _ATTENTION_SCALE
-        if not self.ready or per_token <= 0 or per_pair < 0:
+        per_token = self.price.coef[1] * _TOKEN_SCALE
+        per_pair = self.price.coef[2] * _ATTENTION_SCALE
+        if self.price.count < MIN_OBSERVATIONS or per_token <= 0 or per_pair < 0:
             return None
         return per_pair / per_token
 
@@ -212,6 +215,7 @@ class OverlapCostModel:
 
     def observe(self, choice: OverlapChoice, shape: StepShape, measured: StepMeasurement) -> None:
         k = choice.num_ubatches
+        self.price.update(self._compute_features(shape), measured.compute_s + measured.switch_s)
         if k == 1:
             self.compute.update(self._compute_features(shape), measured.compute_s + measured.switch_s)
             if not choice.sbo:  # SBO hides part of the transfers; the link's cost is what no overlap shows
