@@ -15,9 +15,10 @@ cost model fitted online to the runtime's own time model (`StepTimes`):
 - the step: unsplit `C + M`; k ubatches `max(Ck, Mk) + min(Ck, Mk) / k` (one ubatch's
   share cannot be hidden: the pipeline's fill and drain), where `Mk` pays the per-step
   latency k times (one link: the ubatches' transfers queue behind each other);
-- a correction per choice and step-size bucket: the running ratio of measured to
-  predicted, so what the structure misses (SBO's hidden combine, the transport's CPU cost)
-  is learnt where it is seen.
+- a correction per choice and step-size bucket: the median of the last few ratios of
+  measured to predicted (a median, so a step slowed by a neighbour's load does not swing
+  it), so what the structure misses (SBO's hidden combine, the transport's CPU cost) is
+  learnt where it is seen.
 
 Until the fit has data the planner follows `tandem tune`'s sweep when given one (the
 measured none / DBO step times, interpolated), else the static thresholds. A bounded,
@@ -33,6 +34,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -44,6 +47,8 @@ MAX_EXPLORE_SHARE = 0.05
 DEFAULT_EXPLORE_SHARE = 0.03
 #: Unsplit observations needed before the fitted model is trusted over the prior.
 MIN_OBSERVATIONS = 4
+#: Measured/predicted ratios per choice and size bucket whose median corrects the structure.
+CORRECTION_WINDOW = 7
 #: Features are scaled so the least-squares problem is well conditioned.
 _TOKEN_SCALE = 1e-3
 _ATTENTION_SCALE = 1e-6
@@ -177,6 +182,7 @@ class OverlapCostModel:
         splits = {c.num_ubatches for c in choices if c.num_ubatches > 1}
         self.split = {k: _ForgettingLeastSquares(2) for k in splits}
         self.switch_s = {k: 0.0 for k in splits}
+        self._ratios: dict[tuple[str, tuple[bool, int]], deque[float]] = {}
         self.correction: dict[tuple[str, tuple[bool, int]], float] = {}
 
     @property
@@ -228,9 +234,9 @@ class OverlapCostModel:
             structural = self.structural(choice, shape)
             if structural > 0:
                 key = (choice.name, shape.bucket)
-                ratio = min(max(measured.step_s / structural, 1 / 3), 3.0)
-                previous = self.correction.get(key, ratio)
-                self.correction[key] = previous + 0.3 * (ratio - previous)
+                ratios = self._ratios.setdefault(key, deque(maxlen=CORRECTION_WINDOW))
+                ratios.append(min(max(measured.step_s / structural, 1 / 3), 3.0))
+                self.correction[key] = statistics.median(ratios)
 
 
 @dataclass(frozen=True)
