@@ -22,7 +22,7 @@ attention price learnt online over warm-up steps of varied shapes).
 Every time is the slowest rank's; medians over the measured rounds. The default run takes
 a few minutes on 2 cores; the numbers are noisy on a shared machine.
 
-    python benchmarks/overlap_planner.py [--rounds 8] [--warmup 4] [--skip-split] [--json PATH]
+    python benchmarks/overlap_planner.py [--rounds 6] [--warmup 3] [--skip-split] [--json PATH]
 """
 
 from __future__ import annotations
@@ -177,13 +177,14 @@ def planner_on_rank(rank, world, workload_name, rounds, warmup, tune_repeat, see
 # -- table 2: splits ----------------------------------------------------------------------
 
 SPLIT_BATCHES = {
-    # (new tokens, cached tokens) per request
-    "skewed (long first)": [(1024, 3072)] + [(16, 0)] * 32,
-    "skewed (long last)": [(16, 0)] * 32 + [(1024, 3072)],
-    "uniform": [(192, 1024)] * 8,
+    # (new tokens, cached tokens) per request; 768 tokens per step
+    "skewed (long first)": [(512, 2048)] + [(16, 0)] * 16,
+    "skewed (long last)": [(16, 0)] * 16 + [(512, 2048)],
+    "uniform": [(192, 512)] * 4,
 }
+SPLIT_TOKENS = 768
 #: Warm-up shapes (besides the measured ones) so the attention price is identifiable.
-PRICE_BATCHES = [[(64, 0)] * 4, [(256, 2048)] * 2, [(512, 0)], [(128, 3072)] * 3]
+PRICE_BATCHES = [[(64, 0)] * 4, [(256, 1024)] * 2, [(384, 0)], [(128, 2048)] * 3]
 
 
 def split_on_rank(rank, world, rounds, warmup):
@@ -195,10 +196,12 @@ def split_on_rank(rank, world, rounds, warmup):
     torch.set_num_threads(1)
     config = EngineConfig(
         model="tiny-moe", parallel=ParallelConfig(data_parallel_size=world),
-        cache=CacheConfig(num_kv_blocks=2400, block_size=16), max_num_batched_tokens=2048,
+        cache=CacheConfig(num_kv_blocks=1600, block_size=16), max_num_batched_tokens=1024,
     )
-    workload = ModelStepWorkload(config, phase="prefill", context_len=0, prefill_len=512, max_tokens=1536, distributed=world > 1)
-    fabric = calibrate_fabric(workload, 1536)
+    workload = ModelStepWorkload(
+        config, phase="prefill", context_len=0, prefill_len=384, max_tokens=SPLIT_TOKENS, distributed=world > 1
+    )
+    fabric = calibrate_fabric(workload, SPLIT_TOKENS)
     workload.set_fabric(fabric)
     allocator = workload.runner.allocator
     blocks = {
@@ -300,9 +303,9 @@ def main() -> None:
     from tandem.runner.launch import launch_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=8, help="Measured rounds over every step size.")
-    parser.add_argument("--warmup", type=int, default=4, help="Unmeasured rounds first (auto learns throughout).")
-    parser.add_argument("--tune-repeat", type=int, default=3, help="Rounds of the none/dbo sweep for static-best.")
+    parser.add_argument("--rounds", type=int, default=6, help="Measured rounds over every step size.")
+    parser.add_argument("--warmup", type=int, default=3, help="Unmeasured rounds first (auto learns throughout).")
+    parser.add_argument("--tune-repeat", type=int, default=2, help="Rounds of the none/dbo sweep for static-best.")
     parser.add_argument("--workloads", default="moe-stack,tiny-moe")
     parser.add_argument("--skip-split", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

@@ -174,7 +174,8 @@ class ModelRunner:
             if any(c.sbo for c in planner.choices):
                 for kernel in self._moe_kernels():
                     kernel.enable_sbo = planned.choice.sbo
-        self._planned = (planner, planned, shape)
+        # An idle rank's step is all waiting for the others: nothing to learn from it.
+        self._planned = (planner, planned, shape) if num_tokens else None
         return decision, planned.choice.num_ubatches
 
     def _split(self, counts: list[int], contexts: list[int], num_ubatches: int, padded: int):
