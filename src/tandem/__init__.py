@@ -35,6 +35,7 @@ from tandem.ubatch import (
     coordinate_ubatching,
     is_last_ubatch_empty,
     slice_attention_metadata,
+    split_by_cost,
     split_by_tokens,
 )
 
@@ -74,5 +75,6 @@ __all__ = [
     "run_ubatches",
     "set_forward_context",
     "slice_attention_metadata",
+    "split_by_cost",
     "split_by_tokens",
 ]
