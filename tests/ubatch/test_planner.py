@@ -141,3 +141,15 @@ def test_attention_price_is_learnt_even_when_every_step_is_split():
         model.observe(dbo, shape, true_times(dbo, shape))
     # 1 ns per pair over 20 µs per token (the split's fixed cost is not per token).
     assert model.attention_weight == pytest.approx(1e-9 / 20e-6, rel=0.05)
+
+
+def test_decide_drops_choices_whose_last_ubatch_would_be_padding():
+    from tandem.ubatch import coordinate_ubatching
+
+    planner = OverlapPlanner(CHOICES, explore_share=0.0)
+    # 5 tokens on this rank, padded to 9 by a peer: 3 ubatches of 3 leave it none in the last.
+    decision = coordinate_ubatching(5, True, num_ubatches=3, predicted_s=[0.003, 0.002, 0.001])
+    decision = type(decision)(decision.should_ubatch, 9, [5, 9], decision.predicted_s)
+    assert not decision.fits(3) and decision.fits(2)
+    assert planner.decide(decision, 1, [0.003, 0.002, 0.001]).choice.name == "dbo-2"
+    assert planner.static_choice(3).name == "dbo-3" and planner.static_choice(1).name == "none"

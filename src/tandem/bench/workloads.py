@@ -293,9 +293,7 @@ class MoEStack:
         agree_s = time.perf_counter() - start
         k = overlap.num_ubatches if decision.should_ubatch else 1
         if planner is not None:
-            static = planner.choices[-1] if decision.should_ubatch else planner.choices[0]
-            feasible = [c.num_ubatches == 1 or decision.fits(c.num_ubatches) for c in planner.choices]
-            planned = planner.choose(decision.predicted_s, feasible, static, own_s=predicted)
+            planned = planner.decide(decision, k, predicted)
             k = planned.choice.num_ubatches
         times = self.step("none" if k == 1 else "dbo", tokens, fabric, num_ubatches=k)
         # The agreement is part of the step (a synchronous collective: exposed communication).

@@ -160,17 +160,12 @@ class ModelRunner:
         if planner is None:
             self._planned = None
             return decision, o.num_ubatches if decision.should_ubatch else 1
-        # The static rule's choice: the fallback of `auto` while it has no prediction.
-        static = next(
-            c for c in reversed(planner.choices)
-            if c.num_ubatches == (o.num_ubatches if decision.should_ubatch else 1)
-        )
-        if predicted is None:
-            own = planner.predict(shape)
-            planned = PlannedStep(static, own[planner.choices.index(static)], False)
+        static_num_ubatches = o.num_ubatches if decision.should_ubatch else 1
+        if predicted is None:  # static policy, balanced-cost split: the planner only learns
+            static = planner.static_choice(static_num_ubatches)
+            planned = PlannedStep(static, planner.predict(shape)[planner.choices.index(static)], False)
         else:
-            feasible = [c.num_ubatches == 1 or decision.fits(c.num_ubatches) for c in planner.choices]
-            planned = planner.choose(decision.predicted_s, feasible, static, own_s=predicted)
+            planned = planner.decide(decision, static_num_ubatches, predicted)
             if any(c.sbo for c in planner.choices):
                 for kernel in self._moe_kernels():
                     kernel.enable_sbo = planned.choice.sbo

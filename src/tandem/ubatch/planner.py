@@ -42,6 +42,8 @@ from typing import Sequence
 
 import numpy as np
 
+from tandem.ubatch.coordination import UBatchDecision
+
 #: The most a planner may explore.
 MAX_EXPLORE_SHARE = 0.05
 DEFAULT_EXPLORE_SHARE = 0.03
@@ -303,6 +305,17 @@ class OverlapPlanner:
             explored = True
         own = own_s if own_s is not None else agreed_s
         return PlannedStep(self.choices[best], own[best], explored)
+
+    def static_choice(self, num_ubatches: int) -> OverlapChoice:
+        """What the static rule runs with `num_ubatches` (1: no split, SBO when it is on)."""
+        return next(c for c in reversed(self.choices) if c.num_ubatches == num_ubatches)
+
+    def decide(self, decision: UBatchDecision, static_num_ubatches: int, own_s: Sequence[float]) -> PlannedStep:
+        """`choose` for a `coordinate_ubatching` decision that carried `own_s`: choices whose
+        last ubatch would be padding on some rank are out; the static rule (its agreed
+        ubatch count) is the fallback."""
+        feasible = [c.num_ubatches == 1 or decision.fits(c.num_ubatches) for c in self.choices]
+        return self.choose(decision.predicted_s, feasible, self.static_choice(static_num_ubatches), own_s=own_s)
 
     def observe(self, planned: PlannedStep, shape: StepShape, measured: StepMeasurement) -> None:
         stats = self.stats
