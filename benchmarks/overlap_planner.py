@@ -305,7 +305,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6, help="Measured rounds over every step size.")
     parser.add_argument("--warmup", type=int, default=3, help="Unmeasured rounds first (auto learns throughout).")
-    parser.add_argument("--tune-repeat", type=int, default=2, help="Rounds of the none/dbo sweep for static-best.")
+    parser.add_argument("--tune-repeat", type=int, default=3, help="Rounds of the none/dbo sweep for static-best.")
     parser.add_argument("--workloads", default="moe-stack,tiny-moe")
     parser.add_argument("--skip-split", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

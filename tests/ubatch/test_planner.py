@@ -153,3 +153,26 @@ def test_decide_drops_choices_whose_last_ubatch_would_be_padding():
     assert not decision.fits(3) and decision.fits(2)
     assert planner.decide(decision, 1, [0.003, 0.002, 0.001]).choice.name == "dbo-2"
     assert planner.static_choice(3).name == "dbo-3" and planner.static_choice(1).name == "none"
+
+
+def test_correction_learns_what_the_structure_gets_wrong_including_steps_before_the_fit():
+    """A rank whose DBO steps report most of their time as compute (the transport's CPU
+    work hidden under it): the structure then overprices DBO; the measured ratios fix it."""
+
+    def misfit(choice, shape):
+        plain = true_times(CHOICES[0], shape)
+        if choice.num_ubatches == 1:
+            return plain
+        step = 0.65 * plain.step_s + 1e-3
+        return StepMeasurement(step, step * 0.95, plain.comm_s, step * 0.02)
+
+    planner = OverlapPlanner(CHOICES[:2], explore_share=0.03, seed=2)
+    for shape in shapes(200, seed=3):
+        predicted = planner.predict(shape)
+        static = planner.static_choice(2 if shape.num_tokens >= 32 else 1)  # the thresholds until it is ready
+        planned = planner.choose(predicted, [True, True], static)
+        planner.observe(planned, shape, misfit(planned.choice, shape))
+    for tokens in (128, 256, 512):
+        none, dbo = planner.predict(StepShape(tokens, tokens * 512))
+        assert dbo < none
+        assert dbo == pytest.approx(misfit(CHOICES[1], StepShape(tokens, tokens * 512)).step_s, rel=0.1)

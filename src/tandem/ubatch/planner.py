@@ -15,10 +15,12 @@ cost model fitted online to the runtime's own time model (`StepTimes`):
 - the step: unsplit `C + M`; k ubatches `max(Ck, Mk) + min(Ck, Mk) / k` (one ubatch's
   share cannot be hidden: the pipeline's fill and drain), where `Mk` pays the per-step
   latency k times (one link: the ubatches' transfers queue behind each other);
-- a correction per choice and step-size bucket: the median of the last few ratios of
-  measured to predicted (a median, so a step slowed by a neighbour's load does not swing
-  it), so what the structure misses (SBO's hidden combine, the transport's CPU cost) is
-  learnt where it is seen.
+- a correction per choice: the median ratio of measured to structural step time over the
+  choice's recent steps in the same size bucket, else over all its recent steps, else 1.
+  The ratios are taken against the current fit at prediction time, so steps run before
+  the fit was ready (the static rule's) count too, and a median, so a step slowed by a
+  neighbour's load does not swing it. It learns what the structure misses (SBO's hidden
+  combine, the transport's CPU cost under overlap, the pipeline's real fill and drain).
 
 Until the fit has data the planner follows `tandem tune`'s sweep when given one (the
 measured none / DBO step times, interpolated), else the static thresholds. A bounded,
@@ -49,8 +51,10 @@ MAX_EXPLORE_SHARE = 0.05
 DEFAULT_EXPLORE_SHARE = 0.03
 #: Unsplit observations needed before the fitted model is trusted over the prior.
 MIN_OBSERVATIONS = 4
-#: Measured/predicted ratios per choice and size bucket whose median corrects the structure.
+#: Recent steps per choice and size bucket, and per choice, whose median ratio of measured
+#: to structural step time corrects the structure.
 CORRECTION_WINDOW = 7
+CHOICE_WINDOW = 32
 #: Features are scaled so the least-squares problem is well conditioned.
 _TOKEN_SCALE = 1e-3
 _ATTENTION_SCALE = 1e-6
@@ -184,8 +188,9 @@ class OverlapCostModel:
         splits = {c.num_ubatches for c in choices if c.num_ubatches > 1}
         self.split = {k: _ForgettingLeastSquares(2) for k in splits}
         self.switch_s = {k: 0.0 for k in splits}
-        self._ratios: dict[tuple[str, tuple[bool, int]], deque[float]] = {}
-        self.correction: dict[tuple[str, tuple[bool, int]], float] = {}
+        #: Recent (shape, step seconds) per choice, and per (choice, size bucket).
+        self._recent: dict[str, deque[tuple[StepShape, float]]] = {c.name: deque(maxlen=CHOICE_WINDOW) for c in choices}
+        self._recent_in_bucket: dict[tuple[str, tuple[bool, int]], deque[tuple[StepShape, float]]] = {}
 
     @property
     def ready(self) -> bool:
@@ -218,8 +223,19 @@ class OverlapCostModel:
         comm_k = comm + (k - 1) * max(self.comm.coef[0], 0.0)
         return max(compute_k, comm_k) + min(compute_k, comm_k) / k
 
+    def correction(self, choice: OverlapChoice, bucket: tuple[bool, int]) -> float:
+        """Median measured / structural over the choice's recent steps in `bucket`, else over
+        all its recent steps, else 1."""
+        recent = self._recent_in_bucket.get((choice.name, bucket)) or self._recent[choice.name]
+        ratios = []
+        for shape, step_s in recent:
+            structural = self.structural(choice, shape)
+            if structural > 0:
+                ratios.append(min(max(step_s / structural, 1 / 3), 3.0))
+        return statistics.median(ratios) if ratios else 1.0
+
     def predict(self, choice: OverlapChoice, shape: StepShape) -> float:
-        return self.structural(choice, shape) * self.correction.get((choice.name, shape.bucket), 1.0)
+        return self.structural(choice, shape) * self.correction(choice, shape.bucket)
 
     def observe(self, choice: OverlapChoice, shape: StepShape, measured: StepMeasurement) -> None:
         k = choice.num_ubatches
@@ -232,13 +248,9 @@ class OverlapCostModel:
             unsplit = self.compute.predict(self._compute_features(shape))
             self.split[k].update(self._comm_features(shape), measured.compute_s - unsplit)
             self.switch_s[k] += 0.2 * (measured.switch_s - self.switch_s[k])
-        if self.ready:
-            structural = self.structural(choice, shape)
-            if structural > 0:
-                key = (choice.name, shape.bucket)
-                ratios = self._ratios.setdefault(key, deque(maxlen=CORRECTION_WINDOW))
-                ratios.append(min(max(measured.step_s / structural, 1 / 3), 3.0))
-                self.correction[key] = statistics.median(ratios)
+        self._recent[choice.name].append((shape, measured.step_s))
+        key = (choice.name, shape.bucket)
+        self._recent_in_bucket.setdefault(key, deque(maxlen=CORRECTION_WINDOW)).append((shape, measured.step_s))
 
 
 @dataclass(frozen=True)
