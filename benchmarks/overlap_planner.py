@@ -324,7 +324,7 @@ def main() -> None:
         print(file=sys.stderr)
         out["planner"][name] = {**result, "summary": summary}
     if not args.skip_split:
-        result = launch_ranks(split_on_rank, 2, max(args.rounds // 2, 3), max(args.warmup // 2, 2), timeout_s=3000)[0]
+        result = launch_ranks(split_on_rank, 2, args.rounds, max(args.warmup // 2, 2), timeout_s=3000)[0]
         text, summary = split_table(result)
         print(text, flush=True)
         out["split"] = {**result, "summary": summary}

@@ -176,3 +176,20 @@ def test_correction_learns_what_the_structure_gets_wrong_including_steps_before_
         none, dbo = planner.predict(StepShape(tokens, tokens * 512))
         assert dbo < none
         assert dbo == pytest.approx(misfit(CHOICES[1], StepShape(tokens, tokens * 512)).step_s, rel=0.1)
+
+
+def test_exploration_stays_within_budget_at_every_step_and_revisits_stale_choices_per_size():
+    planner = OverlapPlanner(CHOICES, explore_share=0.05)
+    explored, runs = 0, {}
+    for step in range(2000):
+        key = step % 2
+        planned = planner.choose([0.001, 0.002, 0.003], [True] * 3, CHOICES[0], size_key=key)
+        explored += planned.explored
+        assert explored <= 0.05 * (step + 1)
+        if planned.explored:
+            runs.setdefault(key, []).append(planned.choice.name)
+    assert explored >= 0.045 * 2000
+    # Each size class explores both alternatives, the longest unrun first (so they alternate).
+    for names in runs.values():
+        assert set(names) == {"dbo-2", "dbo-3"}
+        assert all(a != b for a, b in zip(names, names[1:]))

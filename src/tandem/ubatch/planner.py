@@ -24,9 +24,10 @@ cost model fitted online to the runtime's own time model (`StepTimes`):
 
 Until the fit has data the planner follows `tandem tune`'s sweep when given one (the
 measured none / DBO step times, interpolated), else the static thresholds. A bounded,
-seeded share of steps (at most 5 %) runs another feasible choice than the predicted
-best, so the model of choices not taken stays honest; the step index and the seed decide,
-so every DP rank explores the same step the same way. DP ranks agree on the choice in the
+share of steps (at most 5 %) runs another feasible choice than the predicted best, the
+one gone longest unrun at that step size, so the model of choices not taken stays
+honest; it reads only agreed values (the step index, the agreed choices and padded
+sizes, the seed for ties), so every DP rank explores the same step the same way. DP ranks agree on the choice in the
 all-reduce `coordinate_ubatching` already does: each sends its predictions, all take the
 choice whose slowest rank is fastest.
 """
@@ -49,12 +50,16 @@ from tandem.ubatch.coordination import UBatchDecision
 #: The most a planner may explore.
 MAX_EXPLORE_SHARE = 0.05
 DEFAULT_EXPLORE_SHARE = 0.03
+#: A choice not run in this many steps of a size class is due for exploration there.
+STALE_VISITS = 4
 #: Unsplit observations needed before the fitted model is trusted over the prior.
 MIN_OBSERVATIONS = 4
 #: Recent steps per choice and size bucket, and per choice, whose median ratio of measured
 #: to structural step time corrects the structure.
 CORRECTION_WINDOW = 7
 CHOICE_WINDOW = 32
+#: A bucket's own median counts as much as the choice-wide one once it holds this many steps.
+SHRINK_STEPS = 2
 #: Features are scaled so the least-squares problem is well conditioned.
 _TOKEN_SCALE = 1e-3
 _ATTENTION_SCALE = 1e-6
@@ -223,16 +228,27 @@ class OverlapCostModel:
         comm_k = comm + (k - 1) * max(self.comm.coef[0], 0.0)
         return max(compute_k, comm_k) + min(compute_k, comm_k) / k
 
-    def correction(self, choice: OverlapChoice, bucket: tuple[bool, int]) -> float:
-        """Median measured / structural over the choice's recent steps in `bucket`, else over
-        all its recent steps, else 1."""
-        recent = self._recent_in_bucket.get((choice.name, bucket)) or self._recent[choice.name]
+    def _median_ratio(self, choice: OverlapChoice, recent) -> float | None:
         ratios = []
         for shape, step_s in recent:
             structural = self.structural(choice, shape)
             if structural > 0:
                 ratios.append(min(max(step_s / structural, 1 / 3), 3.0))
-        return statistics.median(ratios) if ratios else 1.0
+        return statistics.median(ratios) if ratios else None
+
+    def correction(self, choice: OverlapChoice, bucket: tuple[bool, int]) -> float:
+        """Median measured / structural over the choice's recent steps in `bucket`, pulled
+        toward the median over all its recent steps while the bucket has few (one early
+        outlier must not condemn a choice the planner then never runs there), else 1."""
+        overall = self._median_ratio(choice, self._recent[choice.name])
+        if overall is None:
+            return 1.0
+        in_bucket = self._recent_in_bucket.get((choice.name, bucket), ())
+        local = self._median_ratio(choice, in_bucket)
+        if local is None:
+            return overall
+        weight = len(in_bucket) / (len(in_bucket) + SHRINK_STEPS)
+        return weight * local + (1 - weight) * overall
 
     def predict(self, choice: OverlapChoice, shape: StepShape) -> float:
         return self.structural(choice, shape) * self.correction(choice, shape.bucket)
@@ -284,6 +300,10 @@ class OverlapPlanner:
         self.model = OverlapCostModel(self.choices)
         self.stats = PlannerStats(choices={c.name: 0 for c in self.choices})
         self._steps = 0
+        self._explored = 0
+        #: Per agreed size class: steps seen, and the visit at which each choice last ran.
+        self._visits: dict[int, int] = {}
+        self._last_run: dict[tuple[int, int], int] = {}
 
     def predict(self, shape: StepShape) -> list[float]:
         """Predicted step seconds per choice (inf where nothing is known yet)."""
@@ -293,15 +313,25 @@ class OverlapPlanner:
             return [self.prior.predict(c, shape) for c in self.choices]
         return [math.inf] * len(self.choices)
 
-    def _explores(self, step: int) -> bool:
-        return random.Random(self.seed * 1_000_003 + step).random() < self.explore_share
-
     def choose(
-        self, agreed_s: Sequence[float], feasible: Sequence[bool], fallback: OverlapChoice, own_s: Sequence[float] | None = None
+        self,
+        agreed_s: Sequence[float],
+        feasible: Sequence[bool],
+        fallback: OverlapChoice,
+        own_s: Sequence[float] | None = None,
+        *,
+        size_key: int = 0,
     ) -> PlannedStep:
         """The choice for this step from the agreed (slowest-rank) predictions; `fallback`
         (the static rule's choice, agreed by every rank) while some feasible choice has no
-        prediction. Identical inputs give an identical choice on every rank."""
+        prediction.
+
+        Exploration: while the explored steps stay within `explore_share` of all steps, a
+        step runs instead of the best the feasible choice that has gone longest unrun at
+        this `size_key` (an agreed size class, e.g. the padded token count's log2), if
+        it has not run in the last `STALE_VISITS` steps of that class. Everything it reads
+        is agreed, so identical inputs give an identical choice on every rank.
+        """
         step, self._steps = self._steps, self._steps + 1
         candidates = [i for i, ok in enumerate(feasible) if ok]
         if not candidates:
@@ -310,11 +340,17 @@ class OverlapPlanner:
             best = self.choices.index(fallback)
         else:
             best = min(candidates, key=lambda i: (agreed_s[i], i))
-        explored = False
-        others = [i for i in candidates if i != best]
-        if others and self._explores(step):
-            best = others[random.Random(self.seed * 7_919 + step).randrange(len(others))]
-            explored = True
+        visits = self._visits.get(size_key, 0)
+        self._visits[size_key] = visits + 1
+        last = lambda i: self._last_run.get((size_key, i), -STALE_VISITS - 1)  # noqa: E731
+        stale = [i for i in candidates if i != best and visits - last(i) > STALE_VISITS]
+        explored = bool(stale) and self._explored + 1 <= self.explore_share * (step + 1)
+        if explored:
+            oldest = min(last(i) for i in stale)
+            stalest = [i for i in stale if last(i) == oldest]
+            best = stalest[random.Random(self.seed * 7_919 + step).randrange(len(stalest))]
+            self._explored += 1
+        self._last_run[(size_key, best)] = visits
         own = own_s if own_s is not None else agreed_s
         return PlannedStep(self.choices[best], own[best], explored)
 
@@ -327,7 +363,10 @@ class OverlapPlanner:
         last ubatch would be padding on some rank are out; the static rule (its agreed
         ubatch count) is the fallback."""
         feasible = [c.num_ubatches == 1 or decision.fits(c.num_ubatches) for c in self.choices]
-        return self.choose(decision.predicted_s, feasible, self.static_choice(static_num_ubatches), own_s=own_s)
+        return self.choose(
+            decision.predicted_s, feasible, self.static_choice(static_num_ubatches), own_s=own_s,
+            size_key=round(math.log2(max(decision.num_tokens_padded, 1))),
+        )
 
     def observe(self, planned: PlannedStep, shape: StepShape, measured: StepMeasurement) -> None:
         stats = self.stats
