@@ -16,20 +16,21 @@ cost model fitted online to the runtime's own time model (`StepTimes`):
   share cannot be hidden: the pipeline's fill and drain), where `Mk` pays the per-step
   latency k times (one link: the ubatches' transfers queue behind each other);
 - a correction per choice: the median ratio of measured to structural step time over the
-  choice's recent steps in the same size bucket, else over all its recent steps, else 1.
-  The ratios are taken against the current fit at prediction time, so steps run before
-  the fit was ready (the static rule's) count too, and a median, so a step slowed by a
-  neighbour's load does not swing it. It learns what the structure misses (SBO's hidden
-  combine, the transport's CPU cost under overlap, the pipeline's real fill and drain).
+  choice's recent steps in the same size bucket, pulled toward the median over all its
+  recent steps while the bucket holds few, else 1. The ratios are taken against the
+  current fit at prediction time, so steps run before the fit was ready (the static
+  rule's) count too, and a median, so a step slowed by a neighbour's load does not swing
+  it. It learns what the structure misses (SBO's hidden combine, the transport's CPU cost
+  under overlap, the pipeline's real fill and drain).
 
 Until the fit has data the planner follows `tandem tune`'s sweep when given one (the
-measured none / DBO step times, interpolated), else the static thresholds. A bounded,
-share of steps (at most 5 %) runs another feasible choice than the predicted best, the
-one gone longest unrun at that step size, so the model of choices not taken stays
-honest; it reads only agreed values (the step index, the agreed choices and padded
-sizes, the seed for ties), so every DP rank explores the same step the same way. DP ranks agree on the choice in the
-all-reduce `coordinate_ubatching` already does: each sends its predictions, all take the
-choice whose slowest rank is fastest.
+measured none / DBO step times, interpolated), else the static thresholds. A bounded
+share of steps (at most 5 %) runs another feasible choice than the predicted best, the one
+gone longest unrun at that step size, so the model of choices not taken stays honest. It
+reads only agreed values (the step index, the agreed choices and padded sizes, the seed
+for ties), so every DP rank explores the same step the same way. DP ranks agree on the
+choice in the all-reduce `coordinate_ubatching` already does: each sends its
+predictions, all take the choice whose slowest rank is fastest.
 """
 
 from __future__ import annotations
