@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,9 +193,9 @@ class OverlapCostModel:
         splits = {c.num_ubatches for c in choices if c.num_ubatches > 1}
         self.split = {k: _ForgettingLeastSquares(2) for k in splits}
         self.switch_s = {k: 0.0 for k in splits}
-        #: Recent (shape, step seconds) per choice, and per (choice, size bucket).
-        self._recent: dict[str, deque[tuple[StepShape, float]]] = {c.name: deque(maxlen=CHOICE_WINDOW) for c in choices}
-        self._recent_in_bucket: dict[tuple[str, tuple[bool, int]], deque[tuple[StepShape, float]]] = {}
+        #: Recent (tokens, attention, step seconds) per choice, and per (choice, size bucket).
+        self._recent: dict[str, deque[tuple[int, int, float]]] = {c.name: deque(maxlen=CHOICE_WINDOW) for c in choices}
+        self._recent_in_bucket: dict[tuple[str, tuple[bool, int]], deque[tuple[int, int, float]]] = {}
 
     @property
     def ready(self) -> bool:
@@ -219,23 +218,32 @@ class OverlapCostModel:
             return None
         return per_pair / per_token
 
-    def structural(self, choice: OverlapChoice, shape: StepShape) -> float:
-        compute = max(self.compute.predict(self._compute_features(shape)), 0.0)
-        comm = max(self.comm.predict(self._comm_features(shape)), 0.0)
+    def _structural(self, choice: OverlapChoice, tokens, attention):
+        """The structure's step time for token and attention counts (scalars or arrays)."""
+        scaled_tokens, scaled_attention = tokens * _TOKEN_SCALE, attention * _ATTENTION_SCALE
+        c, m = self.compute.coef, self.comm.coef
+        compute = np.maximum(c[0] + c[1] * scaled_tokens + c[2] * scaled_attention, 0.0)
+        comm = np.maximum(m[0] + m[1] * scaled_tokens, 0.0)
         k = choice.num_ubatches
         if k == 1:
             return compute + comm
-        compute_k = compute + max(self.split[k].predict(self._comm_features(shape)), 0.0) + self.switch_s[k]
-        comm_k = comm + (k - 1) * max(self.comm.coef[0], 0.0)
-        return max(compute_k, comm_k) + min(compute_k, comm_k) / k
+        s = self.split[k].coef
+        compute_k = compute + np.maximum(s[0] + s[1] * scaled_tokens, 0.0) + self.switch_s[k]
+        comm_k = comm + (k - 1) * max(m[0], 0.0)
+        return np.maximum(compute_k, comm_k) + np.minimum(compute_k, comm_k) / k
+
+    def structural(self, choice: OverlapChoice, shape: StepShape) -> float:
+        return float(self._structural(choice, float(shape.num_tokens), float(shape.attention)))
 
     def _median_ratio(self, choice: OverlapChoice, recent) -> float | None:
-        ratios = []
-        for shape, step_s in recent:
-            structural = self.structural(choice, shape)
-            if structural > 0:
-                ratios.append(min(max(step_s / structural, 1 / 3), 3.0))
-        return statistics.median(ratios) if ratios else None
+        if not recent:
+            return None
+        tokens, attention, step_s = np.asarray(recent, dtype=float).T
+        structural = self._structural(choice, tokens, attention)
+        valid = structural > 0
+        if not valid.any():
+            return None
+        return float(np.median(np.clip(step_s[valid] / structural[valid], 1 / 3, 3.0)))
 
     def correction(self, choice: OverlapChoice, bucket: tuple[bool, int]) -> float:
         """Median measured / structural over the choice's recent steps in `bucket`, pulled
@@ -265,9 +273,9 @@ class OverlapCostModel:
             unsplit = self.compute.predict(self._compute_features(shape))
             self.split[k].update(self._comm_features(shape), measured.compute_s - unsplit)
             self.switch_s[k] += 0.2 * (measured.switch_s - self.switch_s[k])
-        self._recent[choice.name].append((shape, measured.step_s))
-        key = (choice.name, shape.bucket)
-        self._recent_in_bucket.setdefault(key, deque(maxlen=CORRECTION_WINDOW)).append((shape, measured.step_s))
+        sample = (shape.num_tokens, shape.attention, measured.step_s)
+        self._recent[choice.name].append(sample)
+        self._recent_in_bucket.setdefault((choice.name, shape.bucket), deque(maxlen=CORRECTION_WINDOW)).append(sample)
 
 
 @dataclass(frozen=True)
