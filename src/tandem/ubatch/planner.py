@@ -58,6 +58,8 @@ MIN_OBSERVATIONS = 4
 #: to structural step time corrects the structure.
 CORRECTION_WINDOW = 7
 CHOICE_WINDOW = 32
+#: Steps between re-pricing every cached correction against the current fit.
+REPRICE_EVERY = 16
 #: A bucket's own median counts as much as the choice-wide one once it holds this many steps.
 SHRINK_STEPS = 2
 #: Features are scaled so the least-squares problem is well conditioned.
@@ -196,6 +198,9 @@ class OverlapCostModel:
         #: Recent (tokens, attention, step seconds) per choice, and per (choice, size bucket).
         self._recent: dict[str, deque[tuple[int, int, float]]] = {c.name: deque(maxlen=CHOICE_WINDOW) for c in choices}
         self._recent_in_bucket: dict[tuple[str, tuple[bool, int]], deque[tuple[int, int, float]]] = {}
+        self._corrections: dict[tuple[str, tuple[bool, int]], float] = {}
+        self._overall: dict[str, float | None] = {}
+        self._observed = 0
 
     @property
     def ready(self) -> bool:
@@ -248,16 +253,26 @@ class OverlapCostModel:
     def correction(self, choice: OverlapChoice, bucket: tuple[bool, int]) -> float:
         """Median measured / structural over the choice's recent steps in `bucket`, pulled
         toward the median over all its recent steps while the bucket has few (one early
-        outlier must not condemn a choice the planner then never runs there), else 1."""
-        overall = self._median_ratio(choice, self._recent[choice.name])
-        if overall is None:
-            return 1.0
-        in_bucket = self._recent_in_bucket.get((choice.name, bucket), ())
-        local = self._median_ratio(choice, in_bucket)
-        if local is None:
-            return overall
-        weight = len(in_bucket) / (len(in_bucket) + SHRINK_STEPS)
-        return weight * local + (1 - weight) * overall
+        outlier must not condemn a choice the planner then never runs there), else 1.
+
+        Cached: a (choice, bucket) entry is re-priced when that bucket gets a step, and all
+        entries every `REPRICE_EVERY` steps (the fit moves slowly; the planner runs every step)."""
+        key = (choice.name, bucket)
+        if key not in self._corrections:
+            if choice.name not in self._overall:
+                self._overall[choice.name] = self._median_ratio(choice, self._recent[choice.name])
+            overall = self._overall[choice.name]
+            in_bucket = self._recent_in_bucket.get(key, ())
+            local = self._median_ratio(choice, in_bucket) if overall is not None else None
+            if overall is None:
+                value = 1.0
+            elif local is None:
+                value = overall
+            else:
+                weight = len(in_bucket) / (len(in_bucket) + SHRINK_STEPS)
+                value = weight * local + (1 - weight) * overall
+            self._corrections[key] = value
+        return self._corrections[key]
 
     def predict(self, choice: OverlapChoice, shape: StepShape) -> float:
         return self.structural(choice, shape) * self.correction(choice, shape.bucket)
@@ -273,6 +288,11 @@ class OverlapCostModel:
             unsplit = self.compute.predict(self._compute_features(shape))
             self.split[k].update(self._comm_features(shape), measured.compute_s - unsplit)
             self.switch_s[k] += 0.2 * (measured.switch_s - self.switch_s[k])
+        self._observed += 1
+        if self._observed % REPRICE_EVERY == 0:
+            self._corrections.clear()
+            self._overall.clear()
+        self._corrections.pop((choice.name, shape.bucket), None)
         sample = (shape.num_tokens, shape.attention, measured.step_s)
         self._recent[choice.name].append(sample)
         self._recent_in_bucket.setdefault((choice.name, shape.bucket), deque(maxlen=CORRECTION_WINDOW)).append(sample)
