@@ -75,7 +75,7 @@ def test_choice_is_the_fastest_once_trained():
 
 def test_exploration_is_bounded_seeded_and_identical_across_ranks():
     a, b = OverlapPlanner(CHOICES, explore_share=0.05, seed=7), OverlapPlanner(CHOICES, explore_share=0.05, seed=7)
-    agreed = [0.001, 0.002, 0.003]
+    agreed = [0.0010, 0.0012, 0.0014]
     steps_a = [a.choose(agreed, [True] * 3, CHOICES[0]) for _ in range(4000)]
     steps_b = [b.choose(agreed, [True] * 3, CHOICES[0]) for _ in range(4000)]
     assert steps_a == steps_b
@@ -183,7 +183,7 @@ def test_exploration_stays_within_budget_at_every_step_and_revisits_stale_choice
     explored, runs = 0, {}
     for step in range(2000):
         key = step % 2
-        planned = planner.choose([0.001, 0.002, 0.003], [True] * 3, CHOICES[0], size_key=key)
+        planned = planner.choose([0.0010, 0.0012, 0.0014], [True] * 3, CHOICES[0], size_key=key)
         explored += planned.explored
         assert explored <= 0.05 * (step + 1)
         if planned.explored:
@@ -193,3 +193,12 @@ def test_exploration_stays_within_budget_at_every_step_and_revisits_stale_choice
     for names in runs.values():
         assert set(names) == {"dbo-2", "dbo-3"}
         assert all(a != b for a, b in zip(names, names[1:]))
+
+
+def test_a_choice_predicted_far_slower_is_not_explored():
+    planner = OverlapPlanner(CHOICES, explore_share=0.05)
+    steps = [planner.choose([0.001, 0.0014, 0.0016], [True] * 3, CHOICES[0]) for _ in range(1000)]
+    assert {s.choice.name for s in steps if s.explored} == {"dbo-2"}
+    unknown = OverlapPlanner(CHOICES, explore_share=0.05)
+    steps = [unknown.choose([math.inf] * 3, [True] * 3, CHOICES[0]) for _ in range(1000)]
+    assert {s.choice.name for s in steps if s.explored} == {"dbo-2", "dbo-3"}  # nothing known: all plausible

@@ -50,8 +50,10 @@ from tandem.ubatch.coordination import UBatchDecision
 #: The most a planner may explore.
 MAX_EXPLORE_SHARE = 0.05
 DEFAULT_EXPLORE_SHARE = 0.03
-#: A choice not run in this many steps of a size class is due for exploration there.
+#: A choice not run in this many steps of a size class is due for exploration there,
+#: if its predicted time is within this factor of the best's.
 STALE_VISITS = 4
+EXPLORE_WITHIN = 1.5
 #: Unsplit observations needed before the fitted model is trusted over the prior.
 MIN_OBSERVATIONS = 4
 #: Recent steps per choice and size bucket, and per choice, whose median ratio of measured
@@ -358,7 +360,8 @@ class OverlapPlanner:
         Exploration: while the explored steps stay within `explore_share` of all steps, a
         step runs instead of the best the feasible choice that has gone longest unrun at
         this `size_key` (an agreed size class, e.g. the padded token count's log2), if
-        it has not run in the last `STALE_VISITS` steps of that class. Everything it reads
+        it has not run in the last `STALE_VISITS` steps of that class and is predicted
+        within `EXPLORE_WITHIN` of the best. Everything it reads
         is agreed, so identical inputs give an identical choice on every rank.
         """
         step, self._steps = self._steps, self._steps + 1
@@ -372,7 +375,10 @@ class OverlapPlanner:
         visits = self._visits.get(size_key, 0)
         self._visits[size_key] = visits + 1
         last = lambda i: self._last_run.get((size_key, i), -STALE_VISITS - 1)  # noqa: E731
-        stale = [i for i in candidates if i != best and visits - last(i) > STALE_VISITS]
+        # Only a choice that could plausibly win is worth a step: one predicted far slower
+        # would have to be mispredicted by more than the correction's usual range.
+        plausible = lambda i: not agreed_s[i] > EXPLORE_WITHIN * agreed_s[best]  # noqa: E731
+        stale = [i for i in candidates if i != best and visits - last(i) > STALE_VISITS and plausible(i)]
         explored = bool(stale) and self._explored + 1 <= self.explore_share * (step + 1)
         if explored:
             oldest = min(last(i) for i in stale)
