@@ -39,6 +39,7 @@ from tandem.ubatch import (
     coordinate_ubatching,
     is_last_ubatch_empty,
     slice_attention_metadata,
+    split_by_cost,
     split_by_tokens,
 )
 
@@ -82,5 +83,6 @@ __all__ = [
     "run_ubatches",
     "set_forward_context",
     "slice_attention_metadata",
+    "split_by_cost",
     "split_by_tokens",
 ]

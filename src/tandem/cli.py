@@ -45,7 +45,17 @@ _TBO_THRESHOLD = typer.Option(
 )
 _DBO_DECODE_THRESHOLD = typer.Option(32, help="Smallest uniform-decode step that uses DBO.")
 _DBO_PREFILL_THRESHOLD = typer.Option(512, help="Smallest other step that uses DBO.")
-_THRESHOLDS_FILE = typer.Option(None, help="JSON from `tandem tune`; overrides the two thresholds.")
+_THRESHOLDS_FILE = typer.Option(
+    None, help="JSON from `tandem tune`; overrides the two thresholds (static) or seeds the planner (auto)."
+)
+_OVERLAP_POLICY = typer.Option(
+    "static",
+    help="static (the two token thresholds decide) | auto (per step, the fastest of no overlap, SBO and DBO with "
+    "2..N ubatches as predicted by a cost model fitted to the measured step times; needs --enable-dbo for DBO).",
+)
+_UBATCH_SPLIT = typer.Option(
+    "tokens", help="tokens (cut at the token midpoint) | balanced-cost (equal predicted work: attention + MoE tokens)."
+)
 _ENABLE_SBO = typer.Option(False, help="Single-batch overlap inside each MoE layer (see --sbo-mode).")
 _SBO_MODE = typer.Option(
     "auto",
@@ -101,6 +111,8 @@ _ENGINE_FLAGS = (
     "dbo_decode_token_threshold",
     "dbo_prefill_token_threshold",
     "thresholds_file",
+    "overlap_policy",
+    "ubatch_split",
     "enable_sbo",
     "sbo_mode",
     "all2all_backend",
@@ -154,6 +166,8 @@ def _engine_config(
     enable_two_batch_overlap: bool = False,
     tbo_token_distribution_threshold: float = 0.48,
     sbo_mode: str = "auto",
+    overlap_policy: str = "static",
+    ubatch_split: str = "tokens",
     cache=None,
     max_num_batched_tokens: int = 2048,
 ):
@@ -182,6 +196,8 @@ def _engine_config(
                 graph_mode=graph_mode,
                 comm_sms=comm_sms,
                 tbo_token_distribution_threshold=tbo_token_distribution_threshold,
+                overlap_policy=overlap_policy,
+                ubatch_split=ubatch_split,
             ).with_thresholds_file(thresholds_file),
             parallel=ParallelConfig(
                 data_parallel_size=data_parallel_size,
@@ -246,6 +262,8 @@ def generate(
     dbo_decode_token_threshold: int = _DBO_DECODE_THRESHOLD,
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
+    overlap_policy: str = _OVERLAP_POLICY,
+    ubatch_split: str = _UBATCH_SPLIT,
     enable_sbo: bool = _ENABLE_SBO,
     sbo_mode: str = _SBO_MODE,
     all2all_backend: str = _ALL2ALL_BACKEND,
@@ -291,6 +309,7 @@ def generate(
     log(
         f"model={model} dp={p.data_parallel_size} all2all={p.all2all_backend} moe={p.moe_backend} "
         f"dbo={'on' if o.enable_dbo else 'off'} (ubatches={o.num_ubatches}, executor={o.executor}, "
+        f"policy={o.overlap_policy} split={o.ubatch_split} "
         f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold}) "
         f"sbo={p.sbo_mode if p.enable_sbo else 'off'} graph={o.graph_mode} device={config.device} dtype={config.dtype}"
         + (f" pp={p.pipeline_parallel_size} (depth {p.pp_async_batch_depth})" if p.pipeline_parallel_size > 1 else "")
@@ -336,6 +355,8 @@ def serve(
     dbo_decode_token_threshold: int = _DBO_DECODE_THRESHOLD,
     dbo_prefill_token_threshold: int = _DBO_PREFILL_THRESHOLD,
     thresholds_file: str = _THRESHOLDS_FILE,
+    overlap_policy: str = _OVERLAP_POLICY,
+    ubatch_split: str = _UBATCH_SPLIT,
     enable_sbo: bool = _ENABLE_SBO,
     sbo_mode: str = _SBO_MODE,
     all2all_backend: str = _ALL2ALL_BACKEND,
@@ -463,7 +484,7 @@ def _int_list(text: str, flag: str, *, sort: bool = True) -> list[int]:
 
 def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabric, fabric_latency_us, fabric_gbps,
                 num_ubatches, all2all_backend, moe_backend, context_len, prefill_len, trace=False, device="auto",
-                dtype="auto", tbo_token_distribution_threshold=0.48):
+                dtype="auto", tbo_token_distribution_threshold=0.48, ubatch_split="tokens", thresholds_file=None):
     from tandem.bench.sweep import CALIBRATED, BenchSpec
     from tandem.bench.workloads import MOE_STACK
     from tandem.platform.device import resolve_device
@@ -487,17 +508,16 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
     if model != MOE_STACK:
         engine = _engine_config(
             model=model, data_parallel_size=data_parallel_size, enable_dbo=False, num_ubatches=num_ubatches,
-            ubatch_executor="thread", dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None,
-            enable_sbo=False, all2all_backend=all2all_backend, moe_backend=moe_backend, graph_mode="none",
-            fabric_latency_us=None, fabric_gbps=None, device=device, dtype=dtype,
-            tbo_token_distribution_threshold=tbo_token_distribution_threshold,
+            ubatch_executor="thread", dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0,
+            thresholds_file=thresholds_file, enable_sbo=False, all2all_backend=all2all_backend, moe_backend=moe_backend,
+            graph_mode="none", fabric_latency_us=None, fabric_gbps=None, device=device, dtype=dtype,
+            tbo_token_distribution_threshold=tbo_token_distribution_threshold, ubatch_split=ubatch_split,
         )
     return BenchSpec(
         model=model, data_parallel_size=data_parallel_size, grids=grids, modes=modes, repeat=repeat, warmup=warmup,
         fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps, num_ubatches=num_ubatches,
         all2all_backend=all2all_backend, context_len=context_len, prefill_len=prefill_len, engine_config=engine,
-        trace=trace,
-        device=device, dtype=dtype,
+        trace=trace, device=device, dtype=dtype, ubatch_split=ubatch_split, thresholds_file=thresholds_file,
     )
 
 
@@ -534,7 +554,8 @@ def bench(
         "none,dbo,dbo-greenlet,sbo,dbo+sbo",
         help="none | dbo (threads) | dbo-greenlet | sbo (--sbo-mode auto) | dbo+sbo | sbo-combine-down-gemm | "
         "sbo-combine-shared | sbo-dispatch-shared (one SGLang SBO mode each) | tbo (two-batch overlap: the stage "
-        "executor, SGLang's operation strategies, no threads).",
+        "executor, SGLang's operation strategies, no threads) | auto (the overlap planner picks none or DBO per "
+        "step; it learns over the run, exploring up to 3% of steps).",
     ),
     phase: str = typer.Option("decode", help="decode (one new token per request) | prefill (long requests)."),
     repeat: int = _BENCH_REPEAT,
@@ -550,6 +571,8 @@ def bench(
     prefill_len: int = _BENCH_PREFILL_LEN,
     device: str = _DEVICE,
     dtype: str = _DTYPE,
+    ubatch_split: str = _UBATCH_SPLIT,
+    thresholds_file: str = _THRESHOLDS_FILE,
     json_path: str = typer.Option(None, "--json", help="Write the rows and the settings to this JSON file."),
     plot: str = typer.Option(None, help="Write a PNG plot of step time against tokens per rank (needs matplotlib)."),
     trace: str = _TRACE,
@@ -584,6 +607,7 @@ def bench(
         fabric_gbps=fabric_gbps, num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
         context_len=context_len, prefill_len=prefill_len, trace=trace is not None or timeline is not None,
         device=device, dtype=dtype, tbo_token_distribution_threshold=tbo_token_distribution_threshold,
+        ubatch_split=ubatch_split, thresholds_file=thresholds_file,
     )
     result = _run_bench_sweep(spec)
     rows = rows_from_sweep(result, phase, mode_list)
@@ -630,6 +654,7 @@ def tune(
     prefill_len: int = _BENCH_PREFILL_LEN,
     device: str = _DEVICE,
     dtype: str = _DTYPE,
+    ubatch_split: str = _UBATCH_SPLIT,
 ) -> None:
     """Sweep decode and prefill steps with and without DBO, pick for each phase the smallest
     token count from which DBO beats no overlap by --margin at every larger size tried, and
@@ -654,7 +679,7 @@ def tune(
         warmup=warmup, fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps,
         num_ubatches=num_ubatches, all2all_backend=all2all_backend, moe_backend=moe_backend,
         context_len=context_len, prefill_len=prefill_len, device=device, dtype=dtype,
-        tbo_token_distribution_threshold=tbo_token_distribution_threshold,
+        tbo_token_distribution_threshold=tbo_token_distribution_threshold, ubatch_split=ubatch_split,
     )
     result = _run_bench_sweep(spec)
     decisions = []

@@ -8,6 +8,10 @@ from pathlib import Path
 
 EXECUTORS = ("thread", "greenlet", "stages")
 GRAPH_MODES = ("none", "full")
+#: `static`: the two token thresholds decide; `auto`: the overlap planner (tandem.ubatch.planner).
+OVERLAP_POLICIES = ("static", "auto")
+#: Where a DBO step is cut: at the token midpoint, or where the ubatches' predicted costs match.
+UBATCH_SPLITS = ("tokens", "balanced-cost")
 
 
 @dataclass
@@ -25,6 +29,12 @@ class OverlapConfig:
     #: TBO prefill split: sequences are cut inside one when no sequence boundary leaves
     #: each part at least this share of the tokens (SGLang's tbo_token_distribution_threshold).
     tbo_token_distribution_threshold: float = 0.48
+    overlap_policy: str = "static"
+    ubatch_split: str = "tokens"
+    #: The `tandem tune` file the thresholds came from; `auto` starts from its sweep.
+    thresholds_file: str | None = None
+    #: Share of steps the planner runs a choice other than its best (at most 0.05).
+    planner_explore_share: float = 0.03
 
     def __post_init__(self) -> None:
         if self.comm_sms is not None and (self.comm_sms < 2 or self.comm_sms % 2):
@@ -39,6 +49,12 @@ class OverlapConfig:
             raise ValueError(
                 f"--tbo-token-distribution-threshold must lie in [0, 0.5], got {self.tbo_token_distribution_threshold}"
             )
+        if self.overlap_policy not in OVERLAP_POLICIES:
+            raise ValueError(f"--overlap-policy must be one of {OVERLAP_POLICIES}, got {self.overlap_policy!r}")
+        if self.ubatch_split not in UBATCH_SPLITS:
+            raise ValueError(f"--ubatch-split must be one of {UBATCH_SPLITS}, got {self.ubatch_split!r}")
+        if not 0.0 <= self.planner_explore_share <= 0.05:
+            raise ValueError(f"planner_explore_share must lie in [0, 0.05], got {self.planner_explore_share}")
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -58,7 +74,7 @@ class OverlapConfig:
         missing = [k for k in keys if not isinstance(data.get(k), int)]
         if missing:
             raise ValueError(f"thresholds file {path} lacks integer {', '.join(missing)}")
-        return OverlapConfig(**{**asdict(self), **{k: data[k] for k in keys}})
+        return OverlapConfig(**{**asdict(self), **{k: data[k] for k in keys}, "thresholds_file": str(path)})
 
 
 @dataclass

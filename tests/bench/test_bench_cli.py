@@ -45,12 +45,12 @@ def test_bench_writes_json_and_png(tmp_path):
 def test_bench_moe_stack_with_a_preset(tmp_path):
     out = tmp_path / "stack.json"
     result = run_cli(
-        "bench", "--model", "moe-stack", "--tokens", "8", "--modes", "none,dbo,sbo,sbo-combine-down-gemm,tbo", "--repeat", "1", "--warmup", "0",
+        "bench", "--model", "moe-stack", "--tokens", "8", "--modes", "none,dbo,sbo,sbo-combine-down-gemm,tbo,auto", "--repeat", "1", "--warmup", "0",
         "--fabric", "deepep-ll-h800", "--json", str(out),
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
-    assert [r["mode"] for r in data["rows"]] == ["none", "dbo", "sbo", "sbo-combine-down-gemm", "tbo"]
+    assert [r["mode"] for r in data["rows"]] == ["none", "dbo", "sbo", "sbo-combine-down-gemm", "tbo", "auto"]
     assert data["config"]["fabric"] == "deepep-ll-h800"
 
 
@@ -109,3 +109,19 @@ def test_choose_threshold_needs_wins_at_every_larger_size():
     assert choose_threshold("decode", [(4, 10, 9.8), (8, 10, 9.9)], 0.0).threshold == 4
     # Losing at the largest size: never.
     assert choose_threshold("prefill", [(64, 10, 5), (128, 10, 12)], 0.03).threshold == NEVER
+
+
+def test_overlap_policy_and_split_flags_reach_the_engine_config(monkeypatch):
+    from typer.testing import CliRunner
+
+    import tandem.serving.server as server
+    from tandem.cli import app
+
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda config, options, http: seen.setdefault("config", config))
+    args = ["serve", "--enable-dbo", "--overlap-policy", "auto", "--ubatch-split", "balanced-cost", "--port", "0"]
+    cli = CliRunner().invoke(app, args)
+    assert cli.exit_code == 0, cli.output
+    assert (seen["config"].overlap.overlap_policy, seen["config"].overlap.ubatch_split) == ("auto", "balanced-cost")
+    bad = CliRunner().invoke(app, ["serve", "--overlap-policy", "sometimes", "--port", "0"])
+    assert bad.exit_code != 0 and "--overlap-policy" in bad.output

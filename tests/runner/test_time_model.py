@@ -73,3 +73,20 @@ def test_metrics_export_the_time_model():
     assert "tandem_engine_comm_seconds_total 4.0" in text
     assert "tandem_engine_ubatch_switch_seconds_total 0.5" in text
     assert "tandem_engine_overlap_efficiency 0.75" in text
+
+
+def test_metrics_export_the_planner_counters_summed_over_ranks():
+    from tandem.serving.engine_client import EngineStats
+    from tandem.serving.metrics import ServingMetrics
+
+    planner = {"choices": {"none": 3, "dbo-2": 5}, "explored_steps": 1, "predicted_steps": 6,
+               "predicted_s": 0.5, "measured_s": 0.6, "abs_error_s": 0.125}
+    stats = EngineStats(per_rank=[{"planner": planner}, {"planner": planner}, {"planner": None}])
+    text = ServingMetrics(_Client(stats)).render()[0].decode()
+    assert 'tandem_planner_steps_total{choice="dbo-2"} 10.0' in text
+    assert 'tandem_planner_steps_total{choice="none"} 6.0' in text
+    assert "tandem_planner_explored_steps_total 2.0" in text
+    assert "tandem_planner_predicted_step_seconds_total 1.0" in text
+    assert "tandem_planner_measured_step_seconds_total 1.2" in text
+    assert "tandem_planner_abs_error_seconds_total 0.25" in text
+    assert "tandem_planner" not in ServingMetrics(_Client(EngineStats())).render()[0].decode()

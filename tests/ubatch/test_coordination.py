@@ -40,3 +40,28 @@ def test_single_process_without_a_group():
 def test_negative_tokens_rejected():
     with pytest.raises(ValueError, match="num_tokens"):
         coordinate_ubatching(-1, True)
+
+
+def _decide_with_predictions(rank, world_size, cases):
+    return [coordinate_ubatching(n, True, predicted_s=p) for n, p in cases[rank]]
+
+
+def test_predictions_ride_in_the_same_all_reduce_and_the_slowest_busy_rank_counts():
+    inf = float("inf")
+    cases = [
+        [(64, [0.010, 0.008]), (0, [0.5, 0.5]), (64, [0.004, inf])],
+        [(64, [0.012, 0.006]), (32, [0.001, 0.001]), (64, [0.005, 0.003])],
+    ]
+    per_rank = run_distributed(_decide_with_predictions, 2, cases, timeout_s=90)
+    assert per_rank[0] == per_rank[1]
+    both, one_idle, one_unknown = per_rank[0]
+    assert both.predicted_s == pytest.approx([0.012, 0.008])
+    assert one_idle.predicted_s == pytest.approx([0.001, 0.001])  # the idle rank's guess is ignored
+    assert one_unknown.predicted_s[0] == pytest.approx(0.005) and one_unknown.predicted_s[1] == inf
+
+
+def test_fits_checks_each_ubatch_count():
+    decision = coordinate_ubatching(5, True, predicted_s=[0.001])
+    assert decision.predicted_s == pytest.approx([0.001])
+    assert decision.fits(2) and decision.fits(5) and not decision.fits(6)
+    assert coordinate_ubatching(5, True).predicted_s is None

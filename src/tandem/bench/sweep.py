@@ -41,6 +41,9 @@ class BenchSpec:
     #: Record the overlap timeline of every step (`--trace` / `--timeline`): the result
     #: then holds the ranks' merged Chrome trace under "trace".
     trace: bool = False
+    ubatch_split: str = "tokens"
+    #: A `tandem tune` file: the `auto` mode's prior (and static thresholds).
+    thresholds_file: str | None = None
     #: The EngineConfig for model-step workloads (built by the CLI from the shared flags).
     engine_config: Any = None
     device: str = "auto"
@@ -56,7 +59,8 @@ class BenchSpec:
 def _workload(spec: BenchSpec, rank: int, world: int, phase: str, max_tokens: int):
     if spec.model == MOE_STACK:
         return MoEStackWorkload(
-            rank, world, backend=spec.all2all_backend or "torch_a2a", num_ubatches=spec.num_ubatches, phase=phase
+            rank, world, backend=spec.all2all_backend or "torch_a2a", num_ubatches=spec.num_ubatches, phase=phase,
+            thresholds_file=spec.thresholds_file,
         )
     return ModelStepWorkload(
         spec.engine_config, phase=phase, context_len=spec.context_len, prefill_len=spec.prefill_len,

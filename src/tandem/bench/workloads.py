@@ -38,14 +38,17 @@ from tandem.modular_kernels import (
     expert_mlp,
     select_experts,
 )
+from tandem.config import OverlapConfig
 from tandem.runner.model_runner import StepTimes
+from tandem.ubatch import coordinate_ubatching
+from tandem.ubatch.planner import OverlapPlanner, StepMeasurement, StepShape, TunePrior, overlap_choices
 
 #: SGLang's SBO modes, each as its own bench mode (`sbo` and `dbo+sbo` run `auto`).
 SBO_MODE_NAMES = {f"sbo-{m}": m for m in ("combine-down-gemm", "combine-shared", "dispatch-shared")}
 #: Modes every workload runs: no overlap, DBO on threads or greenlets, SBO (auto or one
-#: mode), DBO with SBO, and TBO (the ubatches interleaved stage by stage by the stage
-#: executor, no threads).
-MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo", *SBO_MODE_NAMES, "tbo")
+#: mode), DBO with SBO, TBO (the ubatches interleaved stage by stage by the stage executor,
+#: no threads), and the overlap planner choosing per step (`--overlap-policy auto`).
+MODES = ("none", "dbo", "dbo-greenlet", "sbo", "dbo+sbo", *SBO_MODE_NAMES, "tbo", "auto")
 PHASES = ("decode", "prefill")
 MOE_STACK = "moe-stack"
 
@@ -100,9 +103,27 @@ def _mode_flags(mode: str) -> tuple[bool, str, str | None]:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     if mode == "tbo":
         return True, "stages", None
-    dbo = mode.startswith("dbo")
+    dbo = mode.startswith("dbo") or mode == "auto"
     sbo = "auto" if mode in ("sbo", "dbo+sbo") else SBO_MODE_NAMES.get(mode)
     return dbo, "greenlet" if mode == "dbo-greenlet" else "thread", sbo
+
+
+def mode_overlap(base: OverlapConfig, mode: str) -> OverlapConfig:
+    """The overlap settings of a mode: fixed modes split every step (thresholds 0) or none;
+    `auto` is the planner, falling back to the base's thresholds (a `--thresholds-file`'s)
+    or the defaults until it has predictions."""
+    dbo, executor, _ = _mode_flags(mode)
+    if mode == "auto":
+        thresholds = base if base.thresholds_file else OverlapConfig()
+        return replace(
+            base, enable_dbo=True, executor=executor, overlap_policy="auto",
+            dbo_decode_token_threshold=thresholds.dbo_decode_token_threshold,
+            dbo_prefill_token_threshold=thresholds.dbo_prefill_token_threshold,
+        )
+    return replace(
+        base, enable_dbo=dbo, executor=executor, overlap_policy="static",
+        dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0,
+    )
 
 
 def _kernels(model) -> list[FusedMoEModularKernel]:
@@ -173,17 +194,18 @@ class ModelStepWorkload:
         self.runner.tracer = tracer
 
     def measure(self, mode: str, tokens: int) -> Sample:
-        dbo, executor, sbo = _mode_flags(mode)
+        _, _, sbo = _mode_flags(mode)
         if self.runner.tracer is not None:
             self.runner.tracer.tags = {"mode": mode}
-        self.runner.overlap = replace(
-            self.base_overlap, enable_dbo=dbo, executor=executor, dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0
-        )
-        self.runner.wrapper.executor = self.executors[executor]
         for k in self.kernels:
             k.enable_sbo = sbo is not None
             k.sbo_mode = sbo or "auto"
-        chunks = self._chunks(tokens)
+        return self.run_step(mode_overlap(self.base_overlap, mode), self._chunks(tokens))
+
+    def run_step(self, overlap: OverlapConfig, chunks) -> Sample:
+        """One step of `chunks` (this rank's `ScheduledChunk`s) under `overlap`."""
+        self.runner.overlap = overlap
+        self.runner.wrapper.executor = self.executors[overlap.executor]
         _barrier(self.distributed)
         self.runner.execute(chunks, [self.params] * len(chunks), [None] * len(chunks))
         return _gather(self.runner.last_step_times, self.distributed)
@@ -287,6 +309,7 @@ class MoEStack:
         self._inputs: dict[int, torch.Tensor] = {}
         #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`), or None.
         self.tracer = None
+        self._planners: dict[tuple, OverlapPlanner] = {}
 
     def inputs(self, tokens: int) -> torch.Tensor:
         if tokens not in self._inputs:
@@ -326,10 +349,47 @@ class MoEStack:
             [i * strategy.delta_stages for i in range(len(chunks))],
         )
 
-    def step(self, mode: str, tokens: int, fabric: FabricModel | None) -> StepTimes:
+    def _planner(self, overlap: OverlapConfig) -> OverlapPlanner:
+        key = (overlap.num_ubatches, overlap.thresholds_file, overlap.planner_explore_share)
+        if key not in self._planners:
+            prior = TunePrior.from_file(overlap.thresholds_file) if overlap.thresholds_file else None
+            self._planners[key] = OverlapPlanner(
+                overlap_choices(overlap.num_ubatches, dbo=True, sbo=False),
+                explore_share=overlap.planner_explore_share, prior=prior,
+            )
+        return self._planners[key]
+
+    def step_overlap(self, overlap: OverlapConfig, tokens: int, fabric: FabricModel | None) -> StepTimes:
+        """One step decided as the runtime decides it: the DP all-reduce of
+        `coordinate_ubatching` (with the planner's predictions under `auto`), then no
+        split or DBO with the agreed ubatch count. The stack has no KV attention and is
+        costed as a decode step (the decode threshold applies)."""
+        wants = overlap.enable_dbo and tokens >= overlap.dbo_decode_token_threshold
+        auto = overlap.overlap_policy == "auto"
+        planner, shape = (self._planner(overlap), StepShape(tokens)) if auto else (None, None)
+        predicted = planner.predict(shape) if planner else None
+        start = time.perf_counter()
+        group = dist.group.WORLD if self.world > 1 else None
+        decision = coordinate_ubatching(tokens, wants, group=group, num_ubatches=overlap.num_ubatches, predicted_s=predicted)
+        agree_s = time.perf_counter() - start
+        k = overlap.num_ubatches if decision.should_ubatch else 1
+        if planner is not None:
+            planned = planner.decide(decision, k, predicted)
+            k = planned.choice.num_ubatches
+        times = self.step("none" if k == 1 else "dbo", tokens, fabric, num_ubatches=k)
+        # The agreement is part of the step (a synchronous collective: exposed communication).
+        times = StepTimes(times.step_s + agree_s, times.compute_s, times.recv_wait_s + agree_s, times.comm_s + agree_s, times.switch_s)
+        if planner is not None:
+            planner.observe(planned, shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s))
+        return times
+
+    def step(self, mode: str, tokens: int, fabric: FabricModel | None, *, num_ubatches: int | None = None) -> StepTimes:
         """One step of `mode` on this rank (no barrier, no gathering): its time model."""
         if mode not in MODES + self.EXTRA_MODES:
             raise ValueError(f"unknown mode {mode!r}")
+        if mode == "auto":
+            raise ValueError("the auto mode runs through step_overlap (it needs the overlap settings)")
+        num_ubatches = num_ubatches or self.num_ubatches
         x = self.inputs(tokens)
         comm = not mode.startswith("compute")
         dbo = mode.startswith("dbo") or mode == "tbo"
@@ -338,7 +398,7 @@ class MoEStack:
         else:
             sbo = _mode_flags(mode)[2] if mode in MODES else None
         # A ubatch's static low-latency buffers only need room for its own tokens.
-        max_tokens = -(-tokens // self.num_ubatches) if dbo else tokens
+        max_tokens = -(-tokens // num_ubatches) if dbo else tokens
         kernels = [self._kernel(layer, comm=comm, sbo=sbo, fabric=fabric, max_tokens=max_tokens) for layer in self.layers]
         if mode == "comm":
             for k in kernels:
@@ -353,9 +413,9 @@ class MoEStack:
             if mode == "tbo":
                 self._forward_tbo(x, kernels)
             elif dbo:
-                run_ubatches([lambda c=c: run(c) for c in x.tensor_split(self.num_ubatches)], executor=executor)
+                run_ubatches([lambda c=c: run(c) for c in x.tensor_split(num_ubatches)], executor=executor)
             elif mode == "compute-split":
-                for chunk in x.tensor_split(self.num_ubatches):
+                for chunk in x.tensor_split(num_ubatches):
                     run(chunk)
             else:
                 run(x)
@@ -368,9 +428,11 @@ class MoEStack:
 
 class MoEStackWorkload:
     def __init__(
-        self, rank: int, world: int, *, backend: str, num_ubatches: int, executor: str = "thread", phase: str = "decode", **shape
+        self, rank: int, world: int, *, backend: str, num_ubatches: int, executor: str = "thread", phase: str = "decode",
+        thresholds_file: str | None = None, **shape,
     ):
         self.stack = MoEStack(rank, world, backend=backend, num_ubatches=num_ubatches, executor=executor, phase=phase, **shape)
+        self.base_overlap = OverlapConfig(num_ubatches=num_ubatches).with_thresholds_file(thresholds_file)
         self.distributed = world > 1
         self.fabric: FabricModel | None = None
         self.num_moe_layers = self.stack.cfg["layers"]
@@ -382,12 +444,18 @@ class MoEStackWorkload:
         self.stack.tracer = tracer
 
     def measure(self, mode: str, tokens: int) -> Sample:
+        if mode == "auto":
+            return self.run_overlap(mode_overlap(self.base_overlap, mode), tokens)
         _barrier(self.distributed)
         return _gather(self.stack.step(mode, tokens, self.fabric), self.distributed)
+
+    def run_overlap(self, overlap: OverlapConfig, tokens: int) -> Sample:
+        _barrier(self.distributed)
+        return _gather(self.stack.step_overlap(overlap, tokens, self.fabric), self.distributed)
 
     def floor(self, tokens: int, none_sample: Sample | None = None) -> tuple[float, float]:
         """(compute s, communication s), each its own step."""
         return self.measure("compute", tokens).step_s, self.measure("comm", tokens).step_s
 
 
-__all__ = ["MODES", "MOE_STACK", "PHASES", "MoEStack", "MoEStackWorkload", "ModelStepWorkload", "Sample"]
+__all__ = ["MODES", "MOE_STACK", "PHASES", "MoEStack", "MoEStackWorkload", "ModelStepWorkload", "Sample", "mode_overlap"]

@@ -1,5 +1,5 @@
-"""A modelled interconnect: a receive completes no earlier than its issue time plus
-latency plus bytes / bandwidth.
+"""A modelled interconnect: each rank's link is one queue, and a transfer completes at
+max(issue, link free) + latency + bytes / bandwidth.
 
 On one CPU machine the gloo transport shares the cores with compute, so it cannot show what
 overlap buys on a real fabric. With a model, the real transfer still happens (results stay
@@ -18,18 +18,26 @@ latency + bytes / bandwidth line, taking the payload DeepEP moves per rank (ever
 once per selected expert: 7168 FP8 bytes + 56 float32 scales for dispatch, 7168 BF16
 values for combine).
 
-Limits: no congestion, topology, incast or message-size-dependent efficiency; every
-transfer of a rank is independent (two in flight do not share the bandwidth); the time is
-charged on the receive side only; the real gloo transfer underneath still costs CPU; and a
-Python `time.sleep` overshoots by tens of microseconds (timer slack), so latencies below
-~100 µs are approximate. A graph replay does not run the Python wait, so the model only
+The link queue: a rank's transfers (sends and receives alike) are served one after the
+other, so two in flight at once share the link (the second finishes one transfer time
+after the first) instead of each getting the whole bandwidth, and no overlap schedule can
+beat max(compute, communication). An all-to-all moves its send and its receive payload in
+the two directions of a full-duplex link at once: it holds the link for latency + the
+larger of the two / bandwidth, so a balanced exchange costs what DeepEP's figures (fitted
+on the per-rank payload) say and the presets keep their fitted numbers.
+
+Limits: no congestion, topology, incast or message-size-dependent efficiency; each rank
+models only its own link (a peer's busy link does not delay this rank's receive); the real
+gloo transfer underneath still costs CPU; and a Python `time.sleep` overshoots by tens of
+microseconds (timer slack), so latencies below ~100 µs are approximate. A graph replay does not run the Python wait, so the model only
 applies to eager steps.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: DeepEP's low-latency kernels on H800 (legacy V1 README, "Low-latency kernels with pure
 #: RDMA"): EP size -> (dispatch µs, combine µs) at 128 tokens/rank, hidden 7168, top-8.
@@ -60,10 +68,34 @@ FABRIC_PRESETS: dict[str, tuple[float, float]] = {
 FABRIC_PRESETS["deepep-ll-h800"] = FABRIC_PRESETS["deepep-ll-h800-ep8"]
 
 
+class LinkQueue:
+    """One rank's link: transfers are served in issue order, each after the previous one
+    has finished. Thread-safe (ubatch threads issue transfers)."""
+
+    def __init__(self) -> None:
+        self._free_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def reserve(self, issued: float, duration_s: float) -> float:
+        """Queue a transfer issued at `issued` that holds the link `duration_s`; its finish time."""
+        if duration_s < 0:
+            raise ValueError(f"a transfer cannot take negative time, got {duration_s} s")
+        with self._lock:
+            finish = max(issued, self._free_at) + duration_s
+            self._free_at = finish
+        return finish
+
+    @property
+    def free_at(self) -> float:
+        return self._free_at
+
+
 @dataclass(frozen=True)
 class FabricModel:
     latency_s: float
     bytes_per_s: float
+    #: This rank's link; each model instance has its own (one per rank process).
+    link: LinkQueue = field(default_factory=LinkQueue, compare=False, repr=False)
 
     @classmethod
     def from_flags(
@@ -103,11 +135,14 @@ class FabricModel:
         return f"{self.latency_us:.1f} µs + bytes / {self.gbps:.3g} GB/s"
 
     def transfer_time(self, nbytes: int) -> float:
+        """How long a transfer of `nbytes` holds the link (no queueing)."""
         return self.latency_s + nbytes / self.bytes_per_s
 
-    def start(self, nbytes: int) -> float:
-        """Deadline of a transfer of `nbytes` issued now."""
-        return time.perf_counter() + self.transfer_time(nbytes)
+    def start(self, sent_bytes: int, received_bytes: int = 0, *, issued: float | None = None) -> float:
+        """Queue a transfer issued now (or at `issued`) that sends `sent_bytes` and receives
+        `received_bytes` on this rank's link; its finish time (a `perf_counter` value)."""
+        issued = time.perf_counter() if issued is None else issued
+        return self.link.reserve(issued, self.transfer_time(max(sent_bytes, received_bytes)))
 
     @staticmethod
     def wait_until(deadline: float) -> None:
@@ -117,4 +152,4 @@ class FabricModel:
             time.sleep(remaining)
 
 
-__all__ = ["DEEPEP_LL_H800_US", "FABRIC_PRESETS", "FabricModel"]
+__all__ = ["DEEPEP_LL_H800_US", "FABRIC_PRESETS", "FabricModel", "LinkQueue"]

@@ -30,6 +30,10 @@ def _async_a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
 
 
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
     activation_format = ActivationFormat.STANDARD
     name = "torch_a2a"
@@ -47,8 +51,9 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
         works = [_async_a2a(r, s, out_splits, in_splits, self.group) for s, r in zip(sends, recvs)]
         deadline = modelled = None
         if self.fabric is not None:
-            modelled = self.fabric.transfer_time(sum(s.numel() * s.element_size() for s in sends))
-            deadline = time.perf_counter() + modelled
+            issued = time.perf_counter()
+            deadline = self.fabric.start(_nbytes(sends), _nbytes(recvs), issued=issued)
+            modelled = deadline - issued
 
         def wait() -> None:
             for work in works:

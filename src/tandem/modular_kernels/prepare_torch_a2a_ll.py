@@ -56,8 +56,11 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
             issued.append((funcol.all_to_all_single(flat.reshape(-1), split, split, self.group), t, as_bytes))
         deadline = modelled = None
         if self.fabric is not None:
-            modelled = self.fabric.transfer_time(sum(t.numel() * t.element_size() for t in tensors))
-            deadline = time.perf_counter() + modelled
+            # Equal splits: this rank receives as many bytes as it sends.
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            issued = time.perf_counter()
+            deadline = self.fabric.start(nbytes, nbytes, issued=issued)
+            modelled = deadline - issued
         received: list[torch.Tensor] = []
 
         def wait() -> None:

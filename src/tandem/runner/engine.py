@@ -18,6 +18,8 @@ all ranks while any rank `has_work`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +60,8 @@ class EngineStats:
     failed_steps: int = 0
     #: Pipeline parallelism: each stage's idle (bubble) fraction, stage order; None without PP.
     pipeline_stage_idle_fraction: list | None = None
+    #: The overlap planner's counters (`tandem.ubatch.planner.PlannerStats` as a dict), if one runs.
+    planner: dict | None = None
 
 
 class Engine:
@@ -234,6 +238,7 @@ class Engine:
             comm_time_s=runner.total_step_times.comm_s,
             ubatch_switch_s=runner.total_step_times.switch_s,
             failed_steps=self.failed_steps,
+            planner=dataclasses.asdict(runner.planner.stats) if runner.planner is not None else None,
         )
 
     def close(self) -> None:

@@ -26,7 +26,23 @@ from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
 from tandem.runner.sampling import SamplingParams, sample_tokens
 from tandem.runner.ubatch_wrapper import TBO_DECODE, UBatchWrapper
-from tandem.ubatch import balanced_split, check_ubatch_thresholds, coordinate_ubatching, split_by_tokens
+from tandem.ubatch import (
+    attention_work,
+    balanced_split,
+    check_ubatch_thresholds,
+    coordinate_ubatching,
+    split_by_cost,
+    split_by_tokens,
+)
+from tandem.ubatch.cost_split import DEFAULT_ATTENTION_WEIGHT
+from tandem.ubatch.planner import (
+    OverlapPlanner,
+    PlannedStep,
+    StepMeasurement,
+    StepShape,
+    TunePrior,
+    overlap_choices,
+)
 
 
 @dataclass
@@ -116,28 +132,84 @@ class ModelRunner:
         from tandem.testing.faults import install_from_env
 
         self.fault_hooks = install_from_env(self)
+        #: Overlap planners by the settings they plan for: whoever swaps `overlap` (bench
+        #: modes) gets back the planner, and what it learnt, of each setting.
+        self._planners: dict[tuple, OverlapPlanner] = {}
+        self._planned: tuple[OverlapPlanner, PlannedStep, StepShape] | None = None
+
+    def _moe_kernels(self) -> list:
+        return [m.kernel for m in self.model.modules() if hasattr(getattr(m, "kernel", None), "enable_sbo")]
+
+    @property
+    def planner(self) -> OverlapPlanner | None:
+        """The overlap planner under `--overlap-policy auto`; under `--ubatch-split
+        balanced-cost` too, where it only observes (its fit prices attention for the cut)."""
+        o = self.overlap
+        if o.overlap_policy != "auto" and o.ubatch_split != "balanced-cost":
+            return None
+        auto = o.overlap_policy == "auto"
+        key = (auto, o.num_ubatches, o.enable_dbo, o.thresholds_file, o.planner_explore_share)
+        if key not in self._planners:
+            sbo = any(k.enable_sbo for k in self._moe_kernels())
+            self._planners[key] = OverlapPlanner(
+                overlap_choices(o.num_ubatches, dbo=o.enable_dbo, sbo=sbo),
+                explore_share=o.planner_explore_share if auto else 0.0,
+                prior=TunePrior.from_file(o.thresholds_file) if auto and o.thresholds_file else None,
+            )
+        return self._planners[key]
 
     @property
     def ubatch_yields(self) -> int:
         return self.wrapper.executor.switches
 
-    def _plan(self, num_scheduled_tokens: list[int]):
-        num_tokens = sum(num_scheduled_tokens)
-        uniform_decode = bool(num_scheduled_tokens) and all(n == 1 for n in num_scheduled_tokens)
-        wants = self.overlap.enable_dbo and check_ubatch_thresholds(
-            num_tokens,
-            uniform_decode,
-            self.overlap.dbo_decode_token_threshold,
-            self.overlap.dbo_prefill_token_threshold,
+    def _plan(self, counts: list[int], contexts: list[int]):
+        """Agree with the other DP ranks on the step's padded size and its ubatch count."""
+        num_tokens = sum(counts)
+        uniform_decode = bool(counts) and all(n == 1 for n in counts)
+        o = self.overlap
+        wants = o.enable_dbo and check_ubatch_thresholds(
+            num_tokens, uniform_decode, o.dbo_decode_token_threshold, o.dbo_prefill_token_threshold
         )
+        planner = self.planner
+        shape = StepShape(num_tokens, attention_work(counts, contexts), uniform_decode) if planner else None
+        predicted = planner.predict(shape) if planner is not None and o.overlap_policy == "auto" else None
         with timed_blocking():
-            return coordinate_ubatching(num_tokens, wants, group=self.dp_group, num_ubatches=self.overlap.num_ubatches)
+            decision = coordinate_ubatching(
+                num_tokens, wants, group=self.dp_group, num_ubatches=o.num_ubatches, predicted_s=predicted
+            )
+        if planner is None:
+            self._planned = None
+            return decision, o.num_ubatches if decision.should_ubatch else 1
+        static_num_ubatches = o.num_ubatches if decision.should_ubatch else 1
+        if predicted is None:  # static policy, balanced-cost split: the planner only learns
+            static = planner.static_choice(static_num_ubatches)
+            planned = PlannedStep(static, planner.predict(shape)[planner.choices.index(static)], False)
+        else:
+            planned = planner.decide(decision, static_num_ubatches, predicted)
+            if any(c.sbo for c in planner.choices):
+                for kernel in self._moe_kernels():
+                    kernel.enable_sbo = planned.choice.sbo
+        # An idle rank's step is all waiting for the others: nothing to learn from it.
+        self._planned = (planner, planned, shape) if num_tokens else None
+        return decision, planned.choice.num_ubatches
+
+    def _split(self, counts: list[int], contexts: list[int], num_ubatches: int, padded: int):
+        if self.overlap.ubatch_split == "tokens":
+            return split_by_tokens(
+                counts, num_ubatches, num_tokens_padded=padded, split_point=self._tbo_split_point(counts, num_ubatches)
+            )
+        weight = self.planner.model.attention_weight if self.planner is not None else None
+        return split_by_cost(
+            counts, contexts, num_ubatches, num_tokens_padded=padded,
+            attention_weight=DEFAULT_ATTENTION_WEIGHT if weight is None else weight,
+        )
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[StepInputs, list | None]:
         counts = [len(c.token_ids) for c in chunks]
-        decision = self._plan(counts)
+        contexts = [c.num_computed for c in chunks]
+        decision, num_ubatches = self._plan(counts, contexts)
         slices = None
-        if decision.should_ubatch or self.overlap.graph_mode == "full":
+        if num_ubatches > 1 or self.overlap.graph_mode == "full":
             # Same shape on every rank: one graph per size, and ubatches cut at the same points.
             padded = decision.num_tokens_padded
         elif decision.num_tokens_padded == 0:
@@ -145,10 +217,8 @@ class ModelRunner:
         else:
             # Own tokens only; an idle rank runs one padding token to join the collectives.
             padded = max(sum(counts), 1)
-        if decision.should_ubatch:
-            slices = split_by_tokens(
-                counts, self.overlap.num_ubatches, num_tokens_padded=padded, split_point=self._tbo_split_point(counts)
-            )
+        if num_ubatches > 1:
+            slices = self._split(counts, contexts, num_ubatches, padded)
         return build_step_inputs(chunks, self.block_size, padded, device=self.device), slices
 
     def _every_rank_decodes(self, chunks: Sequence[ScheduledChunk]) -> bool:
@@ -163,12 +233,12 @@ class ModelRunner:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
         return not bool(flag.item())
 
-    def _tbo_split_point(self, counts: list[int]) -> int | None:
+    def _tbo_split_point(self, counts: list[int], num_ubatches: int) -> int | None:
         """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split
         by sequences, or inside one sequence when no boundary is balanced enough; None (cut
         by tokens) for decode batches and for the other executors."""
         num_tokens = sum(counts)
-        if self.overlap.executor != "stages" or self.overlap.num_ubatches != 2 or all(n == 1 for n in counts):
+        if self.overlap.executor != "stages" or num_ubatches != 2 or all(n == 1 for n in counts):
             return None
         split = balanced_split(counts, self.overlap.tbo_token_distribution_threshold)
         return split.token_index if 0 < split.token_index < num_tokens else None
@@ -189,9 +259,12 @@ class ModelRunner:
         counters = CommCounters(tracer=self.tracer)
         switch_before = self.wrapper.executor.switch_time_s
         start = time.perf_counter()
+        completed = False
         try:
             with time_model(counters), self.platform.use_device(self.device):
-                return self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
+                result = self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
+            completed = True
+            return result
         finally:
             elapsed = time.perf_counter() - start
             if self.tracer is not None:
@@ -207,6 +280,10 @@ class ModelRunner:
             )
             self.last_step_times = times
             self.total_step_times = self.total_step_times + times
+            planned, self._planned = self._planned, None
+            if planned is not None and completed:
+                planner, step, shape = planned
+                planner.observe(step, shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s))
 
     def _execute(self, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
         if self.future_map is None and any(t < 0 for c in chunks for t in c.token_ids):

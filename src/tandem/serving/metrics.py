@@ -21,6 +21,14 @@ Engine (read from `EngineClient.stats()` / `health()` at scrape time):
   tandem_engine_overlap_efficiency (gauge: hidden / total communication so far);
   pipeline parallelism: tandem_engine_pipeline_stage_idle_ratio{stage} (gauge: the stage's
   idle (bubble) share of its time while the pipeline had work, mean over the DP ranks).
+
+Overlap planner (`--overlap-policy auto`, or `--ubatch-split balanced-cost`), summed over ranks:
+  tandem_planner_steps_total{choice}                 steps run with each overlap choice
+  tandem_planner_explored_steps_total                of which exploration (another than the best)
+  tandem_planner_predicted_steps_total               steps that had a prediction, and over them:
+  tandem_planner_predicted_step_seconds_total        predicted step time
+  tandem_planner_measured_step_seconds_total         measured step time
+  tandem_planner_abs_error_seconds_total             |predicted - measured|
 """
 
 from __future__ import annotations
@@ -143,6 +151,28 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))
+        yield from _planner_metrics([r["planner"] for r in stats.per_rank if r.get("planner")])
+
+
+def _planner_metrics(per_rank: list[dict]) -> Iterable[Metric]:
+    if not per_rank:
+        return
+    steps = CounterMetricFamily("tandem_planner_steps", "Steps run with each overlap choice (summed over ranks)", labels=["choice"])
+    choices: dict[str, int] = {}
+    for stats in per_rank:
+        for choice, n in stats["choices"].items():
+            choices[choice] = choices.get(choice, 0) + n
+    for choice, n in sorted(choices.items()):
+        steps.add_metric([choice], float(n))
+    yield steps
+    for key, name, doc in [
+        ("explored_steps", "tandem_planner_explored_steps", "Steps the planner ran another choice than its best, to explore"),
+        ("predicted_steps", "tandem_planner_predicted_steps", "Steps that had a predicted step time"),
+        ("predicted_s", "tandem_planner_predicted_step_seconds", "Predicted step time of the choice taken"),
+        ("measured_s", "tandem_planner_measured_step_seconds", "Measured step time of the steps that had a prediction"),
+        ("abs_error_s", "tandem_planner_abs_error_seconds", "Absolute error of the predicted step time"),
+    ]:
+        yield CounterMetricFamily(name, doc, value=float(sum(stats[key] for stats in per_rank)))
 
 
 class ServingMetrics:

@@ -38,8 +38,8 @@ def _log(message: str) -> None:
 def describe(config, options: ServeOptions, http: HttpOptions, world_size: int) -> str:
     o, p = config.overlap, config.parallel
     dbo = (
-        f"on (ubatches={o.num_ubatches}, executor={o.executor}, thresholds decode={o.dbo_decode_token_threshold} "
-        f"prefill={o.dbo_prefill_token_threshold})"
+        f"on (ubatches={o.num_ubatches}, executor={o.executor}, policy={o.overlap_policy}, split={o.ubatch_split}, "
+        f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold})"
         if o.enable_dbo
         else "off"
     )

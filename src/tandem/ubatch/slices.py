@@ -54,8 +54,7 @@ def split_by_tokens(
     counts = [int(n) for n in num_scheduled_tokens]
     if any(n < 0 for n in counts):
         raise ValueError(f"num_scheduled_tokens must be non-negative, got {counts}")
-    cu = [0, *itertools.accumulate(counts)]
-    num_tokens, num_requests = cu[-1], len(counts)
+    num_tokens = sum(counts)
     padded = num_tokens if num_tokens_padded is None else int(num_tokens_padded)
     if padded < num_tokens:
         raise ValueError(f"num_tokens_padded={padded} is smaller than the {num_tokens} scheduled tokens")
@@ -65,10 +64,20 @@ def split_by_tokens(
         raise ValueError(
             f"split_point={split_point} does not fit {num_ubatches} ubatches in {padded} tokens"
         )
+    return slices_at_cuts(counts, [split_point * i for i in range(1, num_ubatches)], padded)
 
-    cuts = [split_point * i for i in range(num_ubatches)] + [padded]
+
+def slices_at_cuts(num_scheduled_tokens: Sequence[int], cuts: Sequence[int], num_tokens_padded: int) -> list[UBatchSlice]:
+    """One ubatch per range between consecutive token `cuts` (non-decreasing, inside
+    `[0, num_tokens_padded]`); the last range ends at `num_tokens_padded`."""
+    counts = [int(n) for n in num_scheduled_tokens]
+    cu = [0, *itertools.accumulate(counts)]
+    num_tokens, num_requests = cu[-1], len(counts)
+    bounds = [0, *cuts, num_tokens_padded]
+    if any(b < a for a, b in zip(bounds, bounds[1:])) or num_tokens_padded < num_tokens:
+        raise ValueError(f"cuts {list(cuts)} must be non-decreasing within [0, {num_tokens_padded}]")
     slices = []
-    for start, stop in zip(cuts, cuts[1:]):
+    for start, stop in zip(bounds, bounds[1:]):
         real_stop = min(stop, num_tokens)
         if start >= real_stop:
             request_slice = slice(num_requests, num_requests)
