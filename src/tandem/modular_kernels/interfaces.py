@@ -92,6 +92,10 @@ class PrepareAndFinalize(ABC):
 
     activation_format: ActivationFormat
     name: str
+    #: True when, under DBO, the backend's own send yields to the other ubatch (its transfer
+    #: blocks the CPU, so the other ubatch queues its compute first): the kernel then adds
+    #: no yield of its own between send and receive.
+    yields_in_send: bool = False
     #: False when a transfer waits on the CPU for device data, which a captured graph
     #: never delivers: such a backend cannot run under `graph_mode="full"`.
     graph_capturable: bool = True

@@ -233,18 +233,19 @@ class FusedMoEModularKernel:
 
     # -- DBO: the steps with the yield / receive-hook handover between them ---------------
 
-    @staticmethod
-    def _hand_over(state: MoEStepState, hook_field: str) -> None:
+    def _hand_over(self, state: MoEStepState, hook_field: str) -> None:
         """Under DBO, park this transfer's receive hook on the next ubatch and yield (a
-        synchronous backend yields too, so every ubatch keeps the same schedule); outside
-        DBO the receive step runs the hook in place."""
+        synchronous backend yields too, so every ubatch keeps the same schedule, unless its
+        send already yielded); outside DBO the receive step runs the hook in place."""
         if not dbo_enabled():
             return
         hook = getattr(state, hook_field)
         if hook is not None:
             setattr(state, hook_field, None)
             dbo_register_recv_hook(hook)
-        dbo_yield()
+            dbo_yield()
+        elif not self.prepare_finalize.yields_in_send:
+            dbo_yield()
 
     def forward(self, hidden_states, w1, w2, topk_weights, topk_ids) -> torch.Tensor:
         """The whole layer (inputs as `dispatch_send`): the steps in order, with the DBO

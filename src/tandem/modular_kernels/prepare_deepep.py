@@ -297,6 +297,8 @@ class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     name = "deepep_high_throughput"
     #: dispatch waits on the CPU for the peers' counts, which a captured graph never delivers.
     graph_capturable = False
+    #: vLLM's order under DBO: yield, then the CPU-blocking dispatch/combine on the comm stream.
+    yields_in_send = True
 
     def __init__(
         self,
