@@ -73,8 +73,8 @@ def test_two_stages_by_two_dp_ranks_with_dbo_give_one_process_greedy_tokens(fami
     steps into ubatches."""
     dbo = {"enable_dbo": True, "dbo_decode_token_threshold": 2, "dbo_prefill_token_threshold": 2}
     parallel = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "all2all_backend": "torch_a2a", "pp_async_batch_depth": 1}
-    models = [family_models[0], family_models[-1]]  # tiny-moe (DeepSeek, MLA) and Mixtral
-    results = run_distributed(_pipeline_rank_dbo, 4, [(m, parallel) for m in models], dbo, timeout_s=200)
+    models = family_models  # tiny-moe (DeepSeek, MLA) and every HF family
+    results = run_distributed(_pipeline_rank_dbo, 4, [(m, parallel) for m in models], dbo, timeout_s=300)
     for index, model in enumerate(models):
         got = {}
         for tokens, _ in results[:2]:  # the first stage's two DP ranks
