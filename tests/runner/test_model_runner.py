@@ -70,3 +70,23 @@ def test_dbo_on_and_off_give_identical_greedy_tokens(num_ubatches, all2all, exec
         assert [len(t) for t in on_tokens] == [6] * 3 if rank == 0 else [3] * 2
         assert off_ubatched == 0
         assert on_ubatched > 0 and on_steps == off_steps
+
+
+def _runner_on_a_subgroup(rank, world):
+    import torch.distributed as dist
+
+    alone = dist.new_group([0], backend="gloo")  # collective: every rank creates it
+    if rank != 0:
+        return None
+    config = EngineConfig(model="tiny-moe", overlap=OverlapConfig(enable_dbo=True), cache=CacheConfig(num_kv_blocks=16))
+    runner = build_runner(config, group=alone)
+    tok = runner.info.tokenizer
+    completions = generate(runner, [(0, tok.encode("Hi").ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))])
+    return runner.dp_group is alone, len(completions[0].token_ids)
+
+
+def test_a_runner_on_a_gloo_subgroup_decides_its_steps_on_that_group():
+    """A runner whose group is a gloo group of some ranks (pp1 beside a pipeline in the PP
+    benchmark) agrees on its steps within that group; the world's CPU group would wait for
+    ranks that never step."""
+    assert run_distributed(_runner_on_a_subgroup, 2, timeout_s=120) == [(True, 2), None]

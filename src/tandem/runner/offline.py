@@ -100,7 +100,8 @@ def build_runner(config, *, group=None, cpu_group=None, stage=None) -> ModelRunn
     """Load `config.model` for this rank (its experts only; with `stage`, a
     `tandem.distributed.StageLayers`, only that pipeline stage's layers) on the rank's device
     and wrap it in a ModelRunner. `group` carries the model's tensor collectives (the device
-    group); `cpu_group` the step decisions (default: `launch.cpu_group()` when `group` is given)."""
+    group); `cpu_group` the step decisions over the same ranks (default: `group` itself when it
+    is a gloo group, `launch.cpu_group()` when `group` is the whole world)."""
     import torch.distributed as dist
 
     from tandem.models.base import MoEOptions
@@ -109,7 +110,13 @@ def build_runner(config, *, group=None, cpu_group=None, stage=None) -> ModelRunn
     from tandem.runner.launch import cpu_group as default_cpu_group, local_rank
 
     if group is not None and cpu_group is None:
-        cpu_group = default_cpu_group()
+        if dist.get_backend(group) == "gloo":
+            cpu_group = group
+        elif dist.get_world_size(group) == dist.get_world_size():
+            cpu_group = default_cpu_group()
+        else:
+            # The world's CPU group would wait for ranks that never join this group's steps.
+            raise ValueError("build_runner: a device group smaller than the world needs its own gloo cpu_group")
     device = config.resolve_device(local_rank(dist.get_rank() if dist.is_initialized() else 0))
     par = config.parallel
     moe = MoEOptions(
