@@ -65,3 +65,18 @@ def test_fits_checks_each_ubatch_count():
     assert decision.predicted_s == pytest.approx([0.001])
     assert decision.fits(2) and decision.fits(5) and not decision.fits(6)
     assert coordinate_ubatching(5, True).predicted_s is None
+
+
+def _decide_with_prefills(rank, world_size, cases):
+    return [coordinate_ubatching(n, True, prefills=p, predicted_s=[0.001]) for n, p in cases[rank]]
+
+
+def test_whether_any_rank_prefills_rides_in_the_same_all_reduce():
+    """TBO's strategy (decode or prefill) must be the same on every DP rank: the ranks learn
+    whether any of them prefills from the one all-reduce that agrees on the split."""
+    cases = [[(64, False), (64, True), (0, False)], [(64, False), (64, False), (32, True)]]
+    per_rank = run_distributed(_decide_with_prefills, 2, cases, timeout_s=90)
+    assert per_rank[0] == per_rank[1]
+    assert [d.any_rank_prefills for d in per_rank[0]] == [False, True, True]
+    assert [d.predicted_s for d in per_rank[0]] == [pytest.approx([0.001])] * 3
+    assert coordinate_ubatching(8, True, prefills=True).any_rank_prefills is True

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from tandem.config import OverlapConfig
 from tandem.contexts import CommCounters, ForwardContext, set_forward_context, time_model, timed_blocking
@@ -136,6 +135,9 @@ class ModelRunner:
         #: modes) gets back the planner, and what it learnt, of each setting.
         self._planners: dict[tuple, OverlapPlanner] = {}
         self._planned: tuple[OverlapPlanner, PlannedStep, StepShape] | None = None
+        #: The forward-context extras of the step `prepare` planned last (TBO's strategy, which
+        #: the DP ranks agreed on in the same all-reduce as the split).
+        self.step_extras: dict = {}
 
     def _moe_kernels(self) -> list:
         return [m.kernel for m in self.model.modules() if hasattr(getattr(m, "kernel", None), "enable_sbo")]
@@ -175,7 +177,8 @@ class ModelRunner:
         predicted = planner.predict(shape) if planner is not None and o.overlap_policy == "auto" else None
         with timed_blocking():
             decision = coordinate_ubatching(
-                num_tokens, wants, group=self.dp_group, num_ubatches=o.num_ubatches, predicted_s=predicted
+                num_tokens, wants, group=self.dp_group, num_ubatches=o.num_ubatches, predicted_s=predicted,
+                prefills=any(n != 1 for n in counts),
             )
         if planner is None:
             self._planned = None
@@ -219,19 +222,12 @@ class ModelRunner:
             padded = max(sum(counts), 1)
         if num_ubatches > 1:
             slices = self._split(counts, contexts, num_ubatches, padded)
+        # TBO's decode strategy (delta 2) and prefill strategy (delta 0) issue their all-to-alls
+        # in different orders: decode only if no rank prefills (an idle rank follows the others,
+        # as in SGLang).
+        stages = slices is not None and self.overlap.executor == "stages"
+        self.step_extras = {TBO_DECODE: not decision.any_rank_prefills} if stages else {}
         return build_step_inputs(chunks, self.block_size, padded, device=self.device), slices
-
-    def _every_rank_decodes(self, chunks: Sequence[ScheduledChunk]) -> bool:
-        """TBO's decode strategy (delta 2) and prefill strategy (delta 0) issue their
-        all-to-alls in different orders, so the DP ranks must agree on one: decode only if no
-        rank prefills (an idle rank follows the others, as in SGLang)."""
-        prefills = any(len(c.token_ids) != 1 for c in chunks)
-        if self.dp_group is None and not (dist.is_available() and dist.is_initialized()):
-            return not prefills
-        flag = torch.tensor([int(prefills)], dtype=torch.int64)
-        with timed_blocking():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return not bool(flag.item())
 
     def _tbo_split_point(self, counts: list[int], num_ubatches: int) -> int | None:
         """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split
@@ -295,10 +291,8 @@ class ModelRunner:
         if inputs.input_ids.shape[0] == 0:  # every DP rank is idle
             return StepResult([], 0, 0, False)
         self.ubatched_steps += slices is not None
-        extras = {}
-        if slices is not None and self.overlap.executor == "stages":
-            extras[TBO_DECODE] = self._every_rank_decodes(chunks)
-        with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=extras)):
+        context = ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=self.step_extras)
+        with set_forward_context(context):
             hidden = self.wrapper(inputs.input_ids, inputs.positions)
         if not chunks:
             return StepResult([], 0, inputs.input_ids.shape[0], slices is not None)

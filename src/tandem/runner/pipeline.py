@@ -47,7 +47,6 @@ from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import SchedulerStep
 from tandem.serving.outputs import RequestOutput
-from tandem.ubatch import split_by_tokens
 
 #: How often an idle first stage tells the others it is alive.
 HEARTBEAT_INTERVAL_S = 1.0
@@ -65,7 +64,10 @@ class MicroBatchPlan:
     sampling: list[SamplingParams] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     num_tokens_padded: int = 0
-    ubatched: bool = False
+    #: The first stage's ubatch cut and forward-context extras (TBO's strategy), agreed by its
+    #: DP ranks: every later stage splits the same way rather than deciding again.
+    ubatch_slices: list | None = None
+    forward_extras: dict = field(default_factory=dict)
     #: Requests finished since the previous micro-batch (the last stage drops their generators).
     finished_ids: list[str] = field(default_factory=list)
     error: str | None = None
@@ -126,39 +128,37 @@ class StageWorker:
 
     # -- compute --------------------------------------------------------------------------
 
-    def _run(self, x: torch.Tensor, inputs, slices) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, inputs, slices, extras: dict) -> torch.Tensor:
         runner = self.runner
         start = time.perf_counter()
         runner.steps += 1
         runner.ubatched_steps += slices is not None
         try:
-            with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices)):
+            with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=extras)):
                 return runner.wrapper(x, inputs.positions)
         finally:
             runner.step_time_s += time.perf_counter() - start
 
     @torch.no_grad()
-    def forward_first(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, int, bool]:
-        """Embed and run the first stage's layers; the padding and ubatch split are agreed
-        with the stage's other DP ranks here and forwarded to the later stages."""
+    def forward_first(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, int, list | None, dict]:
+        """Embed and run the first stage's layers; the padding, the ubatch split and the
+        forward-context extras are agreed with the stage's other DP ranks here and forwarded
+        to the later stages."""
         inputs, slices = self.runner.prepare(chunks)
+        extras = self.runner.step_extras
         padded = inputs.input_ids.shape[0]
         if padded == 0:
-            return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0, False
-        return self._run(inputs.input_ids.to(self.device), inputs, slices), padded, slices is not None
+            return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0, None, {}
+        return self._run(inputs.input_ids, inputs, slices, extras), padded, slices, extras
 
     @torch.no_grad()
     def forward_later(self, plan: MicroBatchPlan, hidden: torch.Tensor):
         """Run this stage's layers on the previous stage's hidden states; returns the hidden
         states and the step inputs (the last stage samples from both)."""
-        inputs = build_step_inputs(plan.chunks, self.runner.block_size, plan.num_tokens_padded)
+        inputs = build_step_inputs(plan.chunks, self.runner.block_size, plan.num_tokens_padded, device=self.device)
         if plan.num_tokens_padded == 0:
             return hidden, inputs
-        slices = None
-        if plan.ubatched:
-            counts = [len(c.token_ids) for c in plan.chunks]
-            slices = split_by_tokens(counts, self.runner.overlap.num_ubatches, num_tokens_padded=plan.num_tokens_padded)
-        return self._run(hidden, inputs, slices), inputs
+        return self._run(hidden, inputs, plan.ubatch_slices, plan.forward_extras), inputs
 
 
 class PipelineEngine(Engine):
@@ -242,7 +242,7 @@ class PipelineEngine(Engine):
         self._finished = []
         start = time.perf_counter()
         try:
-            hidden, plan.num_tokens_padded, plan.ubatched = worker.forward_first(chunks)
+            hidden, plan.num_tokens_padded, plan.ubatch_slices, plan.forward_extras = worker.forward_first(chunks)
         except Exception as exc:  # noqa: BLE001 - the micro-batch's requests fail, the pipeline goes on
             plan.error = f"stage 0: {type(exc).__name__}: {exc}"
             hidden = torch.empty(0, dtype=worker.dtype, device=worker.device)
@@ -273,7 +273,7 @@ class PipelineEngine(Engine):
         if plan.error is not None:
             return self._fail(planned, RuntimeError(plan.error))
         tokens = [int(t) if t >= 0 else None for t in message["tokens"].tolist()]
-        return self._apply(planned, StepResult(tokens, 0, plan.num_tokens_padded, plan.ubatched))
+        return self._apply(planned, StepResult(tokens, 0, plan.num_tokens_padded, plan.ubatch_slices is not None))
 
     def idle(self) -> None:
         if self._in_flight or time.monotonic() - self._last_send < HEARTBEAT_INTERVAL_S:

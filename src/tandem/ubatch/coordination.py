@@ -28,6 +28,9 @@ class UBatchDecision:
     #: Per overlap choice, the largest predicted step time over the ranks with tokens (the
     #: step takes as long as its slowest rank); None unless predictions were passed.
     predicted_s: list[float] | None = None
+    #: Whether any rank's step holds a prefill (a chunk of more than one token): TBO's decode
+    #: and prefill strategies order their all-to-alls differently, so the ranks pick one together.
+    any_rank_prefills: bool = False
 
     def fits(self, num_ubatches: int) -> bool:
         """Whether `num_ubatches` ubatches leave every busy rank's last ubatch some real
@@ -48,6 +51,7 @@ def coordinate_ubatching(
     group: dist.ProcessGroup | None = None,
     num_ubatches: int = 2,
     predicted_s: Sequence[float] | None = None,
+    prefills: bool = False,
 ) -> UBatchDecision:
     """Ubatch only if every rank with tokens wants to and, with every rank padded to the
     largest token count, no such rank's last ubatch would be pure padding (nor any ubatch
@@ -56,7 +60,8 @@ def coordinate_ubatching(
     not switch DBO off for the ranks that still have some.
 
     `predicted_s` (the same number of entries on every rank) rides in the same all-reduce;
-    the decision carries, per entry, the maximum over the busy ranks.
+    the decision carries, per entry, the maximum over the busy ranks. So does `prefills`
+    (this rank's step holds a prefill): the decision says whether any rank's does.
 
     Without an initialised process group this is the single-rank decision.
     """
@@ -68,19 +73,22 @@ def coordinate_ubatching(
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
-        # Row 0: tokens per rank; row 1: 1 where the rank wants to ubatch; rows 2..: the
-        # rank's predictions. Summing one-hot columns is an all-gather in one all-reduce.
-        table = torch.zeros(2 + len(predictions), world, dtype=torch.int64)
+        # Row 0: tokens per rank; row 1: 1 where the rank wants to ubatch; row 2: 1 where it
+        # prefills; rows 3..: the rank's predictions. Summing one-hot columns is an
+        # all-gather in one all-reduce.
+        table = torch.zeros(3 + len(predictions), world, dtype=torch.int64)
         table[0, rank] = num_tokens
         table[1, rank] = int(bool(wants_ubatch))
+        table[2, rank] = int(bool(prefills))
         if predictions:
-            table[2:, rank] = torch.tensor(predictions, dtype=torch.int64)
+            table[3:, rank] = torch.tensor(predictions, dtype=torch.int64)
         dist.all_reduce(table, group=group)
         per_rank = [int(n) for n in table[0].tolist()]
         wants = [bool(w) for w in table[1].tolist()]
-        predicted_ns = table[2:].tolist()
+        any_prefills = bool(table[2].any())
+        predicted_ns = table[3:].tolist()
     else:
-        per_rank, wants = [int(num_tokens)], [bool(wants_ubatch)]
+        per_rank, wants, any_prefills = [int(num_tokens)], [bool(wants_ubatch)], bool(prefills)
         predicted_ns = [[p] for p in predictions]
 
     padded = max(per_rank)
@@ -94,4 +102,4 @@ def coordinate_ubatching(
             float("inf") if max(row[r] for r in ranks) >= _UNKNOWN_NS else max(row[r] for r in ranks) / 1e9
             for row in predicted_ns
         ]
-    return UBatchDecision(should, padded, per_rank, agreed)
+    return UBatchDecision(should, padded, per_rank, agreed, any_prefills)
