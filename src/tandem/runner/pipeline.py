@@ -46,7 +46,7 @@ from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, EngineStats
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import SchedulerStep
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 
 #: How often an idle first stage tells the others it is alive.
 HEARTBEAT_INTERVAL_S = 1.0

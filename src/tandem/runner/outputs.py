@@ -1,4 +1,4 @@
-"""What an engine rank reports about a request, as the front end receives it."""
+"""What the engine reports about a request after each step, as the front end receives it."""
 
 from __future__ import annotations
 
