@@ -13,7 +13,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from tandem.models.base import MoEOptions  # noqa: E402
 from tandem.models.deepseek import DeepseekConfig, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM  # noqa: E402
-from tandem.models.testing_harness import GreedyHarness  # noqa: E402
+from tandem.testing.model_harness import GreedyHarness  # noqa: E402
 
 TOL = 1e-4
 
