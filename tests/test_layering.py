@@ -2,7 +2,8 @@
 
 Every module is parsed (ast: nothing is imported, so no side effects), every `import` is
 an edge, including imports inside functions: an import deferred into a function to dodge
-a cycle is still a cycle in the design. The layers are listed here, in one place, and
+a cycle is still a cycle in the design (modules named in strings for `importlib`, as the
+loader's family table does, are not seen). The layers are listed here, in one place, and
 DESIGN.md names the same order. They live in this test rather than in the package
 because nothing at run time needs them: the rule is a property of the source tree, and
 this test is the only reader.

@@ -13,7 +13,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.models import ModelInfo, MoEOptions
-from tandem.models import loader
 from tandem.models.loader import load_model, supported_architectures
 from tandem.testing.model_harness import GreedyHarness
 from tandem.testing import run_distributed
