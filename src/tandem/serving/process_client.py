@@ -33,6 +33,10 @@ from tandem.serving.rank import ServeOptions, local_rank_main
 HEARTBEAT_GRACE_S = 10.0
 #: After a failure, how long the surviving ranks get to report and exit on their own.
 FAILURE_GRACE_S = 2.0
+#: Attached to a head started by torchrun: how long the front end keeps answering 503 (with
+#: the reason) after an engine failure before it exits, so that a supervisor polling
+#: /health sees why and torchrun then sees the node fail.
+ATTACHED_FAILURE_LINGER_S = 5.0
 
 
 def _stderr(message: str) -> None:
@@ -79,6 +83,8 @@ class ProcessEngineClient(EngineClient):
         #: Requests go to the first pipeline stage's ranks (global ranks 0 .. D-1).
         self.num_request_ranks = self.topology.data_parallel_size
         self._attached = queues is not None
+        #: Attached front ends are children of the head rank: a new parent means it died.
+        self._head_pid = os.getppid() if self._attached else None
         self._ctx = mp.get_context("spawn")
         self._inbox, self._outbox = queues if queues is not None else (self._ctx.Queue(), self._ctx.Queue())
         self._procs: list = []
@@ -169,6 +175,8 @@ class ProcessEngineClient(EngineClient):
             proc.join(timeout=5)
 
     def _dead_rank(self) -> str | None:
+        if self._attached and os.getppid() != self._head_pid:
+            return f"the head rank (pid {self._head_pid}) exited"
         # A rank killed by a signal is a root cause; a rank that exited with an error code
         # may only be reporting a lost peer, so signals are named first.
         exited = [(rank, proc) for rank, proc in enumerate(self._procs) if proc.exitcode is not None]
@@ -221,6 +229,12 @@ class ProcessEngineClient(EngineClient):
             if self._failed_at is not None and not self._reaped and time.monotonic() - self._failed_at > FAILURE_GRACE_S:
                 self._reaped = True
                 self._kill_ranks()  # the survivors cannot serve without the lost rank
+            if self._attached and self._failed_at is not None and time.monotonic() - self._failed_at > ATTACHED_FAILURE_LINGER_S:
+                import signal
+
+                self.log("stopping the front end after the engine failure")
+                os.kill(os.getpid(), signal.SIGINT)  # the HTTP server's own graceful stop
+                return
 
     def _root_cause(self, reported: str, grace_s: float = 1.0) -> str:
         """A head that fails because a peer vanished (gloo read error) reports first; give

@@ -100,10 +100,9 @@ def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
 
 def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, world_size: int) -> None:
     from tandem.serving.process_client import ProcessEngineClient
-    from tandem.serving.rank import _die_with_parent
 
-    _die_with_parent()  # a head rank that dies (even by os._exit) takes its front end along
-
+    # No death signal from the head: a head that dies (even by os._exit) is noticed by the
+    # client, which answers 503 with the reason for a while and then stops this process.
     client = ProcessEngineClient(
         config, options, max_queue_len=http.max_queue_len, log=_log, queues=queues, world_size=world_size
     )
@@ -121,6 +120,7 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
     import torch.multiprocessing as mp
 
     from tandem.runner.launch import init_rank
+    from tandem.serving.process_client import ATTACHED_FAILURE_LINGER_S
     from tandem.serving.rank import serve_rank
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -154,7 +154,7 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
         if frontend is not None:
             # After an engine failure the front end has reported it (health 503) and is
             # still serving; the rank ends it, so torchrun sees the failure.
-            frontend.join(timeout=2 if failed else 10)
+            frontend.join(timeout=ATTACHED_FAILURE_LINGER_S + 3 if failed else 10)
             if frontend.is_alive():
                 frontend.kill()
         if failed:
