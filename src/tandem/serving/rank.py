@@ -338,7 +338,9 @@ def local_rank_main(rank: int, world_size: int, env: dict, config, options: Serv
     _die_with_parent()
     # Ctrl-C reaches the whole process group; the front end shuts ranks down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(env)
+    from tandem.runner.launch import use_thread_env
+
+    use_thread_env(env)
     try:
         if world_size > 1:
             from tandem.runner.launch import init_rank
