@@ -101,19 +101,20 @@ def _link_round_trip_ms(groups, count: int = 40) -> float:
     between the two stages: the transfer cost every micro-batch pays twice."""
     import torch
 
-    from tandem.distributed import recv_tensor_dict, send_tensor_dict
+    from tandem.distributed import StageLink
 
     peer = 1 - groups.rank
-    links = {"cpu_group": groups.cpu_group, "device_group": groups.device_group}
+    link = StageLink(peer, cpu_group=groups.cpu_group, device_group=groups.device_group)
     message = {"plan": list(range(200)), "hidden": torch.randn(32, 64)}
     times = []
     for _ in range(count):
         start = time.perf_counter()
         if groups.rank == 0:
-            send_tensor_dict(message, peer, **links).wait()
-            recv_tensor_dict(peer, **links)
+            link.expect()
+            link.send(message).wait()
+            link.recv()
         else:
-            send_tensor_dict(recv_tensor_dict(peer, **links), peer, **links).wait()
+            link.send(link.recv()).wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.contexts import ForwardContext, set_forward_context
-from tandem.distributed import StageGroups, StageLinkError, recv_tensor_dict, send_tensor_dict
+from tandem.distributed import StageGroups, StageLink, StageLinkError
 from tandem.runner.batch import ScheduledChunk, build_step_inputs
 from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, EngineStats
 from tandem.runner.model_runner import ModelRunner, StepResult
@@ -73,6 +73,15 @@ class MicroBatchPlan:
     error: str | None = None
     #: stage -> its counters, filled in on the way (the first stage reads them at the end).
     stage_stats: dict[int, dict] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    """What the last stage sends back to the first beside the sampled ids: the first stage
+    kept the plan, so only the outcome and the stages' counters travel back."""
+
+    error: str | None
+    stage_stats: dict[int, dict]
 
 
 @dataclass
@@ -114,17 +123,26 @@ class StageWorker:
         self.device = next(iter(runner.model.parameters())).device
         self.hidden_size = int(runner.model.config.hidden_size)
         self.dtype = runner.model.dtype
+        self._links: dict[int, StageLink] = {}
 
     # -- transfers ------------------------------------------------------------------------
 
+    def link(self, peer: int) -> StageLink:
+        """The link to `peer` (one per peer: with two stages the next rank is the previous one)."""
+        if peer not in self._links:
+            self._links[peer] = StageLink(peer, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group,
+                                          device=self.device)
+        return self._links[peer]
+
     def send(self, data: dict, dst: int):
-        return send_tensor_dict(data, dst, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group)
+        return self.link(dst).send(data)
+
+    def expect(self, src: int) -> None:
+        """Post the receive of the next message from `src` before it is sent."""
+        self.link(src).expect()
 
     def recv(self, src: int) -> dict:
-        return recv_tensor_dict(
-            src, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group, device=self.device,
-            timeout_s=self.timeout_s,
-        )
+        return self.link(src).recv(self.timeout_s)
 
     # -- compute --------------------------------------------------------------------------
 
@@ -189,7 +207,7 @@ class PipelineEngine(Engine):
         if not self.worker.is_first:
             raise ValueError("PipelineEngine runs on the first pipeline stage; later stages run run_stage()")
         self.num_micro_batches = num_micro_batches
-        self._in_flight: deque[tuple[SchedulerStep, object]] = deque()
+        self._in_flight: deque[tuple[SchedulerStep, MicroBatchPlan, object]] = deque()
         self._finished: list[str] = []
         self._last_send = time.monotonic()
         #: stage -> that stage's latest counters (this stage's own under index 0).
@@ -198,7 +216,7 @@ class PipelineEngine(Engine):
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished or any(step.scheduled for step, _ in self._in_flight)
+        return self.scheduler.has_unfinished or any(step.scheduled for step, _, _ in self._in_flight)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         output = super().abort(request_id)
@@ -249,11 +267,12 @@ class PipelineEngine(Engine):
         worker.counters.busy_s += time.perf_counter() - start
         worker.counters.micro_batches += 1
         self.forward_busy_s += time.perf_counter() - start
-        self._in_flight.append((planned, worker.send({"plan": plan, "hidden": hidden}, worker.next_rank)))
+        self._in_flight.append((planned, plan, worker.send({"plan": plan, "hidden": hidden}, worker.next_rank)))
+        worker.expect(worker.prev_rank)  # its results will come back: be ready for them
         self._last_send = time.monotonic()
 
     def _retire(self) -> list[RequestOutput]:
-        planned, send = self._in_flight.popleft()
+        planned, plan, send = self._in_flight.popleft()
         worker = self.worker
         start = time.perf_counter()
         try:
@@ -266,12 +285,14 @@ class PipelineEngine(Engine):
             ) from exc
         waited = time.perf_counter() - start
         worker.counters.idle_s += waited
+        if self._in_flight:
+            worker.expect(worker.prev_rank)
         send.wait(self.step_timeout_s)  # the micro-batch came back: every stage has read its inputs
-        plan: MicroBatchPlan = message["plan"]
-        self.stage_stats.update(plan.stage_stats)
+        result: MicroBatchResult = message["result"]
+        self.stage_stats.update(result.stage_stats)
         self.stage_stats[0] = worker.counters.as_dict()
-        if plan.error is not None:
-            return self._fail(planned, RuntimeError(plan.error))
+        if result.error is not None:
+            return self._fail(planned, RuntimeError(result.error))
         tokens = [int(t) if t >= 0 else None for t in message["tokens"].tolist()]
         return self._apply(planned, StepResult(tokens, 0, plan.num_tokens_padded, plan.ubatch_slices is not None))
 
@@ -322,6 +343,8 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
         if on_message is not None:
             on_message()
         plan: MicroBatchPlan = message["plan"]
+        if plan.kind != STOP:
+            worker.expect(worker.prev_rank)  # the first stage sends until it says stop
         if plan.kind != STEP:
             previous_was_step = False
             if not worker.is_last:
@@ -350,6 +373,8 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
         counters.busy_s += time.perf_counter() - start
         counters.micro_batches += 1
         plan.stage_stats[worker.stage] = counters.as_dict()
+        if worker.is_last:  # the first stage kept the plan: send back only the outcome
+            out = {"result": MicroBatchResult(plan.error, plan.stage_stats), "tokens": out["tokens"]}
         pending.append(worker.send(out, worker.next_rank))
         while len(pending) > num_micro_batches:
             pending.popleft().wait(step_timeout_s)
@@ -459,6 +484,7 @@ def generate_pipeline_rank(
 
 __all__ = [
     "MicroBatchPlan",
+    "MicroBatchResult",
     "PipelineEngine",
     "StageCounters",
     "StageWorker",
