@@ -433,6 +433,53 @@ def pipeline_engine(runner: ModelRunner, groups: StageGroups, config, **options)
     return engine
 
 
+#: Below this expected decode speed-up over one process, `serve` says the pipeline will not pay.
+PAYOFF_THRESHOLD = 1.1
+
+
+def _decode_step_s(worker: StageWorker, num_requests: int, repeat: int = 3) -> float:
+    """Fastest of `repeat` runs of this stage's layers on a decode step of `num_requests`
+    requests with one KV block of context each."""
+    from tandem.runner.batch import ScheduledChunk
+
+    runner = worker.runner
+    blocks = runner.allocator.allocate(num_requests)
+    chunks = [ScheduledChunk([1], runner.block_size // 2, [block]) for block in blocks]
+    try:
+        best = math.inf
+        for _ in range(repeat):
+            start = time.perf_counter()
+            worker.forward_first(chunks)
+            best = min(best, time.perf_counter() - start)
+        return best
+    finally:
+        runner.allocator.free(blocks)
+
+
+def pipeline_payoff(engine: PipelineEngine, num_requests: int) -> tuple[float, str]:
+    """Expected decode speed-up of this pipeline over one process, from the first stage's
+    own step times, and the reason in words. With P balanced stages, one process runs a
+    batch of N requests in P * t(N); the pipeline's busiest stage runs M micro-batches of
+    N / M per round, M * t(N / M). When a step costs about the same whatever its size (a
+    small model: Python and kernel launches, not arithmetic), splitting the batch multiplies
+    that cost by M and the pipeline cannot win. Transfers and scheduling come on top, so
+    this is an upper bound. Every first-stage rank calls it (the forwards are collective)."""
+    worker = engine.worker
+    stages = worker.topology.pipeline_parallel_size
+    micro = engine.num_micro_batches
+    num_requests = max(1, min(num_requests, worker.runner.allocator.num_free - 1))
+    per_micro_batch = max(1, math.ceil(num_requests / micro))
+    whole = _decode_step_s(worker, num_requests)
+    part = _decode_step_s(worker, per_micro_batch)
+    speedup = stages * whole / (micro * part)
+    reason = (
+        f"a stage's decode step takes {whole * 1e3:.2f} ms for {num_requests} requests and {part * 1e3:.2f} ms for "
+        f"{per_micro_batch} (one of {micro} micro-batches): {micro} x {part * 1e3:.2f} ms per round against "
+        f"{stages} x {whole * 1e3:.2f} ms for one process, at best {speedup:.2f}x before transfers"
+    )
+    return speedup, reason
+
+
 def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
     """Whether `flag` holds on any rank of the first stage (one small gloo all-reduce)."""
     import torch.distributed as dist
@@ -491,5 +538,6 @@ __all__ = [
     "build_pipeline_stage",
     "generate_pipeline_rank",
     "pipeline_engine",
+    "pipeline_payoff",
     "run_stage",
 ]
