@@ -114,7 +114,7 @@ def main() -> int:
                          "vs_pp1": ratio, "runs": values})
             ratio_text = f"{ratio:.2f}x" if ratio else "-"
             print(f"{name:<8} {streams:>7} {median:>8.0f} {min(values):>6.0f}-{max(values):<6.0f} {ratio_text:>7}")
-    notes = [line for text in logs.values() for line in text.splitlines() if "pipeline" in line and "will not" in line]
+    notes = [line for text in logs.values() for line in text.splitlines() if "pipeline parallelism" in line]
     for line in notes:
         print(f"  server said: {line}")
     args.json.parent.mkdir(parents=True, exist_ok=True)

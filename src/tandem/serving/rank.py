@@ -234,14 +234,23 @@ def serve_rank(
 
 def _pipeline_verdict(engine, max_num_seqs: int) -> str:
     """One start-up line: whether this pipeline can beat one process on decode, and why."""
+    import torch
+
     from tandem.runner.pipeline import PAYOFF_THRESHOLD, pipeline_payoff
 
+    topology = engine.worker.topology
+    if engine.worker.device.type == "cpu" and hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+        wanted = topology.world_size * torch.get_num_threads()
+        if wanted > cores:
+            return (f"pipeline parallelism will not pay here: its {topology.world_size} rank processes x "
+                    f"{torch.get_num_threads()} threads need {wanted} CPU cores and this host has {cores} (the stages "
+                    "would take turns on the cores instead of running side by side)")
     speedup, reason = pipeline_payoff(engine, max_num_seqs)
     if speedup < PAYOFF_THRESHOLD:
         return (f"pipeline parallelism will not pay for this model here: {reason}; the step cost is per step, not "
-                "per token, so splitting the batch over stages loses (serve without --pipeline-parallel-size, "
-                "or use fewer micro-batches: --pp-async-batch-depth 0)")
-    return f"pipeline parallelism should pay: {reason}"
+                "per token, so splitting the batch over stages loses (serve without --pipeline-parallel-size)")
+    return f"pipeline parallelism should pay (an upper bound; transfers and scheduling come on top): {reason}"
 
 
 def _pipeline_stage(rank: int, config, options: ServeOptions):
