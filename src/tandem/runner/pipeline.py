@@ -433,51 +433,48 @@ def pipeline_engine(runner: ModelRunner, groups: StageGroups, config, **options)
     return engine
 
 
-#: Below this expected decode speed-up over one process, `serve` says the pipeline will not pay.
-PAYOFF_THRESHOLD = 1.1
+def _decode_burst_s(engine: PipelineEngine, tag: str, num_requests: int, decode_tokens: int) -> float:
+    """Seconds for `num_requests` short prompts to decode `decode_tokens` tokens each."""
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(f"__{tag}_{i}__", [1, 2, 3, 4], params)
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return time.perf_counter() - start
 
 
-def _decode_step_s(worker: StageWorker, num_requests: int, repeat: int = 3) -> float:
-    """Fastest of `repeat` runs of this stage's layers on a decode step of `num_requests`
-    requests with one KV block of context each."""
-    from tandem.runner.batch import ScheduledChunk
+def choose_micro_batches(engine: PipelineEngine, num_requests: int, decode_tokens: int = 8) -> str:
+    """Measure, on a short decode burst of `num_requests` requests, the configured ring
+    (M micro-batches in flight) against one micro-batch in flight (the stages take turns);
+    keep the faster and return the reason in words.
 
-    runner = worker.runner
-    blocks = runner.allocator.allocate(num_requests)
-    chunks = [ScheduledChunk([1], runner.block_size // 2, [block]) for block in blocks]
-    try:
-        best = math.inf
-        for _ in range(repeat):
-            start = time.perf_counter()
-            worker.forward_first(chunks)
-            best = min(best, time.perf_counter() - start)
-        return best
-    finally:
-        runner.allocator.free(blocks)
-
-
-def pipeline_payoff(engine: PipelineEngine, num_requests: int) -> tuple[float, str]:
-    """Expected decode speed-up of this pipeline over one process, from the first stage's
-    own step times, and the reason in words. With P balanced stages, one process runs a
-    batch of N requests in P * t(N); the pipeline's busiest stage runs M micro-batches of
-    N / M per round, M * t(N / M). When a step costs about the same whatever its size (a
-    small model: Python and kernel launches, not arithmetic), splitting the batch multiplies
-    that cost by M and the pipeline cannot win. Transfers and scheduling come on top, so
-    this is an upper bound. Every first-stage rank calls it (the forwards are collective)."""
-    worker = engine.worker
-    stages = worker.topology.pipeline_parallel_size
-    micro = engine.num_micro_batches
-    num_requests = max(1, min(num_requests, worker.runner.allocator.num_free - 1))
-    per_micro_batch = max(1, math.ceil(num_requests / micro))
-    whole = _decode_step_s(worker, num_requests)
-    part = _decode_step_s(worker, per_micro_batch)
-    speedup = stages * whole / (micro * part)
-    reason = (
-        f"a stage's decode step takes {whole * 1e3:.2f} ms for {num_requests} requests and {part * 1e3:.2f} ms for "
-        f"{per_micro_batch} (one of {micro} micro-batches): {micro} x {part * 1e3:.2f} ms per round against "
-        f"{stages} x {whole * 1e3:.2f} ms for one process, at best {speedup:.2f}x before transfers"
-    )
-    return speedup, reason
+    M micro-batches pay only when a step's cost grows with its size: the busiest stage runs
+    M steps of N/M requests per round where one process runs one step of N. On a small model
+    a step costs about the same whatever its size (Python and kernel launches, not
+    arithmetic), so splitting multiplies that cost by M and the ring loses to one process;
+    one micro-batch in flight then costs only the transfers. Run on the first stage of a
+    pipeline without DP (DP peers would have to agree on the choice), before serving."""
+    configured = engine.num_micro_batches
+    if configured == 1:
+        return "one micro-batch in flight (configured)"
+    num_requests = max(1, min(num_requests, engine.scheduler.max_num_seqs))
+    timings = {}
+    for trial, micro_batches in enumerate((configured, 1, configured, 1)):
+        engine.num_micro_batches = micro_batches
+        seconds = _decode_burst_s(engine, f"probe{trial}", num_requests, decode_tokens)
+        timings[micro_batches] = min(timings.get(micro_batches, math.inf), seconds)
+    rate = {m: num_requests * decode_tokens / s for m, s in timings.items()}
+    measured = (f"{num_requests} decode streams at start-up: {configured} micro-batches in flight "
+                f"{rate[configured]:.0f} tok/s, one in flight {rate[1]:.0f} tok/s")
+    engine.worker.counters = StageCounters()  # the probe is no serving work
+    if rate[1] > rate[configured]:
+        engine.num_micro_batches = 1
+        return (f"pipeline parallelism will not pay for this model here ({measured}): a step costs about the same "
+                f"whatever its size, so splitting the batch over {configured} micro-batches loses; serving with one "
+                "micro-batch in flight (serve without --pipeline-parallel-size to save the transfers)")
+    engine.num_micro_batches = configured
+    return f"pipeline parallelism pays ({measured}): serving with {configured} micro-batches in flight"
 
 
 def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
@@ -530,6 +527,7 @@ def generate_pipeline_rank(
 
 
 __all__ = [
+    "choose_micro_batches",
     "MicroBatchPlan",
     "MicroBatchResult",
     "PipelineEngine",
@@ -538,6 +536,5 @@ __all__ = [
     "build_pipeline_stage",
     "generate_pipeline_rank",
     "pipeline_engine",
-    "pipeline_payoff",
     "run_stage",
 ]

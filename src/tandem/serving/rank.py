@@ -233,10 +233,12 @@ def serve_rank(
 
 
 def _pipeline_verdict(engine, max_num_seqs: int) -> str:
-    """One start-up line: whether this pipeline can beat one process on decode, and why."""
+    """Whether this pipeline can beat one process on decode, in one start-up line; when the
+    configured micro-batch ring measures slower than one micro-batch in flight, the engine
+    keeps one in flight."""
     import torch
 
-    from tandem.runner.pipeline import PAYOFF_THRESHOLD, pipeline_payoff
+    from tandem.runner.pipeline import choose_micro_batches
 
     topology = engine.worker.topology
     if engine.worker.device.type == "cpu" and hasattr(os, "sched_getaffinity"):
@@ -246,11 +248,10 @@ def _pipeline_verdict(engine, max_num_seqs: int) -> str:
             return (f"pipeline parallelism will not pay here: its {topology.world_size} rank processes x "
                     f"{torch.get_num_threads()} threads need {wanted} CPU cores and this host has {cores} (the stages "
                     "would take turns on the cores instead of running side by side)")
-    speedup, reason = pipeline_payoff(engine, max_num_seqs)
-    if speedup < PAYOFF_THRESHOLD:
-        return (f"pipeline parallelism will not pay for this model here: {reason}; the step cost is per step, not "
-                "per token, so splitting the batch over stages loses (serve without --pipeline-parallel-size)")
-    return f"pipeline parallelism should pay (an upper bound; transfers and scheduling come on top): {reason}"
+    if topology.data_parallel_size > 1:
+        return (f"pipeline parallelism: {engine.num_micro_batches} micro-batches in flight (not measured at start-up "
+                "with data parallelism: the first stage's DP ranks would have to agree on the choice)")
+    return choose_micro_batches(engine, max_num_seqs)
 
 
 def _pipeline_stage(rank: int, config, options: ServeOptions):
