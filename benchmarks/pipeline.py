@@ -107,14 +107,18 @@ def _link_round_trip_ms(groups, count: int = 40) -> float:
     link = StageLink(peer, cpu_group=groups.cpu_group, device_group=groups.device_group)
     message = {"plan": list(range(200)), "hidden": torch.randn(32, 64)}
     times = []
-    for _ in range(count):
+    link.expect()  # as the pipeline does: each side's receive is posted before the peer sends
+    for i in range(count):
         start = time.perf_counter()
         if groups.rank == 0:
-            link.expect()
             link.send(message).wait()
-            link.recv()
+            received = link.recv()
         else:
-            link.send(link.recv()).wait()
+            received = link.recv()
+        if i < count - 1:
+            link.expect()
+        if groups.rank == 1:
+            link.send(received).wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 

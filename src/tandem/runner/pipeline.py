@@ -70,6 +70,9 @@ class MicroBatchPlan:
     forward_extras: dict = field(default_factory=dict)
     #: Requests finished since the previous micro-batch (the last stage drops their generators).
     finished_ids: list[str] = field(default_factory=list)
+    #: A start-up measurement (`choose_micro_batches`), not serving work: no stage counts it
+    #: among its runner's steps (fault injection and the step counters see serving steps only).
+    probe: bool = False
     error: str | None = None
     #: stage -> its counters, filled in on the way (the first stage reads them at the end).
     stage_stats: dict[int, dict] = field(default_factory=dict)
@@ -146,19 +149,21 @@ class StageWorker:
 
     # -- compute --------------------------------------------------------------------------
 
-    def _run(self, x: torch.Tensor, inputs, slices, extras: dict) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, inputs, slices, extras: dict, probe: bool = False) -> torch.Tensor:
         runner = self.runner
         start = time.perf_counter()
-        runner.steps += 1
-        runner.ubatched_steps += slices is not None
+        if not probe:
+            runner.steps += 1
+            runner.ubatched_steps += slices is not None
         try:
             with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=extras)):
                 return runner.wrapper(x, inputs.positions)
         finally:
-            runner.step_time_s += time.perf_counter() - start
+            if not probe:
+                runner.step_time_s += time.perf_counter() - start
 
     @torch.no_grad()
-    def forward_first(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, int, list | None, dict]:
+    def forward_first(self, chunks: list[ScheduledChunk], probe: bool = False) -> tuple[torch.Tensor, int, list | None, dict]:
         """Embed and run the first stage's layers; the padding, the ubatch split and the
         forward-context extras are agreed with the stage's other DP ranks here and forwarded
         to the later stages."""
@@ -167,7 +172,7 @@ class StageWorker:
         padded = inputs.input_ids.shape[0]
         if padded == 0:
             return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0, None, {}
-        return self._run(inputs.input_ids, inputs, slices, extras), padded, slices, extras
+        return self._run(inputs.input_ids, inputs, slices, extras, probe), padded, slices, extras
 
     @torch.no_grad()
     def forward_later(self, plan: MicroBatchPlan, hidden: torch.Tensor):
@@ -176,7 +181,7 @@ class StageWorker:
         inputs = build_step_inputs(plan.chunks, self.runner.block_size, plan.num_tokens_padded, device=self.device)
         if plan.num_tokens_padded == 0:
             return hidden, inputs
-        return self._run(hidden, inputs, plan.ubatch_slices, plan.forward_extras), inputs
+        return self._run(hidden, inputs, plan.ubatch_slices, plan.forward_extras, plan.probe), inputs
 
 
 class PipelineEngine(Engine):
@@ -213,6 +218,8 @@ class PipelineEngine(Engine):
         #: stage -> that stage's latest counters (this stage's own under index 0).
         self.stage_stats: dict[int, dict] = {}
         self._closed = False
+        #: Set while `choose_micro_batches` measures: its micro-batches are marked as probes.
+        self.probing = False
 
     @property
     def has_work(self) -> bool:
@@ -256,11 +263,12 @@ class PipelineEngine(Engine):
             sampling=[entry.request.params for entry in planned.scheduled],
             samples=[entry.slot is not None for entry in planned.scheduled],
             finished_ids=self._finished,
+            probe=self.probing,
         )
         self._finished = []
         start = time.perf_counter()
         try:
-            hidden, plan.num_tokens_padded, plan.ubatch_slices, plan.forward_extras = worker.forward_first(chunks)
+            hidden, plan.num_tokens_padded, plan.ubatch_slices, plan.forward_extras = worker.forward_first(chunks, self.probing)
         except Exception as exc:  # noqa: BLE001 - the micro-batch's requests fail, the pipeline goes on
             plan.error = f"stage 0: {type(exc).__name__}: {exc}"
             hidden = torch.empty(0, dtype=worker.dtype, device=worker.device)
@@ -460,10 +468,14 @@ def choose_micro_batches(engine: PipelineEngine, num_requests: int, decode_token
         return "one micro-batch in flight (configured)"
     num_requests = max(1, min(num_requests, engine.scheduler.max_num_seqs))
     timings = {}
-    for trial, micro_batches in enumerate((configured, 1, configured, 1)):
-        engine.num_micro_batches = micro_batches
-        seconds = _decode_burst_s(engine, f"probe{trial}", num_requests, decode_tokens)
-        timings[micro_batches] = min(timings.get(micro_batches, math.inf), seconds)
+    engine.probing = True
+    try:
+        for trial, micro_batches in enumerate((configured, 1, configured, 1)):
+            engine.num_micro_batches = micro_batches
+            seconds = _decode_burst_s(engine, f"probe{trial}", num_requests, decode_tokens)
+            timings[micro_batches] = min(timings.get(micro_batches, math.inf), seconds)
+    finally:
+        engine.probing = False
     rate = {m: num_requests * decode_tokens / s for m, s in timings.items()}
     measured = (f"{num_requests} decode streams at start-up: {configured} micro-batches in flight "
                 f"{rate[configured]:.0f} tok/s, one in flight {rate[1]:.0f} tok/s")
