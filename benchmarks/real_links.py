@@ -1,0 +1,408 @@
+"""Every overlap mode on real transfers: 2 hosts in network namespaces, a `tbf`-shaped link.
+
+One run: `moe-stack` (the MoE layer stack of `tandem bench`) and `small-moe` (a model step
+of the built-in preset), decode and prefill, modes none / dbo / dbo-greenlet / tbo / the three
+SBO modes / auto, at three link rates chosen so that communication takes about 0.5x, 1x and
+2x the computation. Everything is measured in the same run:
+
+- compute = the step of mode `none` on the unshaped link (median of the repeats);
+- comm at a rate = the `none` step on the shaped link minus compute;
+- floor = max(compute, comm): what a perfect overlap would reach.
+
+The rates come from a calibration at the start of each (workload, phase): the `none` step at
+a probe rate gives comm(probe); bytes per step are fixed, so comm(rate) = comm(probe) *
+probe / rate, solved for the three targets.
+
+The ranks are torchrun nodes, one per namespace host (`GLOO_SOCKET_IFNAME` = its veth), each
+running this file's `--worker` entry point with the bench workloads of `tandem.bench`. Rank 0
+asks the driver (this process, outside the namespaces) to change the link rate through files
+in a control directory, so one torchrun job covers the whole run and the model is built once.
+
+    sudo python benchmarks/real_links.py            # full run (~12 min on 2 cores)
+    sudo python benchmarks/real_links.py --quick    # smoke run: small shapes, one rate
+
+Prints one table per (workload, phase) and writes benchmarks/results/real_links.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+MODES = ["none", "dbo", "dbo-greenlet", "tbo", "sbo-combine-down-gemm", "sbo-combine-shared", "sbo-dispatch-shared", "auto"]
+#: comm / compute targets of the three link rates.
+TARGET_RATIOS = (0.5, 1.0, 2.0)
+RESULT = HERE / "results" / "real_links.json"
+#: Every wait for the other side of the control channel is bounded.
+CONTROL_TIMEOUT_S = 300.0
+
+
+def full_plan() -> dict:
+    return {
+        "jobs": [
+            {"workload": "moe-stack", "phase": "prefill", "tokens": 512},
+            {"workload": "moe-stack", "phase": "decode", "tokens": 64},
+            {"workload": "small-moe", "phase": "prefill", "tokens": 512},
+            {"workload": "small-moe", "phase": "decode", "tokens": 64},
+        ],
+        "modes": MODES,
+        "ratios": list(TARGET_RATIOS),
+        "warmup": 1,
+        "repeat": 3,
+        "compute_repeat": 5,
+        "probe_mbit": 400.0,
+        "context_len": 256,
+        "threads": 1,
+    }
+
+
+def quick_plan() -> dict:
+    plan = full_plan()
+    plan.update(
+        jobs=[{"workload": "moe-stack", "phase": "prefill", "tokens": 64, "shape": {"hidden": 256, "intermediate": 128, "layers": 2}}],
+        modes=["none", "dbo"],
+        ratios=[1.0],
+        warmup=1,
+        repeat=2,
+        compute_repeat=2,
+    )
+    return plan
+
+
+# --------------------------------------------------------------------------- control channel
+
+
+class Control:
+    """Rank 0 ↔ driver over files in a shared directory (the namespaces share the file
+    system, not the network): rank 0 writes `req-N.json`, the driver acts and writes `ack-N`."""
+
+    def __init__(self, directory: str):
+        self.dir = Path(directory)
+        self.count = 0
+
+    def request(self, **payload) -> None:
+        n, self.count = self.count, self.count + 1
+        tmp = self.dir / f"req-{n}.json.tmp"
+        tmp.write_text(json.dumps(payload))
+        tmp.rename(self.dir / f"req-{n}.json")
+        ack = self.dir / f"ack-{n}"
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
+        while not ack.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the driver did not answer request {n} ({payload}) within {CONTROL_TIMEOUT_S:.0f} s")
+            time.sleep(0.01)
+
+    def serve_one(self, act, alive) -> bool:
+        """Answer the next request if there is one; False when none is waiting."""
+        req = self.dir / f"req-{self.count}.json"
+        if not req.exists():
+            return False
+        act(json.loads(req.read_text()))
+        (self.dir / f"ack-{self.count}").write_text("ok")
+        self.count += 1
+        return True
+
+
+# --------------------------------------------------------------------------- worker (one rank)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _workload(job: dict, plan: dict, rank: int, world: int):
+    from tandem.bench.workloads import MoEStackWorkload, ModelStepWorkload
+
+    if job["workload"] == "moe-stack":
+        return MoEStackWorkload(rank, world, backend="torch_a2a", num_ubatches=2, phase=job["phase"], **job.get("shape", {}))
+    from tandem.config import CacheConfig, EngineConfig, ParallelConfig
+
+    config = EngineConfig(
+        model=job["workload"],
+        parallel=ParallelConfig(data_parallel_size=world, all2all_backend="torch_a2a"),
+        cache=CacheConfig(),
+        device="cpu",
+        dtype="float32",
+    )
+    return ModelStepWorkload(
+        config, phase=job["phase"], context_len=plan["context_len"], prefill_len=job["tokens"],
+        max_tokens=job["tokens"], distributed=world > 1,
+    )
+
+
+def _steps(workload, mode: str, tokens: int, n: int) -> list[float]:
+    return [workload.measure(mode, tokens).step_s for _ in range(n)]
+
+
+def _outputs_digest(workload, tokens: int) -> dict:
+    """Outputs of none and dbo on the same input (moe-stack only: its forward returns them):
+    the smoke test checks DBO changes nothing."""
+    from tandem.bench.workloads import MoEStack
+
+    stack: MoEStack = getattr(workload, "stack", None)
+    if stack is None:
+        return {}
+    from tandem.contexts import run_ubatches
+
+    x = stack.inputs(tokens)
+    kernels = [stack._kernel(layer, comm=True, sbo=None, fabric=None, max_tokens=tokens) for layer in stack.layers]
+    plain = stack._forward(x, kernels, compute=True, local_ids=False)
+    halves = run_ubatches(
+        [lambda c=c: stack._forward(c, kernels, compute=True, local_ids=False) for c in x.tensor_split(2)],
+        executor=stack.executors["thread"],
+    )
+    import torch
+
+    split = torch.cat(halves)
+    return {"none_sum": float(plain.sum()), "dbo_sum": float(split.sum()), "max_abs_diff": float((plain - split).abs().max())}
+
+
+def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: int, log) -> dict:
+    import torch.distributed as dist
+
+    def set_rate(mbit: float | None) -> None:
+        if control is not None:
+            control.request(rate_mbit=mbit)
+        dist.barrier()
+
+    tokens, modes = job["tokens"], plan["modes"]
+    start = time.perf_counter()
+    workload = _workload(job, plan, rank, world)
+    log(f"{job['workload']} {job['phase']} {tokens} tok/rank: built in {time.perf_counter() - start:.1f} s")
+
+    set_rate(None)
+    _steps(workload, "none", tokens, plan["warmup"] + 1)
+    compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
+    log(f"  compute (unshaped none step) {compute_s * 1e3:.1f} ms")
+
+    # Calibration: comm(rate) = comm(probe) * probe / rate. A probe that leaves comm tiny
+    # next to compute measures mostly noise: lower it once.
+    probe = plan["probe_mbit"]
+    for _ in range(3):
+        set_rate(probe)
+        probe_comm = _median(_steps(workload, "none", tokens, 2)) - compute_s
+        if probe_comm >= 0.3 * compute_s:
+            break
+        probe = probe * max(probe_comm, 0.05 * compute_s) / compute_s
+    probe_comm = max(probe_comm, 1e-4)
+    rates = [probe * probe_comm / (ratio * compute_s) for ratio in plan["ratios"]]
+    log(f"  probe {probe:.0f} Mbit/s → comm {probe_comm * 1e3:.1f} ms; rates " + ", ".join(f"{r:.0f}" for r in rates))
+
+    rows = []
+    for ratio, rate in zip(plan["ratios"], rates):
+        set_rate(rate)
+        samples: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(plan["warmup"] + plan["repeat"]):
+            for mode in modes:  # interleaved: every mode sees the same machine state
+                step = workload.measure(mode, tokens).step_s
+                if i >= plan["warmup"]:
+                    samples[mode].append(step)
+        medians = {m: _median(v) for m, v in samples.items()}
+        comm_s = max(medians["none"] - compute_s, 0.0)
+        floor_s = max(compute_s, comm_s)
+        rows.append(
+            {
+                "target_ratio": ratio,
+                "rate_mbit": rate,
+                "compute_s": compute_s,
+                "comm_s": comm_s,
+                "comm_over_compute": comm_s / compute_s,
+                "floor_s": floor_s,
+                "step_s": medians,
+                "samples_s": samples,
+                "vs_none": {m: medians["none"] / v for m, v in medians.items()},
+                "vs_floor": {m: v / floor_s for m, v in medians.items()},
+            }
+        )
+        log(f"  {rate:.0f} Mbit/s: comm/compute {comm_s / compute_s:.2f}; " + ", ".join(f"{m} {v * 1e3:.0f}" for m, v in medians.items()))
+    set_rate(None)
+    digest = _outputs_digest(workload, tokens)
+    del workload
+    return {**job, "probe_mbit": probe, "probe_comm_s": probe_comm, "rows": rows, "outputs": digest}
+
+
+def worker_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tandem.runner.launch import init_rank
+
+    plan = json.loads(Path(args.plan).read_text())
+    torch.set_num_threads(plan["threads"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_rank(rank, world, device="cpu", timeout_s=CONTROL_TIMEOUT_S)
+    control = Control(args.control) if rank == 0 else None
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"[real_links] {msg}", file=sys.stderr, flush=True)
+
+    jobs = [run_job(job, plan, control, rank, world, log) for job in plan["jobs"]]
+    if rank == 0:
+        out = Path(args.control) / "result.json"
+        out.write_text(json.dumps({"plan": plan, "jobs": jobs}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _env_with_src(env: dict) -> dict:
+    src = str(HERE.parent / "src")
+    env = dict(env)
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_cluster(plan: dict, *, timeout_s: float, log=print) -> dict:
+    """Run the plan on 2 namespace hosts; return rank 0's results plus the link settings."""
+    from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv
+
+    ok, reason = namespaces_available()
+    if not ok:
+        raise RuntimeError(f"real-link benchmark needs network namespaces: {reason}")
+    with tempfile.TemporaryDirectory(prefix="tdr-real-links-") as tmp:
+        plan_file = Path(tmp) / "plan.json"
+        plan_file.write_text(json.dumps(plan))
+        control = Control(tmp)
+        with NetnsCluster(2, rate_mbit=None, prefix="tdr") as cluster:
+            master = cluster.hosts[0].address
+            port = 29500 + os.getpid() % 1000
+            procs = []
+            for i in range(2):
+                argv = torchrun_argv(
+                    nnodes=2, node_rank=i, master_addr=master, master_port=port,
+                    args=[str(Path(__file__).resolve()), "--worker", "--plan", str(plan_file), "--control", tmp],
+                    module=False,
+                )
+                procs.append(cluster.popen(i, argv, env=_env_with_src(cluster.env(i))))
+            rates: list = []
+
+            def act(req: dict) -> None:
+                cluster.set_rate(req["rate_mbit"])
+                rates.append(req["rate_mbit"])
+
+            deadline = time.monotonic() + timeout_s
+            try:
+                while any(p.poll() is None for p in procs):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the ranks did not finish within {timeout_s:.0f} s")
+                    if not control.serve_one(act, procs):
+                        time.sleep(0.02)
+                    if any(p.poll() not in (None, 0) for p in procs):
+                        break
+                codes = [p.wait(timeout=30) if p.poll() is None else p.returncode for p in procs]
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait(timeout=30)
+            if any(codes):
+                raise RuntimeError(f"a rank failed (exit codes {codes}); see its output above")
+        result = json.loads((Path(tmp) / "result.json").read_text())
+    result["link"] = {"hosts": 2, "qdisc": "tbf", "burst": "64kb", "latency_ms": 100.0, "rates_set_mbit": rates}
+    return result
+
+
+def _fmt_table(job: dict) -> str:
+    modes = list(job["rows"][0]["step_s"])
+    head = f"{job['workload']} {job['phase']}, {job['tokens']} tokens/rank  (ms; x = none / mode; f = mode / floor)"
+    lines = [head, f"{'rate Mbit/s':>11} {'comm/comp':>9} {'compute':>8} {'comm':>8} {'floor':>8}  " + "  ".join(f"{m:>22}" for m in modes)]
+    for r in job["rows"]:
+        cells = "  ".join(
+            f"{r['step_s'][m] * 1e3:8.1f} {r['vs_none'][m]:5.2f}x {r['vs_floor'][m]:4.2f}f" for m in modes
+        )
+        lines.append(
+            f"{r['rate_mbit']:11.0f} {r['comm_over_compute']:9.2f} {r['compute_s'] * 1e3:8.1f} {r['comm_s'] * 1e3:8.1f} {r['floor_s'] * 1e3:8.1f}  {cells}"
+        )
+    return "\n".join(lines)
+
+
+def goals(result: dict) -> list[dict]:
+    """The issue's goals checked against this run's figures."""
+    out = []
+    jobs = {(j["workload"], j["phase"]): j for j in result["jobs"]}
+
+    def row_near(job, ratio):
+        return min(job["rows"], key=lambda r: abs(r["target_ratio"] - ratio))
+
+    stack = jobs.get(("moe-stack", "prefill"))
+    if stack is not None and any(r["target_ratio"] == 1.0 for r in stack["rows"]):
+        r = row_near(stack, 1.0)
+        step = r["step_s"]
+        dbo_modes = [m for m in ("dbo", "dbo-greenlet") if m in step]
+        if dbo_modes:
+            best = min(dbo_modes, key=step.get)
+            out.append({"goal": "moe-stack prefill, comm≈compute: best DBO >= 1.5x none", "figure": r["vs_none"][best], "met": r["vs_none"][best] >= 1.5, "mode": best})
+            out.append({"goal": "moe-stack prefill, comm≈compute: best DBO <= 1.15x floor", "figure": r["vs_floor"][best], "met": r["vs_floor"][best] <= 1.15, "mode": best})
+            if "tbo" in step:
+                ratio = step["tbo"] / step[best]
+                out.append({"goal": "moe-stack prefill: TBO within 1.05x of DBO", "figure": ratio, "met": ratio <= 1.05})
+        sbo = [m for m in step if m.startswith("sbo-")]
+        if sbo:
+            best_sbo = min(sbo, key=step.get)
+            out.append({"goal": "moe-stack prefill, comm≈compute: best SBO >= 1.15x none", "figure": r["vs_none"][best_sbo], "met": r["vs_none"][best_sbo] >= 1.15, "mode": best_sbo})
+    for job in result["jobs"]:
+        for r in job["rows"]:
+            step = r["step_s"]
+            if "auto" not in step:
+                continue
+            static = {m: v for m, v in step.items() if m != "auto"}
+            best = min(static, key=static.get)
+            ratio = step["auto"] / static[best]
+            where = f"{job['workload']} {job['phase']} @ {r['rate_mbit']:.0f} Mbit/s"
+            if best == "none":
+                vs_none = step["auto"] / step["none"]
+                out.append({"goal": f"auto <= 1.05x none where nothing wins ({where})", "figure": vs_none, "met": vs_none <= 1.05})
+            else:
+                out.append({"goal": f"auto <= 1.03x best static ({best}) ({where})", "figure": ratio, "met": ratio <= 1.03})
+    return out
+
+
+def report(result: dict) -> str:
+    parts = [_fmt_table(job) for job in result["jobs"]]
+    lines = ["goals:"]
+    for g in result.get("goals", []):
+        lines.append(f"  [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['figure']:.2f}" + (f" ({g['mode']})" if "mode" in g else ""))
+    return "\n\n".join(parts + ["\n".join(lines)])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: one small moe-stack shape, none and dbo, one rate")
+    parser.add_argument("--plan-json", help="a plan (JSON) instead of the full or quick one")
+    parser.add_argument("--out", default=str(RESULT), help="where to write the JSON")
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds before the run is abandoned")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--control", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+    plan = json.loads(args.plan_json) if args.plan_json else quick_plan() if args.quick else full_plan()
+    start = time.perf_counter()
+    result = run_cluster(plan, timeout_s=args.timeout, log=lambda m: print(m, file=sys.stderr))
+    result["wall_s"] = time.perf_counter() - start
+    result["goals"] = goals(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(report(result))
+    print(f"\nwrote {out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
