@@ -5,7 +5,8 @@ of the built-in preset), decode and prefill, modes none / dbo / dbo-greenlet / t
 SBO modes / auto, at three link rates chosen so that communication takes about 0.5x, 1x and
 2x the computation. Everything is measured in the same run:
 
-- compute = the step of mode `none` on the unshaped link (median of the repeats);
+- compute = the step of mode `none` on the unshaped link (median of the repeats, taken
+  right before each rate's row);
 - comm at a rate = the `none` step on the shaped link minus compute;
 - floor = max(compute, comm): what a perfect overlap would reach.
 
@@ -74,6 +75,7 @@ def quick_plan() -> dict:
         warmup=1,
         repeat=2,
         compute_repeat=2,
+        one_host=False,
     )
     return plan
 
@@ -128,7 +130,7 @@ def _workload(job: dict, plan: dict, rank: int, world: int):
 
     config = EngineConfig(
         model=job["workload"],
-        parallel=ParallelConfig(data_parallel_size=world, all2all_backend="torch_a2a"),
+        parallel=ParallelConfig(data_parallel_size=world, all2all_backend="torch_a2a" if world > 1 else None),
         cache=CacheConfig(),
         device="cpu",
         dtype="float32",
@@ -199,6 +201,9 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
 
     rows = []
     for ratio, rate in zip(plan["ratios"], rates):
+        # The machine's load drifts: compute is re-measured (unshaped) right before each row.
+        set_rate(None)
+        compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
         set_rate(rate)
         samples: dict[str, list[float]] = {m: [] for m in modes}
         for i in range(plan["warmup"] + plan["repeat"]):
@@ -252,6 +257,78 @@ def worker_main(args) -> None:
         out.write_text(json.dumps({"plan": plan, "jobs": jobs}, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- one host
+
+
+def aten_share(model: str = "small-moe", tokens: int = 64, context_len: int = 256, threads: int = 1) -> dict:
+    """Where a `tokens`-request decode step of `model` spends its time on one rank: the torch
+    profiler's self CPU time of ATen ops against the step's wall time (the rest is Python:
+    the runner, the model's module code, the kernel's bookkeeping)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(threads)
+    workload = _workload({"workload": model, "phase": "decode", "tokens": tokens}, {"context_len": context_len}, 0, 1)
+    for _ in range(2):
+        workload.measure("none", tokens)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        steps = 3
+        for _ in range(steps):
+            workload.measure("none", tokens)
+        wall = (time.perf_counter() - start) / steps
+    aten = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / 1e6 / steps
+    top = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)[:5]
+    return {
+        "model": model, "decode_requests": tokens, "context_len": context_len, "threads": threads,
+        "step_wall_s": wall, "aten_self_cpu_s": aten, "aten_share": aten / wall,
+        "top_ops": {e.key: e.self_cpu_time_total / 1e6 / steps for e in top},
+    }
+
+
+def scheduler_loops(model: str = "small-moe", streams: int = 64, max_tokens: int = 16, repeat: int = 3, threads: int = 1) -> dict:
+    """The engine's overlapped scheduler loop against the normal one on one rank: `streams`
+    requests generating `max_tokens` each (ignore EOS), output tokens/s, median of
+    `repeat` runs of each, interleaved."""
+    import torch
+
+    from tandem.config import CacheConfig, EngineConfig
+    from tandem.runner.engine import Engine
+    from tandem.runner.offline import build_runner
+    from tandem.runner.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    config = EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=streams * 4 + 8), device="cpu", dtype="float32")
+    runner = build_runner(config)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 200 for j in range(24)] for i in range(streams)]
+
+    def run(overlap: bool) -> tuple[float, list]:
+        engine = Engine(runner, max_num_seqs=streams, overlap_schedule=overlap)
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{i}", ids, params)
+        start, tokens = time.perf_counter(), {}
+        while engine.has_work:
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        wall = time.perf_counter() - start
+        return sum(len(v) for v in tokens.values()) / wall, [tokens[f"r{i}"] for i in range(streams)]
+
+    run(True)  # warm-up
+    rates: dict[str, list[float]] = {"normal": [], "overlap": []}
+    outputs = {}
+    for _ in range(repeat):
+        for name in rates:
+            tok_s, outputs[name] = run(name == "overlap")
+            rates[name].append(tok_s)
+    medians = {k: _median(v) for k, v in rates.items()}
+    return {
+        "model": model, "streams": streams, "max_tokens": max_tokens, "threads": threads,
+        "tok_s": medians, "samples_tok_s": rates, "overlap_over_normal": medians["overlap"] / medians["normal"],
+        "same_tokens": outputs["normal"] == outputs["overlap"],
+    }
 
 
 # --------------------------------------------------------------------------- driver
@@ -353,6 +430,9 @@ def goals(result: dict) -> list[dict]:
         if sbo:
             best_sbo = min(sbo, key=step.get)
             out.append({"goal": "moe-stack prefill, comm≈compute: best SBO >= 1.15x none", "figure": r["vs_none"][best_sbo], "met": r["vs_none"][best_sbo] >= 1.15, "mode": best_sbo})
+    loops = result.get("scheduler_loops")
+    if loops is not None:
+        out.append({"goal": f"overlapped scheduler loop vs normal, {loops['model']} {loops['streams']} streams >= 1.05x", "figure": loops["overlap_over_normal"], "met": loops["overlap_over_normal"] >= 1.05})
     for job in result["jobs"]:
         for r in job["rows"]:
             step = r["step_s"]
@@ -372,6 +452,19 @@ def goals(result: dict) -> list[dict]:
 
 def report(result: dict) -> str:
     parts = [_fmt_table(job) for job in result["jobs"]]
+    if "aten_share" in result:
+        a = result["aten_share"]
+        parts.append(
+            f"{a['model']} decode step, {a['decode_requests']} requests, one rank, {a['threads']} thread: wall "
+            f"{a['step_wall_s'] * 1e3:.0f} ms, ATen self CPU {a['aten_self_cpu_s'] * 1e3:.0f} ms ({a['aten_share']:.0%} tensor work)"
+        )
+    if "scheduler_loops" in result:
+        lo = result["scheduler_loops"]
+        parts.append(
+            f"scheduler loop, {lo['model']}, {lo['streams']} streams x {lo['max_tokens']} tokens, one rank: normal "
+            f"{lo['tok_s']['normal']:.0f} tok/s, overlapped {lo['tok_s']['overlap']:.0f} tok/s "
+            f"({lo['overlap_over_normal']:.2f}x; same tokens: {lo['same_tokens']})"
+        )
     lines = ["goals:"]
     for g in result.get("goals", []):
         lines.append(f"  [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['figure']:.2f}" + (f" ({g['mode']})" if "mode" in g else ""))
@@ -394,6 +487,10 @@ def main(argv=None) -> int:
     plan = json.loads(args.plan_json) if args.plan_json else quick_plan() if args.quick else full_plan()
     start = time.perf_counter()
     result = run_cluster(plan, timeout_s=args.timeout, log=lambda m: print(m, file=sys.stderr))
+    if plan.get("one_host", True):
+        print("[real_links] one host: ATen share of a decode step, scheduler loops", file=sys.stderr, flush=True)
+        result["aten_share"] = aten_share(threads=plan["threads"])
+        result["scheduler_loops"] = scheduler_loops(threads=plan["threads"])
     result["wall_s"] = time.perf_counter() - start
     result["goals"] = goals(result)
     out = Path(args.out)

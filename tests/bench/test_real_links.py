@@ -31,7 +31,7 @@ def test_real_links_runs_on_shaped_namespace_hosts_and_dbo_changes_no_output(tmp
     plan = {
         "jobs": [{"workload": "moe-stack", "phase": "prefill", "tokens": 32, "shape": {"hidden": 128, "intermediate": 64, "layers": 2}}],
         "modes": ["none", "dbo"], "ratios": [1.0], "warmup": 0, "repeat": 1, "compute_repeat": 1,
-        "probe_mbit": 50.0, "context_len": 64, "threads": 1,
+        "probe_mbit": 50.0, "context_len": 64, "threads": 1, "one_host": False,
     }
     out = tmp_path / "real_links.json"
     result = subprocess.run(
