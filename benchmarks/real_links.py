@@ -11,8 +11,8 @@ SBO modes / auto, at three link rates chosen so that communication takes about 0
 - floor = max(compute, comm): what a perfect overlap would reach.
 
 The rates come from a calibration at the start of each (workload, phase): the `none` step at
-a probe rate gives comm(probe); bytes per step are fixed, so comm(rate) = comm(probe) *
-probe / rate, solved for the three targets.
+two probe rates fits comm(rate) = k * rate^-alpha (log-log: a tbf link is not linear in
+1/rate), solved for the three targets.
 
 The ranks are torchrun nodes, one per namespace host (`GLOO_SOCKET_IFNAME` = its veth), each
 running this file's `--worker` entry point with the bench workloads of `tandem.bench`. Rank 0
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -57,6 +58,7 @@ def full_plan() -> dict:
         ],
         "modes": MODES,
         "ratios": list(TARGET_RATIOS),
+        #: >= 1: the auto mode's tune prior comes from the warm-up round.
         "warmup": 1,
         "repeat": 3,
         "compute_repeat": 5,
@@ -168,6 +170,24 @@ def _outputs_digest(workload, tokens: int) -> dict:
     return {"none_sum": float(plain.sum()), "dbo_sum": float(split.sum()), "max_abs_diff": float((plain - split).abs().max())}
 
 
+def _tune_auto(workload, job: dict, warm: dict, rate: float, rank: int) -> None:
+    """A fresh overlap planner for this link, with the prior `tandem tune` would give it:
+    the none and DBO steps just measured at this rate (the warm-up round's; identical on
+    every rank: a step's time is the slowest rank's). A deployment tunes on its own link."""
+    if "none" not in warm or "dbo" not in warm:
+        raise ValueError("the auto mode needs none and dbo before it in the warm-up round")
+    tokens, phase = job["tokens"], job["phase"]
+    threshold = 0 if warm["dbo"] < warm["none"] else tokens + 1
+    path = Path(tempfile.gettempdir()) / f"tdr-real-links-tune-{os.getpid()}-{rank}-{job['workload']}-{phase}-{rate:.0f}.json"
+    path.write_text(json.dumps({
+        "dbo_decode_token_threshold": threshold, "dbo_prefill_token_threshold": threshold,
+        # The stack's steps are costed as decode steps (it has no KV attention).
+        "sweep": {"decode" if job["workload"] == "moe-stack" else phase: [{"tokens_per_rank": tokens, "none_ms": warm["none"] * 1e3, "dbo_ms": warm["dbo"] * 1e3}]},
+        "config": {"num_ubatches": 2},
+    }))
+    workload.base_overlap = workload.base_overlap.with_thresholds_file(path)
+
+
 def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: int, log) -> dict:
     import torch.distributed as dist
 
@@ -186,8 +206,7 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
     log(f"  compute (unshaped none step) {compute_s * 1e3:.1f} ms")
 
-    # Calibration: comm(rate) = comm(probe) * probe / rate. A probe that leaves comm tiny
-    # next to compute measures mostly noise: lower it once.
+    # Calibration: the none step at two probe rates. A probe that leaves comm tiny next to compute measures mostly noise: lower it.
     probe = plan["probe_mbit"]
     for _ in range(3):
         set_rate(probe)
@@ -196,8 +215,16 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
             break
         probe = probe * max(probe_comm, 0.05 * compute_s) / compute_s
     probe_comm = max(probe_comm, 1e-4)
-    rates = [probe * probe_comm / (ratio * compute_s) for ratio in plan["ratios"]]
-    log(f"  probe {probe:.0f} Mbit/s → comm {probe_comm * 1e3:.1f} ms; rates " + ", ".join(f"{r:.0f}" for r in rates))
+    set_rate(probe / 2)
+    half_comm = max(_median(_steps(workload, "none", tokens, 2)) - compute_s, probe_comm * 1.05)
+    # comm = k * rate^-alpha through the two probes: a shaped link is not linear in 1/rate
+    # (tbf's queue shrinks with the rate, TCP backs off), so interpolate in log-log.
+    alpha = min(max(math.log2(half_comm / probe_comm), 0.5), 3.0)
+    rates = [probe * (probe_comm / (ratio * compute_s)) ** (1 / alpha) for ratio in plan["ratios"]]
+    log(
+        f"  probes {probe:.0f} / {probe / 2:.0f} Mbit/s → comm {probe_comm * 1e3:.1f} / {half_comm * 1e3:.1f} ms "
+        f"(comm ~ rate^-{alpha:.2f}); rates " + ", ".join(f"{r:.0f}" for r in rates)
+    )
 
     rows = []
     for ratio, rate in zip(plan["ratios"], rates):
@@ -206,11 +233,16 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
         compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
         set_rate(rate)
         samples: dict[str, list[float]] = {m: [] for m in modes}
+        warm: dict[str, float] = {}
         for i in range(plan["warmup"] + plan["repeat"]):
             for mode in modes:  # interleaved: every mode sees the same machine state
+                if mode == "auto" and i == 0:
+                    _tune_auto(workload, job, warm, rate, rank)
                 step = workload.measure(mode, tokens).step_s
                 if i >= plan["warmup"]:
                     samples[mode].append(step)
+                else:
+                    warm[mode] = step
         medians = {m: _median(v) for m, v in samples.items()}
         comm_s = max(medians["none"] - compute_s, 0.0)
         floor_s = max(compute_s, comm_s)
@@ -232,7 +264,9 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     set_rate(None)
     digest = _outputs_digest(workload, tokens)
     del workload
-    return {**job, "probe_mbit": probe, "probe_comm_s": probe_comm, "rows": rows, "outputs": digest}
+    return {
+        **job, "probe_mbit": probe, "probe_comm_s": probe_comm, "half_probe_comm_s": half_comm, "fit_alpha": alpha, "rows": rows, "outputs": digest,
+    }
 
 
 def worker_main(args) -> None:
