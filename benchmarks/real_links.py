@@ -11,7 +11,8 @@ SBO modes / auto, at three link rates chosen so that communication takes about 0
 - floor = max(compute, comm): what a perfect overlap would reach.
 
 The rates come from a calibration at the start of each (workload, phase): the `none` step at
-two probe rates fits comm(rate) = k * rate^-alpha (log-log: a tbf link is not linear in
+two probe rates (its time model's receive waits, measured inside the step) fits
+comm(rate) = k * rate^-alpha (log-log: a tbf link is not linear in
 1/rate), solved for the three targets.
 
 The ranks are torchrun nodes, one per namespace host (`GLOO_SOCKET_IFNAME` = its veth), each
@@ -147,6 +148,13 @@ def _steps(workload, mode: str, tokens: int, n: int) -> list[float]:
     return [workload.measure(mode, tokens).step_s for _ in range(n)]
 
 
+def _none_comm(workload, tokens: int, n: int) -> float:
+    """Communication of the none step from its own time model (the receive waits, mean over
+    ranks): measured inside the step, so the machine's load drifting between the unshaped
+    and the shaped steps does not enter the calibration."""
+    return _median([workload.measure("none", tokens).mean_times.recv_wait_s for _ in range(n)])
+
+
 def _outputs_digest(workload, tokens: int) -> dict:
     """Outputs of none and dbo on the same input (moe-stack only: its forward returns them):
     the smoke test checks DBO changes nothing."""
@@ -210,13 +218,13 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     probe = plan["probe_mbit"]
     for _ in range(3):
         set_rate(probe)
-        probe_comm = _median(_steps(workload, "none", tokens, 2)) - compute_s
+        probe_comm = _none_comm(workload, tokens, 2)
         if probe_comm >= 0.3 * compute_s:
             break
         probe = probe * max(probe_comm, 0.05 * compute_s) / compute_s
     probe_comm = max(probe_comm, 1e-4)
     set_rate(probe / 2)
-    half_comm = max(_median(_steps(workload, "none", tokens, 2)) - compute_s, probe_comm * 1.05)
+    half_comm = max(_none_comm(workload, tokens, 2), probe_comm * 1.05)
     # comm = k * rate^-alpha through the two probes: a shaped link is not linear in 1/rate
     # (tbf's queue shrinks with the rate, TCP backs off), so interpolate in log-log.
     alpha = min(max(math.log2(half_comm / probe_comm), 0.5), 3.0)
@@ -233,14 +241,17 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
         compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
         set_rate(rate)
         samples: dict[str, list[float]] = {m: [] for m in modes}
+        waits: dict[str, list[float]] = {m: [] for m in modes}
         warm: dict[str, float] = {}
         for i in range(plan["warmup"] + plan["repeat"]):
             for mode in modes:  # interleaved: every mode sees the same machine state
                 if mode == "auto" and i == 0:
                     _tune_auto(workload, job, warm, rate, rank)
-                step = workload.measure(mode, tokens).step_s
+                sample = workload.measure(mode, tokens)
+                step = sample.step_s
                 if i >= plan["warmup"]:
                     samples[mode].append(step)
+                    waits[mode].append(sample.mean_times.recv_wait_s)
                 else:
                     warm[mode] = step
         medians = {m: _median(v) for m, v in samples.items()}
@@ -256,6 +267,8 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
                 "floor_s": floor_s,
                 "step_s": medians,
                 "samples_s": samples,
+                # The time model's exposed communication (receive waits), mean over ranks.
+                "recv_wait_s": {m: _median(v) for m, v in waits.items()},
                 "vs_none": {m: medians["none"] / v for m, v in medians.items()},
                 "vs_floor": {m: v / floor_s for m, v in medians.items()},
             }
