@@ -40,6 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's tandem, not an installed one
 
 MODES = ["none", "dbo", "dbo-greenlet", "tbo", "sbo-combine-down-gemm", "sbo-combine-shared", "sbo-dispatch-shared", "auto"]
 #: comm / compute targets of the three link rates.
@@ -180,17 +181,21 @@ def _outputs_digest(workload, tokens: int) -> dict:
 
 def _tune_auto(workload, job: dict, warm: dict, rate: float, rank: int) -> None:
     """A fresh overlap planner for this link, with the prior `tandem tune` would give it:
-    the none and DBO steps just measured at this rate (the warm-up round's; identical on
-    every rank: a step's time is the slowest rank's). A deployment tunes on its own link."""
+    the none and DBO steps measured at this rate (the warm-up round's and one more each;
+    identical on every rank: a step's time is the slowest rank's). A deployment tunes on its
+    own link."""
     if "none" not in warm or "dbo" not in warm:
         raise ValueError("the auto mode needs none and dbo before it in the warm-up round")
     tokens, phase = job["tokens"], job["phase"]
-    threshold = 0 if warm["dbo"] < warm["none"] else tokens + 1
+    # One more of each, the faster of two kept: a load spike on a neighbour's core must not
+    # decide the deployment's choice.
+    tuned = {m: min(warm[m], workload.measure(m, tokens).step_s) for m in ("none", "dbo")}
+    threshold = 0 if tuned["dbo"] < tuned["none"] else tokens + 1
     path = Path(tempfile.gettempdir()) / f"tdr-real-links-tune-{os.getpid()}-{rank}-{job['workload']}-{phase}-{rate:.0f}.json"
     path.write_text(json.dumps({
         "dbo_decode_token_threshold": threshold, "dbo_prefill_token_threshold": threshold,
         # The stack's steps are costed as decode steps (it has no KV attention).
-        "sweep": {"decode" if job["workload"] == "moe-stack" else phase: [{"tokens_per_rank": tokens, "none_ms": warm["none"] * 1e3, "dbo_ms": warm["dbo"] * 1e3}]},
+        "sweep": {"decode" if job["workload"] == "moe-stack" else phase: [{"tokens_per_rank": tokens, "none_ms": tuned["none"] * 1e3, "dbo_ms": tuned["dbo"] * 1e3}]},
         "config": {"num_ubatches": 2},
     }))
     workload.base_overlap = workload.base_overlap.with_thresholds_file(path)
