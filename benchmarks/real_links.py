@@ -523,18 +523,57 @@ def report(result: dict) -> str:
     return "\n\n".join(parts + ["\n".join(lines)])
 
 
+def markdown(result: dict) -> str:
+    """The tables and goals as Markdown (for benchmarks/README.md)."""
+    out = []
+    for job in result["jobs"]:
+        modes = list(job["rows"][0]["step_s"])
+        out.append(f"**{job['workload']} {job['phase']}, {job['tokens']} tokens/rank** (ms; x = none / mode; f = mode / floor)\n")
+        out.append("| rate Mbit/s | comm/compute | compute | comm | floor | " + " | ".join(modes) + " |")
+        out.append("|" + "---|" * (5 + len(modes)))
+        for r in job["rows"]:
+            cells = " | ".join(f"{r['step_s'][m] * 1e3:.0f} ({r['vs_none'][m]:.2f}x, {r['vs_floor'][m]:.2f}f)" for m in modes)
+            out.append(
+                f"| {r['rate_mbit']:.0f} | {r['comm_over_compute']:.2f} | {r['compute_s'] * 1e3:.0f} | {r['comm_s'] * 1e3:.0f} | "
+                f"{r['floor_s'] * 1e3:.0f} | {cells} |"
+            )
+        out.append("")
+    if "aten_share" in result:
+        a = result["aten_share"]
+        out.append(
+            f"{a['model']} decode step, {a['decode_requests']} requests over a {a['context_len']}-token context, one rank, "
+            f"{a['threads']} thread: {a['step_wall_s'] * 1e3:.0f} ms wall, {a['aten_self_cpu_s'] * 1e3:.0f} ms self CPU "
+            f"in ATen ops ({a['aten_share']:.0%}).\n"
+        )
+    if "scheduler_loops" in result:
+        lo = result["scheduler_loops"]
+        out.append(
+            f"Scheduler loop, {lo['model']}, {lo['streams']} streams x {lo['max_tokens']} tokens, one rank: normal "
+            f"{lo['tok_s']['normal']:.1f} tok/s, overlapped {lo['tok_s']['overlap']:.1f} tok/s "
+            f"({lo['overlap_over_normal']:.2f}x; identical tokens: {lo['same_tokens']}).\n"
+        )
+    out.append("| goal | figure | |\n|---|---|---|")
+    for g in result.get("goals", []):
+        out.append(f"| {g['goal']}{' (' + g['mode'] + ')' if 'mode' in g else ''} | {g['figure']:.2f} | {'met' if g['met'] else '**missed**'} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: one small moe-stack shape, none and dbo, one rate")
     parser.add_argument("--plan-json", help="a plan (JSON) instead of the full or quick one")
     parser.add_argument("--out", default=str(RESULT), help="where to write the JSON")
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds before the run is abandoned")
+    parser.add_argument("--markdown", metavar="JSON", help="print a results file's tables as Markdown and exit")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker_main(args)
+        return 0
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
         return 0
     plan = json.loads(args.plan_json) if args.plan_json else quick_plan() if args.quick else full_plan()
     start = time.perf_counter()
