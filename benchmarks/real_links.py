@@ -219,7 +219,8 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
     log(f"  compute (unshaped none step) {compute_s * 1e3:.1f} ms")
 
-    # Calibration: the none step at two probe rates. A probe that leaves comm tiny next to compute measures mostly noise: lower it.
+    # Calibration: the none step at two probe rates. A probe that leaves comm tiny next to
+    # compute measures mostly noise: lower it.
     probe = plan["probe_mbit"]
     for _ in range(3):
         set_rate(probe)
@@ -232,8 +233,11 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     half_comm = max(_none_comm(workload, tokens, 2), probe_comm * 1.05)
     # comm = k * rate^-alpha through the two probes: a shaped link is not linear in 1/rate
     # (tbf's queue shrinks with the rate, TCP backs off), so interpolate in log-log.
-    alpha = min(max(math.log2(half_comm / probe_comm), 0.5), 3.0)
-    rates = [probe * (probe_comm / (ratio * compute_s)) ** (1 / alpha) for ratio in plan["ratios"]]
+    # Bounded: a noisy probe pair must not send a row to a rate where one step takes minutes.
+    alpha = min(max(math.log2(half_comm / probe_comm), 0.8), 2.0)
+    rates = [
+        min(max(probe * (probe_comm / (ratio * compute_s)) ** (1 / alpha), probe / 8), probe * 8) for ratio in plan["ratios"]
+    ]
     log(
         f"  probes {probe:.0f} / {probe / 2:.0f} Mbit/s → comm {probe_comm * 1e3:.1f} / {half_comm * 1e3:.1f} ms "
         f"(comm ~ rate^-{alpha:.2f}); rates " + ", ".join(f"{r:.0f}" for r in rates)
@@ -283,7 +287,8 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     digest = _outputs_digest(workload, tokens)
     del workload
     return {
-        **job, "probe_mbit": probe, "probe_comm_s": probe_comm, "half_probe_comm_s": half_comm, "fit_alpha": alpha, "rows": rows, "outputs": digest,
+        **job, "probe_mbit": probe, "probe_comm_s": probe_comm, "half_probe_comm_s": half_comm, "fit_alpha": alpha,
+        "rows": rows, "outputs": digest,
     }
 
 
