@@ -107,7 +107,7 @@ class Control:
                 raise TimeoutError(f"the driver did not answer request {n} ({payload}) within {CONTROL_TIMEOUT_S:.0f} s")
             time.sleep(0.01)
 
-    def serve_one(self, act, alive) -> bool:
+    def serve_one(self, act) -> bool:
         """Answer the next request if there is one; False when none is waiting."""
         req = self.dir / f"req-{self.count}.json"
         if not req.exists():
@@ -399,7 +399,7 @@ def _env_with_src(env: dict) -> dict:
     return env
 
 
-def run_cluster(plan: dict, *, timeout_s: float, log=print) -> dict:
+def run_cluster(plan: dict, *, timeout_s: float) -> dict:
     """Run the plan on 2 namespace hosts; return rank 0's results plus the link settings."""
     from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv
 
@@ -432,7 +432,7 @@ def run_cluster(plan: dict, *, timeout_s: float, log=print) -> dict:
                 while any(p.poll() is None for p in procs):
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the ranks did not finish within {timeout_s:.0f} s")
-                    if not control.serve_one(act, procs):
+                    if not control.serve_one(act):
                         time.sleep(0.02)
                     if any(p.poll() not in (None, 0) for p in procs):
                         break
@@ -582,7 +582,7 @@ def main(argv=None) -> int:
         return 0
     plan = json.loads(args.plan_json) if args.plan_json else quick_plan() if args.quick else full_plan()
     start = time.perf_counter()
-    result = run_cluster(plan, timeout_s=args.timeout, log=lambda m: print(m, file=sys.stderr))
+    result = run_cluster(plan, timeout_s=args.timeout)
     if plan.get("one_host", True):
         print("[real_links] one host: ATen share of a decode step, scheduler loops", file=sys.stderr, flush=True)
         result["aten_share"] = aten_share(threads=plan["threads"])
