@@ -77,11 +77,10 @@ def _issuer_for(group) -> _Issuer:
     """The issuer of `group` (one per process group and process: every kernel on the group
     must share it, or two threads would interleave the group's collectives differently on
     different ranks)."""
-    key = group if group is not None else dist.group.WORLD  # None and WORLD are one group
     with _ISSUERS_LOCK:
-        if key not in _ISSUERS:
-            _ISSUERS[key] = _Issuer(f"tandem-a2a-issuer-{len(_ISSUERS)}")
-        return _ISSUERS[key]
+        if group not in _ISSUERS:
+            _ISSUERS[group] = _Issuer(f"tandem-a2a-issuer-{len(_ISSUERS)}")
+        return _ISSUERS[group]
 
 
 def _result(future: Future, what: str):
