@@ -1,12 +1,5 @@
 """Dispatch/combine over `torch.distributed.all_to_all_single` with exchanged split sizes.
 
-On gloo every collective of the backend is issued by one issuer thread per process group,
-in the order the ubatches submit them: the dispatch's split-size exchange is synchronous
-and, on a real link, waits behind every byte already queued on the connection; on the
-compute thread it stalled each ubatch until the other's transfer had drained, which is the
-overlap DBO exists for. The compute thread now only prepares the payload and goes on; the
-receive waits for the issuer's result.
-
 Each token is sent once to every rank that holds at least one of its top-k experts, with
 its top-k ids made local there (-1 for experts elsewhere) and its weights; experts return
 one weighted partial sum per received row, and the source adds the partials up. Standard
@@ -19,10 +12,7 @@ travel while the experts still compute the last ones.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -40,56 +30,6 @@ def _async_a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
 
 
-#: Bound on waiting for the issuer thread to hand over a transfer (the collective itself
-#: has the process group's timeout).
-ISSUE_TIMEOUT_S = 600.0
-
-
-class _Issuer:
-    """One daemon thread that runs submitted jobs in submission order. Every rank submits
-    the same collectives in the same order (ubatches run one at a time), so the group sees
-    one order on every rank; nothing else issues on the group while a forward's transfers
-    are outstanding (each is received before the forward returns)."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            fn, future = self._jobs.get()
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the receiver, which raises it
-                future.set_exception(exc)
-
-    def submit(self, fn) -> Future:
-        future: Future = Future()
-        self._jobs.put((fn, future))
-        return future
-
-
-_ISSUERS: dict[object, _Issuer] = {}
-_ISSUERS_LOCK = threading.Lock()
-
-
-def _issuer_for(group) -> _Issuer:
-    """The issuer of `group` (one per process group and process: every kernel on the group
-    must share it, or two threads would interleave the group's collectives differently on
-    different ranks)."""
-    with _ISSUERS_LOCK:
-        if group not in _ISSUERS:
-            _ISSUERS[group] = _Issuer(f"tandem-a2a-issuer-{len(_ISSUERS)}")
-        return _ISSUERS[group]
-
-
-def _result(future: Future, what: str):
-    try:
-        return future.result(timeout=ISSUE_TIMEOUT_S)
-    except TimeoutError:
-        raise TimeoutError(f"torch_a2a: the {what} was not issued within {ISSUE_TIMEOUT_S:.0f} s") from None
-
-
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -98,33 +38,17 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
     activation_format = ActivationFormat.STANDARD
     name = "torch_a2a"
 
-    def __init__(self, num_experts: int, group=None, fabric: FabricModel | None = None, issue_thread: bool | None = None):
+    def __init__(self, num_experts: int, group=None, fabric: FabricModel | None = None):
         super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
         self.group = group
         self.fabric = fabric
-        #: Issue from the group's issuer thread (default: on gloo, whose collectives are
-        #: host work; NCCL ones are enqueued on the caller's stream, so they stay put).
-        if issue_thread is None:
-            issue_thread = dist.get_backend(group) == "gloo"
-        self._issuer = _issuer_for(group) if issue_thread else None
 
     def supports_async(self) -> bool:
         return True
 
-    def _active_issuer(self) -> _Issuer | None:
-        # The sleep-timer fabric models a transfer from its issue time on the caller's
-        # thread: it keeps the direct path.
-        return self._issuer if self.fabric is None else None
-
     def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], out_splits, in_splits):
-        """Issue the transfers (on the issuer thread if there is one); return the function
-        that waits for them."""
-        issue = lambda: [_async_a2a(r, s, out_splits, in_splits, self.group) for s, r in zip(sends, recvs)]  # noqa: E731
-        issuer = self._active_issuer()
-        if issuer is None:
-            works = issue()
-        else:
-            issued_works = issuer.submit(issue)
+        """Issue the transfers; return the function that waits for them."""
+        works = [_async_a2a(r, s, out_splits, in_splits, self.group) for s, r in zip(sends, recvs)]
         deadline = modelled = None
         if self.fabric is not None:
             issued = time.perf_counter()
@@ -132,7 +56,7 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
             modelled = deadline - issued
 
         def wait() -> None:
-            for work in works if issuer is None else _result(issued_works, "transfer"):
+            for work in works:
                 work.wait()
             if deadline is not None:
                 FabricModel.wait_until(deadline)
@@ -147,61 +71,32 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
         token_index = torch.cat(sent_to)
         rank_of_row = torch.cat([torch.full_like(idx, r) for r, idx in enumerate(sent_to)])
         send_counts = [int(idx.numel()) for idx in sent_to]
+        # On the data's device: the group may be NCCL, which takes no CPU tensors.
+        recv_counts_t = torch.empty(self.world_size, dtype=torch.int64, device=hidden.device)
+        send_counts_t = torch.tensor(send_counts, dtype=torch.int64).to(hidden.device)
+        with timed_blocking():
+            dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.group)
+        recv_counts = [int(n) for n in recv_counts_t.tolist()]
+        num_recv = sum(recv_counts)
+
         row_ids = topk_ids[token_index]
         local_ids = torch.where(dest[token_index] == rank_of_row.unsqueeze(1), row_ids - rank_of_row.unsqueeze(1) * local, -1)
         payload, scales = hidden[token_index], None
         if use_fp8:
             payload, scales = quantize_fp8_per_token_group(payload)
         sends = [payload, local_ids, topk_weights[token_index].float()]
+        recvs = [
+            hidden.new_empty((num_recv, hidden.shape[1]), dtype=payload.dtype),
+            topk_ids.new_empty((num_recv, topk_ids.shape[1])),
+            torch.empty((num_recv, topk_ids.shape[1]), dtype=torch.float32, device=hidden.device),
+        ]
         if scales is not None:
             sends.append(scales)
-        counts: dict = {}
-
-        def exchange_counts() -> None:
-            # On the data's device: the group may be NCCL, which takes no CPU tensors.
-            recv_counts_t = torch.empty(self.world_size, dtype=torch.int64, device=hidden.device)
-            send_counts_t = torch.tensor(send_counts, dtype=torch.int64).to(hidden.device)
-            dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.group)
-            counts["recv"] = [int(n) for n in recv_counts_t.tolist()]
-
-        def recv_buffers() -> list[torch.Tensor]:
-            num_recv = sum(counts["recv"])
-            k = topk_ids.shape[1]
-            recvs = [
-                hidden.new_empty((num_recv, hidden.shape[1]), dtype=payload.dtype),
-                topk_ids.new_empty((num_recv, k)),
-                torch.empty((num_recv, k), dtype=torch.float32, device=hidden.device),
-            ]
-            if scales is not None:
-                recvs.append(torch.empty((num_recv, scales.shape[1]), dtype=torch.float32, device=hidden.device))
-            return recvs
-
-        landed: dict = {}
-        if self._active_issuer() is None:
-            with timed_blocking():
-                exchange_counts()
-            landed["recvs"] = recv_buffers()
-            wait = self._exchange(sends, landed["recvs"], counts["recv"], send_counts)
-        else:
-            # The counts and the payload both leave from the issuer thread; the receive
-            # waits for its buffers, then for the payload.
-            def issue():
-                exchange_counts()
-                recvs = recv_buffers()
-                return recvs, [_async_a2a(r, s_, counts["recv"], send_counts, self.group) for s_, r in zip(sends, recvs)]
-
-            issued = self._issuer.submit(issue)
-
-            def wait_payload() -> None:
-                landed["recvs"], works = _result(issued, "dispatch")
-                for work in works:
-                    work.wait()
-
-            wait = timed_receive(wait_payload)
+            recvs.append(torch.empty((num_recv, scales.shape[1]), dtype=torch.float32, device=hidden.device))
+        wait = self._exchange(sends, recvs, recv_counts, send_counts)
 
         def receiver() -> ExpertTokens:
             wait()
-            recvs, recv_counts = landed["recvs"], counts["recv"]
             return ExpertTokens(
                 recvs[0],
                 recvs[3] if scales is not None else None,
