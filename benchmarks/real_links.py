@@ -11,8 +11,7 @@ SBO modes / auto, at three link rates chosen so that communication takes about 0
 - floor = max(compute, comm): what a perfect overlap would reach.
 
 The rates come from a calibration at the start of each (workload, phase): the `none` step at
-two probe rates (its time model's receive waits, measured inside the step) fits
-comm(rate) = k * rate^-alpha (log-log: a tbf link is not linear in
+two probe rates fits comm(rate) = k * rate^-alpha (log-log: a tbf link is not linear in
 1/rate), solved for the three targets.
 
 The ranks are torchrun nodes, one per namespace host (`GLOO_SOCKET_IFNAME` = its veth), each
@@ -149,11 +148,13 @@ def _steps(workload, mode: str, tokens: int, n: int) -> list[float]:
     return [workload.measure(mode, tokens).step_s for _ in range(n)]
 
 
-def _none_comm(workload, tokens: int, n: int) -> float:
-    """Communication of the none step from its own time model (the receive waits, mean over
-    ranks): measured inside the step, so the machine's load drifting between the unshaped
-    and the shaped steps does not enter the calibration."""
-    return _median([workload.measure("none", tokens).mean_times.recv_wait_s for _ in range(n)])
+def _none_comm(workload, tokens: int, n: int, compute_s: float) -> float:
+    """Communication of the none step as the table defines it (shaped step minus the
+    unshaped one, measured just before); where load noise makes that non-positive, the
+    step's own time model (its receive waits, mean over ranks)."""
+    samples = [workload.measure("none", tokens) for _ in range(n)]
+    by_step = _median([s.step_s for s in samples]) - compute_s
+    return by_step if by_step > 0 else _median([s.mean_times.recv_wait_s for s in samples])
 
 
 def _outputs_digest(workload, tokens: int) -> dict:
@@ -224,13 +225,13 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     probe = plan["probe_mbit"]
     for _ in range(3):
         set_rate(probe)
-        probe_comm = _none_comm(workload, tokens, 2)
+        probe_comm = _none_comm(workload, tokens, 2, compute_s)
         if probe_comm >= 0.3 * compute_s:
             break
         probe = probe * max(probe_comm, 0.05 * compute_s) / compute_s
     probe_comm = max(probe_comm, 1e-4)
     set_rate(probe / 2)
-    half_comm = max(_none_comm(workload, tokens, 2), probe_comm * 1.05)
+    half_comm = max(_none_comm(workload, tokens, 2, compute_s), probe_comm * 1.05)
     # comm = k * rate^-alpha through the two probes: a shaped link is not linear in 1/rate
     # (tbf's queue shrinks with the rate, TCP backs off), so interpolate in log-log.
     # Bounded: a noisy probe pair must not send a row to a rate where one step takes minutes.
