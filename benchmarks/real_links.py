@@ -32,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,10 +53,11 @@ CONTROL_TIMEOUT_S = 300.0
 def full_plan() -> dict:
     return {
         "jobs": [
+            # The goals' rows first: a run cut short by its timeout keeps them.
             {"workload": "moe-stack", "phase": "prefill", "tokens": 512},
             {"workload": "moe-stack", "phase": "decode", "tokens": 64},
-            {"workload": "small-moe", "phase": "prefill", "tokens": 512},
             {"workload": "small-moe", "phase": "decode", "tokens": 64},
+            {"workload": "small-moe", "phase": "prefill", "tokens": 512},
         ],
         "modes": MODES,
         "ratios": list(TARGET_RATIOS),
@@ -309,10 +311,13 @@ def worker_main(args) -> None:
         if rank == 0:
             print(f"[real_links] {msg}", file=sys.stderr, flush=True)
 
-    jobs = [run_job(job, plan, control, rank, world, log) for job in plan["jobs"]]
-    if rank == 0:
-        out = Path(args.control) / "result.json"
-        out.write_text(json.dumps({"plan": plan, "jobs": jobs}, indent=1))
+    jobs = []
+    for job in plan["jobs"]:
+        jobs.append(run_job(job, plan, control, rank, world, log))
+        if rank == 0:  # after every job: a run cut short by its timeout keeps what it measured
+            tmp = Path(args.control) / "result.json.tmp"
+            tmp.write_text(json.dumps({"plan": plan, "jobs": jobs, "complete": len(jobs) == len(plan["jobs"])}, indent=1))
+            tmp.rename(Path(args.control) / "result.json")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -429,23 +434,34 @@ def run_cluster(plan: dict, *, timeout_s: float) -> dict:
                 rates.append(req["rate_mbit"])
 
             deadline = time.monotonic() + timeout_s
+            timed_out = False
             try:
                 while any(p.poll() is None for p in procs):
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"the ranks did not finish within {timeout_s:.0f} s")
+                        timed_out = True
+                        print(f"[real_links] the ranks did not finish within {timeout_s:.0f} s: stopping them", file=sys.stderr)
+                        break
                     if not control.serve_one(act):
                         time.sleep(0.02)
                     if any(p.poll() not in (None, 0) for p in procs):
                         break
-                codes = [p.wait(timeout=30) if p.poll() is None else p.returncode for p in procs]
             finally:
-                for p in procs:
+                for p in procs:  # torchrun passes SIGTERM on to its worker; SIGKILL would orphan it
                     if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    try:
+                        p.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
                         p.kill()
-                        p.wait(timeout=30)
-            if any(codes):
+                        p.wait(timeout=20)
+            codes = [p.returncode for p in procs]
+            partial = Path(tmp) / "result.json"
+            if not timed_out and any(codes):
                 raise RuntimeError(f"a rank failed (exit codes {codes}); see its output above")
-        result = json.loads((Path(tmp) / "result.json").read_text())
+            if not partial.exists():
+                raise RuntimeError(f"no results: the ranks stopped (exit codes {codes}) before a job finished")
+        result = json.loads(partial.read_text())
     result["link"] = {"hosts": 2, "qdisc": "tbf", "burst": "64kb", "latency_ms": 100.0, "rates_set_mbit": rates}
     return result
 
@@ -594,6 +610,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(report(result))
+    if not result.get("complete", True):
+        print(f"\nINCOMPLETE: {len(result['jobs'])} of {len(plan['jobs'])} jobs finished before the timeout")
     print(f"\nwrote {out} ({result['wall_s']:.0f} s)")
     return 0
 
