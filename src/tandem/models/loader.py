@@ -22,23 +22,18 @@ from safetensors import safe_open
 from tandem.models.base import CausalLM, ModelInfo, MoEOptions
 from tandem.models.hf_config import HFConfig, config_value
 
-#: `config.json` `architectures[0]` → "module:class" (imported on use).
-MODEL_REGISTRY: dict[str, str] = {
-    "DeepseekV2ForCausalLM": "tandem.models.deepseek:DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM": "tandem.models.deepseek:DeepseekV3ForCausalLM",
-    "MixtralForCausalLM": "tandem.models.mixtral:MixtralForCausalLM",
-    "Qwen2MoeForCausalLM": "tandem.models.qwen_moe:Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM": "tandem.models.qwen_moe:Qwen3MoeForCausalLM",
+#: The model families: HF `model_type` -> (architecture, the module defining the class of
+#: that name). Adding a family is its module plus one row here.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "tandem.models.deepseek"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "tandem.models.deepseek"),
+    "mixtral": ("MixtralForCausalLM", "tandem.models.mixtral"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "tandem.models.qwen_moe"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "tandem.models.qwen_moe"),
 }
 
-#: `model_type` → architecture, for configs without an `architectures` list.
-_MODEL_TYPES = {
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
+#: `config.json` `architectures[0]` -> "module:class" (imported on use).
+MODEL_REGISTRY: dict[str, str] = {arch: f"{module}:{arch}" for arch, module in FAMILIES.values()}
 
 #: Names `load_model` accepts instead of a path.
 BUILTIN_MODELS: dict[str, str] = {
@@ -85,8 +80,8 @@ def architecture_of(config: HFConfig, config_file: Path) -> str:
     if architectures:
         return architectures[0]
     model_type = config.get("model_type")
-    if model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
+    if model_type in FAMILIES:
+        return FAMILIES[model_type][0]
     raise ValueError(
         f"{config_file} names no architecture ('architectures' is missing and model_type={model_type!r} "
         f"is not known); supported: {', '.join(supported_architectures())}"
