@@ -1,5 +1,5 @@
 """The operations API (TBO): stage order against SGLang's executor, outputs against the
-non-overlapped run, per-micro-batch state and forward context, errors."""
+non-overlapped run, per-ubatch state and forward context, errors."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tandem.contexts.operations import OperationsStrategy, to_stages
 
 
 def recording_ops(log: list, num_stages: int, ops_per_stage: int = 2) -> list:
-    """`num_stages` stages of `ops_per_stage` operations that log (micro-batch, stage, op)
+    """`num_stages` stages of `ops_per_stage` operations that log (ubatch, stage, op)
     and add their position to a running value carried through the inputs and the state."""
     ops = []
     for s in range(num_stages):
@@ -38,8 +38,8 @@ def recording_ops(log: list, num_stages: int, ops_per_stage: int = 2) -> list:
 
 
 def sglang_order(num_stages: int, delta: int) -> list[tuple[int, int]]:
-    """(micro-batch, stage) in the order SGLang's `execute_overlapped_operations` runs two
-    micro-batches: A alone for `delta` stages, A and B alternating, B alone at the end."""
+    """(ubatch, stage) in the order SGLang's `execute_overlapped_operations` runs two
+    ubatches: A alone for `delta` stages, A and B alternating, B alone at the end."""
     order, a, b = [], 0, 0
     for _ in range(delta):
         order.append((0, a)); a += 1  # noqa: E702
@@ -65,7 +65,7 @@ def test_public_names_are_reexported_from_tandem():
 
 
 @pytest.mark.parametrize("num_stages, delta", [(11, 2), (6, 2), (3, 0), (7, 0), (4, 4)])
-def test_two_micro_batches_run_stages_in_sglangs_order(num_stages, delta):
+def test_two_ubatches_run_stages_in_sglangs_order(num_stages, delta):
     log: list = []
     ops = recording_ops(log, num_stages)
     execute_overlapped_operations([{"mb": 0, "value": 1}, {"mb": 1, "value": 2}], [ops, ops], [0, delta])
@@ -88,21 +88,21 @@ def test_delta_zero_explicit_order():
     assert stage_order(log) == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
 
 
-def test_outputs_equal_the_non_overlapped_run_and_state_is_per_micro_batch():
+def test_outputs_equal_the_non_overlapped_run_and_state_is_per_ubatch():
     log: list = []
     ops = recording_ops(log, 5)
     inputs = [{"mb": i, "value": v} for i, v in enumerate((1, 7, -4))]
     overlapped = execute_overlapped_operations(inputs, [ops] * 3, [0, 1, 3])
     alone = [execute_operations(dict(x), ops) for x in inputs]
     assert overlapped == alone
-    # Three micro-batches: each starts once micro-batch 0 has run its delta, then one stage
-    # each per round in micro-batch order; a finished one drops out.
+    # Three ubatches: each starts once ubatch 0 has run its delta, then one stage
+    # each per round in ubatch order; a finished one drops out.
     assert stage_order(log[: len(log) // 2]) == [
         (0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (0, 3), (1, 2), (2, 0), (0, 4), (1, 3), (2, 1), (1, 4), (2, 2), (2, 3), (2, 4)
     ]
 
 
-def test_micro_batches_may_have_different_operation_lists():
+def test_ubatches_may_have_different_operation_lists():
     log: list = []
     short, long = recording_ops(log, 2), recording_ops(log, 4)
     out = execute_overlapped_operations([{"mb": 0, "value": 0}, {"mb": 1, "value": 0}], [long, short], [0, 1])
@@ -110,7 +110,7 @@ def test_micro_batches_may_have_different_operation_lists():
     assert out[1] == execute_operations({"mb": 1, "value": 0}, short)
 
 
-def test_state_lives_across_stages_of_one_micro_batch_only():
+def test_state_lives_across_stages_of_one_ubatch_only():
     def send(state, *, x):
         state["in_flight"] = x * 2
         return {}
@@ -135,7 +135,7 @@ def test_bare_callables_become_operations_named_after_them():
     assert all(isinstance(op, ExecutionOperation) for stage in stages for op in stage)
 
 
-def test_each_micro_batch_sees_its_forward_context_and_id():
+def test_each_ubatch_sees_its_forward_context_and_id():
     seen = []
 
     def probe(state, **inputs):
@@ -154,7 +154,7 @@ def test_each_micro_batch_sees_its_forward_context_and_id():
     assert dbo_current_ubatch_id() == 0
 
 
-def test_an_exception_names_the_micro_batch_and_stage_and_the_executor_stays_usable():
+def test_an_exception_names_the_ubatch_and_stage_and_the_executor_stays_usable():
     def ok(state, **inputs):
         return inputs
 
@@ -166,7 +166,7 @@ def test_an_exception_names_the_micro_batch_and_stage_and_the_executor_stays_usa
     ops = [ok, YieldOperation(), ExecutionOperation("experts", boom), YieldOperation(), ok]
     with pytest.raises(RuntimeError, match="expert GEMM failed") as info:
         execute_overlapped_operations([{"mb": 0}, {"mb": 1}], [ops, ops], [0, 1])
-    assert "in micro-batch 1, stage 1 (experts)" in info.value.__notes__
+    assert "in ubatch 1, stage 1 (experts)" in info.value.__notes__
     assert dbo_current_ubatch_id() == 0
     assert execute_overlapped_operations([{"mb": 0}, {"mb": 2}], [ops, ops], [0, 1]) == [{"mb": 0}, {"mb": 2}]
 
@@ -174,7 +174,7 @@ def test_an_exception_names_the_micro_batch_and_stage_and_the_executor_stays_usa
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(inputs_arr=[{}], operations_arr=[[lambda s: {}]], delta_stages=[0]), "at least 2 micro-batches"),
+        (dict(inputs_arr=[{}], operations_arr=[[lambda s: {}]], delta_stages=[0]), "at least 2 ubatches"),
         (dict(inputs_arr=[{}, {}], operations_arr=[[lambda s: {}]] * 2, delta_stages=[1, 0]), r"delta_stages\[0\] must be 0"),
         (dict(inputs_arr=[{}, {}], operations_arr=[[lambda s: {}]] * 2, delta_stages=[0, 2]), "outside"),
         (dict(inputs_arr=[{}, {}], operations_arr=[[lambda s: {}]], delta_stages=[0, 0]), "one of each"),

@@ -13,7 +13,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from tandem.models.base import MoEOptions  # noqa: E402
 from tandem.models.deepseek import DeepseekConfig, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM  # noqa: E402
-from tandem.models.testing_harness import GreedyHarness  # noqa: E402
+from tandem.testing.model_harness import GreedyHarness  # noqa: E402
 
 TOL = 1e-4
 
@@ -230,7 +230,7 @@ def test_mixed_prefill_and_decode_batch(name, mode, tmp_path):
 
 def test_latent_and_expanded_caches_agree(tmp_path):
     _, latent, _, weights = _build("v3_noaux", tmp_path)
-    expanded = DeepseekV3ForCausalLM(latent.hf_config, kv_cache_mode="expanded")
+    expanded = DeepseekV3ForCausalLM(latent.config, kv_cache_mode="expanded")
     expanded.load_weights(weights.items())
     assert latent.kv_cache_specs()[0].shapes == {"kv_latent": (1, 16 + 8)}
     assert expanded.kv_cache_specs()[0].shapes == {"key": (4, 24), "value": (4, 12)}
@@ -261,7 +261,7 @@ class _SecondHalf(MoEOptions):
 
 def test_load_keeps_only_local_experts(tmp_path):
     _, ours, _, weights = _build("v3_noaux", tmp_path, moe=_SecondHalf())
-    w1 = ours.model.layers[1].mlp.experts.w1
+    w1 = ours.model.layers[1].mlp.experts.w13
     w2 = ours.model.layers[1].mlp.experts.w2
     assert w1.shape == (4, 64, 64) and w2.shape == (4, 64, 32)
     for local, expert in enumerate(range(4, 8)):

@@ -13,9 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.models import ModelInfo, MoEOptions
-from tandem.models import loader
 from tandem.models.loader import load_model, supported_architectures
-from tandem.models.testing_harness import GreedyHarness
+from tandem.testing.model_harness import GreedyHarness
 from tandem.testing import run_distributed
 from tests.models.hf_checkpoints import EOS, build_hf_model, hf_logits, save_checkpoint, save_fused_checkpoint, shard_checkpoint
 

@@ -9,7 +9,7 @@ from tandem.models.layers import MoEBlock
 from tandem.models.loader import load_model
 from tandem.models.mixtral import MixtralForCausalLM
 from tandem.models.qwen_moe import Qwen2MoeForCausalLM, Qwen2MoeSparseBlock, Qwen3MoeForCausalLM
-from tandem.models.testing_harness import GreedyHarness
+from tandem.testing.model_harness import GreedyHarness
 from tests.models.hf_checkpoints import EOS, FAMILIES, build_hf_model, hf_logits, save_checkpoint, save_fused_checkpoint
 
 TOL = 1e-4

@@ -30,8 +30,8 @@ def test_tiny_scale_builds_seeded_and_runs_a_step():
     b = build_random_deepseek_v2_lite(dtype=torch.float32, overrides=TINY)
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(pa, pb), name
-    moe_layers = [layer for layer in a.model.model.layers if layer.is_moe]
-    assert len(moe_layers) == 2 and moe_layers[0].mlp.experts.w1.shape[0] == 8
+    moe_layers = [layer for layer in a.model.model.layers if layer.is_sparse]
+    assert len(moe_layers) == 2 and moe_layers[0].mlp.experts.w13.shape[0] == 8
     runner = ModelRunner(a, num_kv_blocks=8, block_size=4)
     result = runner.execute([ScheduledChunk([1, 2, 3, 4, 5], 0, runner.allocator.allocate(2))], [SamplingParams(temperature=0)], [None])
     assert isinstance(result.tokens[0], int) and 0 <= result.tokens[0] < 320

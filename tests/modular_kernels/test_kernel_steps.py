@@ -1,5 +1,5 @@
 """The kernel as SGLang's steps: the same result as `forward`, in any interleaving of
-micro-batches that keeps each one's step order, and a clear error when a step is skipped."""
+ubatches that keeps each one's step order, and a clear error when a step is skipped."""
 
 import pytest
 import torch
@@ -81,7 +81,7 @@ def test_a_skipped_or_repeated_step_is_a_clear_error():
 
 
 def _interleaved(rank, world, backends):
-    """Two micro-batches, B starting two steps after A (SGLang's decode delta), then
+    """Two ubatches, B starting two steps after A (SGLang's decode delta), then
     taking turns: what the stage executor does, with no DBO context."""
     errors = {}
     for all2all in backends:
@@ -106,6 +106,6 @@ def _interleaved(rank, world, backends):
     return errors
 
 
-def test_interleaved_micro_batches_equal_forward_on_two_ranks():
+def test_interleaved_ubatches_equal_forward_on_two_ranks():
     per_rank = run_distributed(_interleaved, 2, ["torch_a2a", "torch_a2a_ll"], timeout_s=120)
     assert all(err < 2e-5 for errors in per_rank for err in errors.values()), per_rank

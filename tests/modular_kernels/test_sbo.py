@@ -27,7 +27,7 @@ def _err(a, b):
 
 
 def _steps(kernel, p, rank, world):
-    """Two micro-batches through the steps as the stage executor runs them (B two steps
+    """Two ubatches through the steps as the stage executor runs them (B two steps
     behind A), the shared experts where SGLang's decode strategy puts them."""
     w1, w2 = p.local_weights(rank, world)
     halves = [slice(0, 6), slice(6, None)]

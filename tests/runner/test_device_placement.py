@@ -43,7 +43,7 @@ def test_runner_tensors_live_on_the_model_device_and_cpu_never_calls_cuda(monkey
     device = runner.device
     assert device == torch.device("cpu") and runner.platform.name == "cpu"
     assert all(p.device == device for p in runner.model.parameters())
-    assert all(t.device == device for layer in runner.model.model.layers for t in layer.self_attn.cache.values())
+    assert all(t.device == device for layer in runner.model.model.layers for t in layer.self_attn.kv_cache.values())
 
     seen = {}
     original_prepare = runner.prepare
@@ -117,7 +117,7 @@ def test_float16_dtype_reaches_weights_and_cache():
     config = EngineConfig(cache=CacheConfig(num_kv_blocks=8, block_size=4), device="cpu", dtype="bfloat16")
     runner = build_runner(config)
     assert {p.dtype for p in runner.model.parameters()} >= {torch.bfloat16}
-    assert all(t.dtype == torch.bfloat16 for t in runner.model.model.layers[0].self_attn.cache.values())
+    assert all(t.dtype == torch.bfloat16 for t in runner.model.model.layers[0].self_attn.kv_cache.values())
     result = runner.execute([ScheduledChunk([5, 6, 7], 0, runner.allocator.allocate(1))], [SamplingParams(temperature=0)], [None])
     assert isinstance(result.tokens[0], int)
 

@@ -21,7 +21,7 @@ from tandem.runner.sampling import SamplingParams
 from tandem.serving.app import create_app
 from tandem.serving.chat import ChatTemplateError, render_chat
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 
 MODEL = "tiny-fake"
 API_KEY = "sk-test-key"

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from tandem.contexts.operations import current_micro_batch
-from tandem.contexts.ubatch_context import _CURRENT_UBATCH
+from tandem.contexts.ubatch_context import _CURRENT_UBATCH, current_stage_ubatch
 
 
 def dbo_enabled() -> bool:
@@ -17,12 +16,12 @@ def dbo_enabled() -> bool:
 
 
 def dbo_current_ubatch_id() -> int:
-    """The running ubatch's id (or, under the stage executor, micro-batch's); 0 outside
+    """The running ubatch's id, under any executor (threads, greenlets, stages); 0 outside
     one, so per-ubatch buffers can be indexed the same way with DBO off."""
     ctx = _CURRENT_UBATCH.get()
     if ctx is not None:
         return ctx.id
-    return current_micro_batch() or 0
+    return current_stage_ubatch() or 0
 
 
 _current_ubatch = _CURRENT_UBATCH.get  # bound once: `dbo_yield` is on every MoE layer's path

@@ -1,15 +1,15 @@
 """Operations (TBO): a forward written as a list of operations cut into stages by
-`YieldOperation`, and executors that run one list alone or interleave several micro-batches
+`YieldOperation`, and executors that run one list alone or interleave several ubatches
 stage by stage on the caller's thread (SGLang's two-batch overlap: no threads, no switches).
 
 An operation is `fn(state, **inputs) -> dict`: `inputs` are the previous operation's output
-(the first operation gets the micro-batch's inputs), `state` is a dict private to the
-micro-batch that lives across its stages (where an operation leaves what a later stage
+(the first operation gets the ubatch's inputs), `state` is a dict private to the
+ubatch that lives across its stages (where an operation leaves what a later stage
 needs, e.g. an all-to-all in flight). A stage is the run of operations between two yields.
 
-`execute_overlapped_operations` starts micro-batch i once micro-batch 0 has run
-`delta_stages[i]` stages, then runs one stage of every started, unfinished micro-batch per
-round, in micro-batch order. For two micro-batches and `delta_stages=[0, d]` that is
+`execute_overlapped_operations` starts ubatch i once ubatch 0 has run
+`delta_stages[i]` stages, then runs one stage of every started, unfinished ubatch per
+round, in ubatch order. For two ubatches and `delta_stages=[0, d]` that is
 SGLang's order: A runs d stages alone, then A and B alternate, then B runs its last d.
 `execute_operations` runs one list alone; inside a thread or greenlet ubatch its yields
 are `dbo_yield`s, so the same operation list serves all three executors.
@@ -18,24 +18,16 @@ are `dbo_yield`s, so the same operation list serves all three executors.
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
+from tandem.contexts.dbo import dbo_yield
 from tandem.contexts.forward_context import set_forward_context
-
-#: The micro-batch whose stage is running under `execute_overlapped_operations` (None
-#: elsewhere); `dbo_current_ubatch_id` reads it, so per-micro-batch buffers (DeepEP's) are
-#: picked the same way under every executor.
-_CURRENT_MICRO_BATCH: ContextVar[int | None] = ContextVar("tandem_current_micro_batch", default=None)
-
-
-def current_micro_batch() -> int | None:
-    return _CURRENT_MICRO_BATCH.get()
+from tandem.contexts.ubatch_context import _CURRENT_STAGE_UBATCH
 
 
 class YieldOperation:
-    """A stage boundary: under the stage executor another micro-batch runs here."""
+    """A stage boundary: under the stage executor another ubatch runs here."""
 
     def __repr__(self) -> str:
         return "YieldOperation()"
@@ -53,7 +45,7 @@ Stage = list[ExecutionOperation]
 
 @dataclass(frozen=True)
 class OperationsStrategy:
-    """A layer's (or a stack's) operations and the stage offset its second micro-batch
+    """A layer's (or a stack's) operations and the stage offset its second ubatch
     starts at (SGLang's `tbo_delta_stages`)."""
 
     operations: list = field(default_factory=list)
@@ -94,8 +86,8 @@ def to_stages(operations: Sequence[Operation]) -> list[Stage]:
     return stages
 
 
-class _MicroBatch:
-    """One micro-batch's progress through its stages."""
+class _StagedUBatch:
+    """One ubatch's progress through its stages."""
 
     def __init__(self, index: int, stages: list[Stage], inputs: dict, forward_context: Any, *, overlapped: bool):
         self.index = index
@@ -115,8 +107,8 @@ class _MicroBatch:
         scope = (
             set_forward_context(self.forward_context) if self.forward_context is not None else contextlib.nullcontext()
         )
-        # A list run alone inside an overlapped stage keeps that stage's micro-batch id.
-        token = _CURRENT_MICRO_BATCH.set(self.index) if self.overlapped else None
+        # A list run alone inside an overlapped stage keeps that stage's ubatch id.
+        token = _CURRENT_STAGE_UBATCH.set(self.index) if self.overlapped else None
         try:
             with scope:
                 for op in self.stages[stage_index]:
@@ -124,13 +116,13 @@ class _MicroBatch:
                         self.output = op.fn(self.state, **(self.output or {}))
                     except BaseException as exc:
                         where = f"stage {stage_index} ({op.debug_name})"
-                        note = f"in micro-batch {self.index}, {where}" if self.overlapped else f"in {where}"
+                        note = f"in ubatch {self.index}, {where}" if self.overlapped else f"in {where}"
                         if hasattr(exc, "add_note"):
                             exc.add_note(note)
                         raise
         finally:
             if token is not None:
-                _CURRENT_MICRO_BATCH.reset(token)
+                _CURRENT_STAGE_UBATCH.reset(token)
         self.next_stage += 1
 
 
@@ -138,9 +130,7 @@ def execute_operations(inputs: dict, operations: Sequence[Operation], *, forward
     """Run `operations` on `inputs` alone. Inside a DBO ubatch (thread or greenlet
     executor) each yield is a `dbo_yield`, so one operation list runs under every executor;
     elsewhere yields only separate stages."""
-    from tandem.contexts.dbo import dbo_yield  # dbo reads this module's micro-batch id
-
-    batch = _MicroBatch(0, to_stages(operations), inputs, forward_context, overlapped=False)
+    batch = _StagedUBatch(0, to_stages(operations), inputs, forward_context, overlapped=False)
     batch.run_stage()
     while not batch.done:
         dbo_yield()
@@ -149,7 +139,7 @@ def execute_operations(inputs: dict, operations: Sequence[Operation], *, forward
 
 
 class StageExecutor:
-    """Interleaves micro-batches stage by stage on the caller's thread.
+    """Interleaves ubatches stage by stage on the caller's thread.
 
     The third executor next to `ThreadExecutor` and `GreenletExecutor`, with the counters
     the runner reads (`runs`, `switches`, `switch_time_s`, always 0: a switch is a loop step)."""
@@ -171,18 +161,18 @@ class StageExecutor:
     ) -> list[dict]:
         n = len(inputs_arr)
         if n < 2:
-            raise ValueError(f"execute_overlapped_operations needs at least 2 micro-batches, got {n}")
+            raise ValueError(f"execute_overlapped_operations needs at least 2 ubatches, got {n}")
         if len(operations_arr) != n or len(delta_stages) != n:
             raise ValueError(
                 f"got {n} inputs, {len(operations_arr)} operation lists and {len(delta_stages)} delta_stages: "
-                "give one of each per micro-batch"
+                "give one of each per ubatch"
             )
         if forward_contexts is not None and len(forward_contexts) != n:
-            raise ValueError(f"got {len(forward_contexts)} forward contexts for {n} micro-batches")
+            raise ValueError(f"got {len(forward_contexts)} forward contexts for {n} ubatches")
         if delta_stages[0] != 0:
-            raise ValueError(f"delta_stages[0] must be 0 (micro-batch 0 starts first), got {delta_stages[0]}")
+            raise ValueError(f"delta_stages[0] must be 0 (ubatch 0 starts first), got {delta_stages[0]}")
         batches = [
-            _MicroBatch(
+            _StagedUBatch(
                 i, to_stages(ops), dict(inputs), None if forward_contexts is None else forward_contexts[i], overlapped=True
             )
             for i, (inputs, ops) in enumerate(zip(inputs_arr, operations_arr))
@@ -191,13 +181,13 @@ class StageExecutor:
         for i, delta in enumerate(delta_stages):
             if not 0 <= delta <= first_stages:
                 raise ValueError(
-                    f"delta_stages[{i}]={delta} is outside [0, {first_stages}] (micro-batch 0 has {first_stages} stages)"
+                    f"delta_stages[{i}]={delta} is outside [0, {first_stages}] (ubatch 0 has {first_stages} stages)"
                 )
         self.runs += 1
         previous = None
         while not all(b.done for b in batches):
-            # Who runs this round is decided before it starts: a micro-batch that becomes
-            # eligible during the round joins at the next, after micro-batch 0's turn.
+            # Who runs this round is decided before it starts: a ubatch that becomes
+            # eligible during the round joins at the next, after ubatch 0's turn.
             ready = [b for b, delta in zip(batches, delta_stages) if batches[0].next_stage >= delta and not b.done]
             for batch in ready:
                 batch.run_stage()
@@ -213,9 +203,9 @@ def execute_overlapped_operations(
     *,
     forward_contexts: Sequence[Any] | None = None,
 ) -> list[dict]:
-    """Run micro-batch i's `operations_arr[i]` on `inputs_arr[i]`, interleaved stage by
+    """Run ubatch i's `operations_arr[i]` on `inputs_arr[i]`, interleaved stage by
     stage (see the module docstring); `forward_contexts[i]`, when given, is the forward
-    context current while micro-batch i's stages run. Returns the outputs in order."""
+    context current while ubatch i's stages run. Returns the outputs in order."""
     return StageExecutor().run(inputs_arr, operations_arr, delta_stages, forward_contexts=forward_contexts)
 
 
@@ -225,7 +215,6 @@ __all__ = [
     "OperationsStrategy",
     "StageExecutor",
     "YieldOperation",
-    "current_micro_batch",
     "execute_operations",
     "execute_overlapped_operations",
     "to_stages",

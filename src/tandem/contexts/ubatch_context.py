@@ -20,6 +20,16 @@ def current_ubatch_context() -> "UBatchContext | None":
     return _CURRENT_UBATCH.get()
 
 
+#: The ubatch whose stage `execute_overlapped_operations` is running (None elsewhere). The
+#: stage executor has no `UBatchContext`; `dbo_current_ubatch_id` reads this instead, so
+#: per-ubatch buffers (DeepEP's) are picked the same way under every executor.
+_CURRENT_STAGE_UBATCH: ContextVar[int | None] = ContextVar("tandem_current_stage_ubatch", default=None)
+
+
+def current_stage_ubatch() -> int | None:
+    return _CURRENT_STAGE_UBATCH.get()
+
+
 class UBatchContext:
     """Entered (`with ctx:`) by the thread or greenlet that runs ubatch `id`.
 

@@ -1,5 +1,7 @@
-"""The decoder skeleton Qwen2-MoE, Qwen3-MoE and Mixtral share (embed → [norm, attention,
-norm, MLP or MoE] × L → norm → lm_head), and loading HF-named tensors into it."""
+"""The decoder skeleton every family shares (embed → [norm, attention, norm, MLP or MoE] × L
+→ norm → lm_head), and loading HF-named tensors into it. A family (`qwen_moe.py`,
+`mixtral.py`, `deepseek.py`) builds one layer's attention and MLP; the layer signature is
+`layer(positions, hidden)` and an attention's is `attention(positions, x)` for all of them."""
 
 from __future__ import annotations
 
@@ -11,18 +13,32 @@ from torch import nn
 
 from tandem.distributed.partition import MissingLayer, StageLayers, build_layers
 from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
-from tandem.models.hf_config import as_config, check_silu, config_value, rope_theta
+from tandem.models.hf_config import as_config, check_silu, config_value
 from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
 from tandem.models.layers import Attention, RMSNorm, StackedExperts
+from tandem.models.rope import rope_config
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)(\.weight)?$")
+#: HF's separate halves of a `GatedMLP`'s fused `gate_up_proj`.
+_GATE_UP_HALF = re.compile(r"^(?P<prefix>.+)\.(?P<half>gate_proj|up_proj)\.weight$")
 #: Checkpoint tensors no model here needs (old HF checkpoints saved RoPE buffers).
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+
+
+class UnknownCheckpointTensorError(KeyError, ValueError):
+    """Checkpoint tensors that match no parameter: a lookup that failed (KeyError) on a
+    checkpoint that does not fit the model (ValueError)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
 
 
 class DecoderLayer(DecoderLayerOperations, nn.Module):
-    def __init__(self, self_attn: Attention, mlp: nn.Module, hidden_size: int, eps: float, dtype: torch.dtype, mlp_name: str):
+    """`self_attn` is any attention with `forward(positions, x)`, `prepare`, `core`,
+    `kv_cache_spec()` and a `kv_cache` dict (`Attention`, `MLAttention`)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, dtype: torch.dtype, mlp_name: str):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
         self.self_attn = self_attn
@@ -56,8 +72,9 @@ class DecoderBackbone(nn.Module):
 
 class MoEDecoderForCausalLM(OperationsModel, CausalLM):
     """Parameters carry the HF checkpoint names (`model.layers.{i}.self_attn.q_proj.weight`,
-    ...), except the routed experts, stacked as `...experts.w13` / `...experts.w2`.
-    Subclasses build one layer's attention and MLP, and may rename checkpoint names."""
+    ...), except the routed experts, stacked as `...experts.w13` / `...experts.w2`, and a
+    dense MLP's `gate_up_proj`, which HF's `gate_proj` and `up_proj` fill. Subclasses build
+    one layer's attention and MLP, and may rename or skip checkpoint names."""
 
     #: attribute name of the MLP / MoE block in a decoder layer (Mixtral: block_sparse_moe).
     mlp_name = "mlp"
@@ -93,7 +110,7 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
 
     # -- what a family defines ------------------------------------------------------------
 
-    def build_attention(self, layer_idx: int) -> Attention:
+    def build_attention(self, layer_idx: int) -> nn.Module:
         raise NotImplementedError
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
@@ -102,6 +119,10 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
     def rename(self, name: str) -> str:
         """Map a checkpoint tensor name to this model's naming."""
         return name
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """A checkpoint tensor the family reads past (DeepSeek's multi-token-prediction layers)."""
+        return False
 
     # -- shared helpers for the families --------------------------------------------------
 
@@ -113,6 +134,8 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
 
     #: `rope_theta` when the config names none (the family's reference default).
     default_rope_theta: float = 10000.0
+    #: RoPE types checked against the family's reference implementation.
+    rope_types: tuple[str, ...] = ("default",)
 
     def attention(self, **options) -> Attention:
         """The family's self-attention from the config; `options` are the family's extras
@@ -123,7 +146,7 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
             config_value(config, "num_attention_heads"),
             config_value(config, "num_key_value_heads", "num_attention_heads"),
             self.head_dim(),
-            rope_theta=rope_theta(config, default=self.default_rope_theta),
+            rope=rope_config(config, supported=self.rope_types, default_theta=self.default_rope_theta),
             dtype=self.dtype,
             **options,
         )
@@ -135,7 +158,7 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
 
     # -- CausalLM -------------------------------------------------------------------------
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.model.layers[self.stage.start : self.stage.end]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -156,10 +179,16 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
         layers = self.attention_layers()
         if len(caches) != len(layers):
             raise ValueError(f"got {len(caches)} KV caches for {len(layers)} attention layers")
-        for attn, cache in zip(layers, caches):
-            missing = {"key", "value"} - set(cache)
-            if missing:
-                raise ValueError(f"KV cache dict lacks {sorted(missing)}")
+        for i, (attn, cache) in enumerate(zip(layers, caches), start=self.stage.start):
+            spec = attn.kv_cache_spec()
+            if set(cache) != set(spec.shapes):
+                raise ValueError(f"layer {i} KV cache has tensors {sorted(cache)}, expected {sorted(spec.shapes)}")
+            for name, shape in spec.shapes.items():
+                if tuple(cache[name].shape[2:]) != tuple(shape):
+                    raise ValueError(
+                        f"layer {i} KV cache {name!r} has shape {tuple(cache[name].shape)}, "
+                        f"expected [blocks, block_size, *{shape}]"
+                    )
             attn.kv_cache = cache
 
     # -- weights --------------------------------------------------------------------------
@@ -187,19 +216,25 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         experts = self._stacked_experts()
+        gate_up_halves: dict[str, set[str]] = {}
         loaded: set[str] = set()
+        unknown: list[str] = []
+
+        def copy(name: str, target: str, tensor: torch.Tensor, rows: slice = slice(None)) -> None:
+            dest = params[target].data[rows]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"parameter {target!r} expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+
         for name, tensor in weights:
-            if not self.owns_checkpoint_tensor(name):
-                continue  # another pipeline stage's
+            if not self.owns_checkpoint_tensor(name) or self.skips_checkpoint_tensor(name):
+                continue  # another pipeline stage's, or one the family does not use
             target = self.rename(name)
             if target in params:
-                param = params[target]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"parameter {target!r} expects {tuple(param.shape)}"
-                    )
-                param.data.copy_(tensor)
+                copy(name, target, tensor)
                 loaded.add(target)
                 continue
             match = _PER_EXPERT.match(target)
@@ -210,12 +245,23 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
             if match and match["prefix"] in experts:
                 experts[match["prefix"]].load_fused(match["kind"], tensor, name)
                 continue
+            match = _GATE_UP_HALF.match(target)
+            fused = match and f"{match['prefix']}.gate_up_proj.weight"
+            if fused in params:
+                half = params[fused].shape[0] // 2
+                copy(name, fused, tensor, slice(0, half) if match["half"] == "gate_proj" else slice(half, 2 * half))
+                gate_up_halves.setdefault(fused, set()).add(match["half"])
+                continue
             if _IGNORED.search(target) or (self.lm_head is None and target == "lm_head.weight"):
                 continue
-            raise KeyError(
-                f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__} "
-                f"(is the checkpoint for a different architecture or config?)"
+            unknown.append(name)
+        if unknown:
+            shown = ", ".join(unknown[:20]) + (f", ... ({len(unknown)} in all)" if len(unknown) > 20 else "")
+            raise UnknownCheckpointTensorError(
+                f"checkpoint tensors that match no parameter of {type(self).__name__} (is the checkpoint for "
+                f"a different architecture or config, or quantised?): {shown}"
             )
+        loaded.update(fused for fused, halves in gate_up_halves.items() if len(halves) == 2)
         for prefix, module in experts.items():
             loaded.update(f"{prefix}.{param}" for param in module.loaded_parameters())
         return loaded

@@ -49,17 +49,6 @@ def config_value(config: Any, *keys: str, default: Any = _MISSING) -> Any:
     return default
 
 
-def rope_theta(config: Any, default: float = 10000.0) -> float:
-    """`rope_theta` of a plain ("default") rotary embedding; other RoPE types are refused."""
-    params = config_value(config, "rope_parameters", default=None) or {}
-    scaling = config_value(config, "rope_scaling", default=None) or {}
-    for spec in (params, scaling):
-        rope_type = spec.get("rope_type") or spec.get("type") or "default"
-        if rope_type != "default":
-            raise NotImplementedError(f"RoPE type {rope_type!r} is not supported; only the default rotary embedding")
-    return float(params.get("rope_theta") or config_value(config, "rope_theta", default=default))
-
-
 def check_silu(config: Any) -> None:
     act = config_value(config, "hidden_act", default="silu")
     if act != "silu":

@@ -3,7 +3,7 @@
 `DecoderLayerOperations` is mixed into a pre-norm MoE decoder layer (input norm →
 attention → residual → post-attention norm → MLP or MoE → residual). Its operations carry
 `{"hidden_states", "positions"}` from layer to layer and keep what a later stage needs in
-the micro-batch's state; the MoE ones are the kernel's steps (`dispatch_send`, ...).
+the ubatch's state; the MoE ones are the kernel's steps (`dispatch_send`, ...).
 
 Strategies, as SGLang cuts them (`|` is a `YieldOperation`; lists of consecutive layers are
 concatenated, so a layer's last stage and the next layer's first are one stage):
@@ -34,7 +34,7 @@ PREFILL_DELTA_STAGES = 0
 
 
 def _kernel_step(name: str, step: str):
-    """The operation `op_{name}`: the MoE kernel's `step` on this micro-batch's layer call."""
+    """The operation `op_{name}`: the MoE kernel's `step` on this ubatch's layer call."""
 
     def op(self, state: dict) -> dict:
         getattr(self.feed_forward.kernel, step)(state["moe"])

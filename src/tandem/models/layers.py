@@ -1,5 +1,6 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embedding, GQA attention
-over the paged KV cache, the gated MLP, and the MoE block that drives a modular kernel."""
+"""Building blocks shared by the model families: RMSNorm, GQA attention over the paged KV
+cache, the gated MLP, the stacked experts and the MoE block that drives a modular kernel
+(rotary embedding: `rope.py`; DeepSeek's latent attention: `mla.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from tandem.contexts import get_forward_context
 from tandem.models.base import KVCacheSpec, MoEOptions
 from tandem.models.paged_attention import AttentionMetadata, paged_attention, write_to_cache
+from tandem.models.rope import RopeConfig, RotaryEmbedding
 from tandem.modular_kernels import select_experts
 
 
@@ -26,33 +28,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate the two halves of each head) at per-token positions."""
-
-    def __init__(self, head_dim: int, rope_theta: float = 10000.0):
-        super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[T, 1, D]` each, broadcasting over heads."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        first, second = x.chunk(2, dim=-1)
-        return torch.cat((-second, first), dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`q [T, Hq, D]`, `k [T, Hkv, D]` at `positions [T]`."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
 
 def current_attention_metadata() -> AttentionMetadata:
@@ -77,7 +52,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         *,
-        rope_theta: float = 10000.0,
+        rope: RopeConfig,
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
@@ -98,7 +73,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(head_dim, rope_theta)
+        self.rotary = RotaryEmbedding(head_dim, rope)
         self.kv_cache: dict[str, torch.Tensor] | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -132,16 +107,17 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))`, with HF's `gate_proj` / `up_proj` / `down_proj` names."""
+    """`down(silu(gate(x)) * up(x))`, gate and up fused into one `gate_up_proj [2I, H]` (one
+    GEMM); the loader fills its halves from HF's `gate_proj` / `up_proj`."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class StackedExperts(nn.Module):
@@ -237,10 +213,14 @@ class StackedExperts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router (`gate`, a bias-free linear to expert logits) + softmax top-k + this rank's
+    """Router (`gate`, a bias-free linear to expert logits) + top-k selection + this rank's
     stacked experts, computed by a `FusedMoEModularKernel`. A subclass with shared experts
     passes `with_shared_experts=True` and overrides `shared_experts_forward`; the kernel
-    calls it (so SBO/DBO can overlap it with communication) and adds its output."""
+    calls it (so SBO/DBO can overlap it with communication) and adds its output.
+
+    Routing options beyond softmax top-k (DeepSeek): `scoring="sigmoid"`, grouped top-k
+    (`num_expert_group`, `topk_group`), a score-correction bias (`gate.e_score_correction_bias`,
+    float32), `routed_scaling_factor`, and router logits computed in float32."""
 
     def __init__(
         self,
@@ -253,12 +233,22 @@ class MoEBlock(nn.Module):
         moe: MoEOptions | None = None,
         proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
         with_shared_experts: bool = False,
+        scoring: str = "softmax",
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        correction_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        float32_router: bool = False,
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         moe = moe or MoEOptions()
         self.top_k, self.renormalize = top_k, renormalize
+        self.scoring, self.num_expert_group, self.topk_group = scoring, num_expert_group, topk_group
+        self.routed_scaling_factor, self.float32_router = routed_scaling_factor, float32_router
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        if correction_bias:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
         self.experts = StackedExperts(
             num_experts, hidden_size, intermediate_size, moe.local_experts(num_experts), proj_names=proj_names, dtype=dtype
         )
@@ -277,10 +267,21 @@ class MoEBlock(nn.Module):
         return self.experts.w13, self.experts.w2
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_router:
+            return F.linear(x.float(), self.gate.weight.float())
         return self.gate(x)
 
     def select(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select_experts(router_logits, self.top_k, renormalize=self.renormalize)
+        return select_experts(
+            router_logits,
+            self.top_k,
+            renormalize=self.renormalize,
+            scoring=self.scoring,
+            num_expert_group=self.num_expert_group,
+            topk_group=self.topk_group,
+            correction_bias=getattr(self.gate, "e_score_correction_bias", None),
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, *self.expert_weights, *self.select(self.router_logits(x)))

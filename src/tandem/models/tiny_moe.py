@@ -167,17 +167,8 @@ def build_tiny_moe(
 
     with torch.device(device):
         model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype, stage=stage)
-    experts_of = {
-        name: int(name.split(".experts.")[1].split(".")[0]) for name in tiny_moe_weights() if ".experts." in name
-    }
-    held = {
-        i: layer.mlp.experts.experts for i, layer in enumerate(model.model.layers) if getattr(layer, "is_moe", False)
-    }
-    selected = (
-        (name, tensor)
-        for name, tensor in tiny_moe_weights().items()
-        if model.owns_checkpoint_tensor(name) and (name not in experts_of or experts_of[name] in held[int(name.split(".")[2])])
-    )
+    # Each rank reads its own experts (and its stage's layers) of the one checkpoint.
+    selected = ((name, tensor) for name, tensor in tiny_moe_weights().items() if model.checkpoint_selection(name))
     model.load_weights(selected)
     model.eval()
     return byte_model_info(model, CONFIG["max_position_embeddings"], "tiny-moe")

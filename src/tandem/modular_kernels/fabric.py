@@ -85,10 +85,6 @@ class LinkQueue:
             self._free_at = finish
         return finish
 
-    @property
-    def free_at(self) -> float:
-        return self._free_at
-
 
 @dataclass(frozen=True)
 class FabricModel:

@@ -25,8 +25,8 @@ from tandem.modular_kernels.sm_partition import comm_sm_partition
 
 @dataclass(eq=False)
 class MoEStepState:
-    """One MoE layer call of one (micro-)batch between its steps: the inputs, then what
-    each step leaves for the next. A TBO stage keeps it in its per-micro-batch state."""
+    """One MoE layer call of one batch or ubatch between its steps: the inputs, then what
+    each step leaves for the next. A TBO stage keeps it in its per-ubatch state."""
 
     hidden_states: torch.Tensor
     w1: torch.Tensor

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.quant import quantize_fp8_per_token_group
 

@@ -19,7 +19,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 
 from tandem.contexts.time_model import timed_receive
 from tandem.modular_kernels.fabric import FabricModel

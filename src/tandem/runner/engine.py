@@ -28,7 +28,7 @@ from tandem.runner.future_map import FutureMap
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import Request, Scheduler, SchedulerStep
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 
 #: How long the scheduler waits for a forward before declaring the engine stuck.
 DEFAULT_STEP_TIMEOUT_S = 300.0

@@ -55,11 +55,3 @@ def allocate_kv_caches(
         for spec in specs
     ]
 
-
-def kv_bytes_per_token(specs: list[KVCacheSpec]) -> int:
-    total = 0
-    for spec in specs:
-        element = torch.empty((), dtype=spec.dtype).element_size()
-        for shape in spec.shapes.values():
-            total += element * int(torch.tensor(shape).prod()) if shape else element
-    return total

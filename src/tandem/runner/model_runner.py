@@ -128,7 +128,7 @@ class ModelRunner:
         self.last_step_times = StepTimes()
         self.total_step_times = StepTimes()
         # Reliability tests only: nothing is installed unless TANDEM_FAULT_INJECT is set.
-        from tandem.testing.faults import install_from_env
+        from tandem.runner.faults import install_from_env
 
         self.fault_hooks = install_from_env(self)
         #: Overlap planners by the settings they plan for: whoever swaps `overlap` (bench

@@ -46,7 +46,7 @@ from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, EngineStats
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import SchedulerStep
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 
 #: How often an idle first stage tells the others it is alive.
 HEARTBEAT_INTERVAL_S = 1.0
@@ -410,7 +410,7 @@ def build_pipeline_stage(config, *, timeout_s: float = 600.0) -> tuple[ModelRunn
     layers sharded over the stage's DP ranks). The default process group must be up."""
     from tandem.distributed import Topology, init_stage_groups, stage_layers
     from tandem.models.loader import num_hidden_layers
-    from tandem.runner.offline import build_runner
+    from tandem.runner.build import build_runner
 
     import torch.distributed as dist
 
@@ -506,7 +506,7 @@ def generate_pipeline_rank(
     """One rank of `tandem generate --pipeline-parallel-size P`: prompt i runs on DP column
     i % D; the first stage returns its completions, the other stages an empty list.
     `on_finish(runner)` is called at the end (its counters: steps, ubatched steps)."""
-    from tandem.runner.offline import Completion
+    from tandem.runner.outputs import Completion
 
     runner, groups = build_pipeline_stage(config)
     if groups.stage != 0:

@@ -27,7 +27,7 @@ from tandem.runner.batch import ScheduledChunk
 from tandem.runner.future_map import FutureMap, placeholder
 from tandem.runner.kv_cache import BlockAllocator, blocks_needed
 from tandem.runner.sampling import SamplingParams
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 
 
 class RequestStatus(Enum):

@@ -297,10 +297,5 @@ class UBatchWrapper:
         static.block_table[:requests, :width].copy_(metadata.block_table)
         static.slot_mapping.copy_(metadata.slot_mapping)
 
-    def reset_graphs(self) -> None:
-        for step in self.graphs.values():
-            step.graph.reset()
-        self.graphs.clear()
-
 
 __all__ = ["GRAPH_MODES", "TBO_DECODE", "UBatchWrapper", "merge_outputs"]

@@ -48,7 +48,7 @@ from tandem.serving import protocol as P
 from tandem.serving.chat import ChatTemplateError, compile_template, render_chat
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
 from tandem.serving.metrics import ServingMetrics, endpoint_label
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from tandem.runner.sampling import SamplingParams
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 
 
 class EngineUnavailableError(RuntimeError):

@@ -133,7 +133,7 @@ class EngineStatsCollector(Collector):
             yield idle
         counters = [
             ("tandem_engine_steps", "Model steps run (summed over ranks)", stats.steps),
-            ("tandem_engine_ubatched_steps", "Model steps split into micro-batches", stats.ubatched_steps),
+            ("tandem_engine_ubatched_steps", "Model steps split into ubatches", stats.ubatched_steps),
             ("tandem_engine_ubatch_yields", "Micro-batch switches made", stats.ubatch_yields),
             ("tandem_engine_step_time_seconds", "Wall time inside model steps (summed over ranks)", stats.step_time_s),
             (

@@ -26,7 +26,7 @@ from tandem.models.loader import load_tokenizer_info
 from tandem.runner.launch import find_free_port
 from tandem.runner.sampling import SamplingParams
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 from tandem.serving.rank import ServeOptions, local_rank_main
 from tandem.serving.rank_messages import AbortRequest, AddRequest, Fatal, Outputs, Progress, Ready, Shutdown, Stats
 

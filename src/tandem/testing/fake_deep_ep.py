@@ -854,7 +854,7 @@ class Buffer:
         return_recv_hook: bool = False,
     ):
         self._check_alive()
-        R, me, T = self.group_size, self.rank, num_max_dispatch_tokens_per_rank
+        R, T = self.group_size, num_max_dispatch_tokens_per_rank
         _host_assert(self.low_latency_mode, "low_latency_mode")
         _host_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
         self._check_compute_dtype(x, "x")

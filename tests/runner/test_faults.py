@@ -11,7 +11,7 @@ from tandem.models.tiny_moe import build_tiny_moe
 from tandem.runner.engine import Engine, StepTimeoutError
 from tandem.runner.model_runner import ModelRunner
 from tandem.runner.sampling import SamplingParams
-from tandem.testing.faults import ENV_VAR, FaultSpec, parse_faults
+from tandem.runner.faults import ENV_VAR, FaultSpec, parse_faults
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPT = list(range(3, 23))  # 20 tokens: with thresholds 0 every step is split in two ubatches

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tandem.contexts.ubatch_context import current_ubatch_context
+
 ENV_VAR = "TANDEM_FAULT_INJECT"
 KINDS = ("raise", "sleep", "exit")
 
@@ -105,8 +107,6 @@ def _decoder_layers(model: Any) -> list:
 
 
 def _current_ubatch() -> int | None:
-    from tandem.contexts.ubatch_context import current_ubatch_context
-
     ctx = current_ubatch_context()
     return None if ctx is None else ctx.id
 

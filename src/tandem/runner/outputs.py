@@ -1,4 +1,5 @@
-"""What an engine rank reports about a request, as the front end receives it."""
+"""What the engine reports about a request: after each step as the front end receives it
+(`RequestOutput`), and at its end as offline generation returns it (`Completion`)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,13 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+
+
+@dataclass
+class Completion:
+    """A finished prompt of offline generation (`tandem generate`), `index` its place in the input."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (eos, stop token or stop string) or "length"

@@ -1,0 +1,120 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged cache, with the layer
+signature every attention here has: `forward(positions, x)`, split into `prepare` and
+`core` for TBO, the metadata read from the forward context.
+
+Queries come either straight from `q_proj` or through the low-rank `q_a_proj` ->
+`q_a_layernorm` -> `q_b_proj`; keys and values from the shared latent `kv_a_proj_with_mqa`
+(`kv_lora_rank` latent + one `qk_rope_head_dim` rotary key shared by all heads), normalised
+by `kv_a_layernorm` and expanded per head by `kv_b_proj`. RoPE touches only the rope part.
+The softmax scale is `qk_head_dim ** -0.5`, times `mscale(factor, mscale_all_dim) ** 2`
+under YaRN.
+
+The cache holds the latent, not per-head keys and values: per token one row of
+`kv_lora_rank + qk_rope_head_dim` (the normalised latent, then the rotated shared key).
+Attention runs in the latent space ("weight absorption"): each head's `q_nope` is folded
+through its slice of `kv_b_proj` into the latent, so the cached latent serves as both key
+(with the rope part) and value of one shared KV head, and the attended latent is expanded
+to `v_head_dim` afterwards. `kv_cache_mode="expanded"` caches the decompressed per-head K
+and V instead (plain attention; the reference the latent path is checked against).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.base import KVCacheSpec
+from tandem.models.deepseek_config import DeepseekConfig
+from tandem.models.layers import RMSNorm, current_attention_metadata
+from tandem.models.paged_attention import paged_attention, write_to_cache
+from tandem.models.rope import RotaryEmbedding, yarn_mscale
+
+KV_CACHE_MODES = ("latent", "expanded")
+
+
+def mla_softmax_scale(cfg: DeepseekConfig) -> float:
+    scale = cfg.qk_head_dim**-0.5
+    if cfg.rope.rope_type != "default" and cfg.rope.mscale_all_dim:
+        m = yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim)
+        scale *= m * m
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, dtype: torch.dtype, kv_cache_mode: str = "latent"):
+        super().__init__()
+        if kv_cache_mode not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache_mode must be one of {KV_CACHE_MODES}, got {kv_cache_mode!r}")
+        self.cfg = cfg
+        self.kv_cache_mode = kv_cache_mode
+        self.dtype = dtype
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = nh
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, nh * cfg.qk_head_dim, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, dtype=dtype)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, dtype=dtype)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(nh * cfg.v_head_dim, H, bias=cfg.attention_bias, dtype=dtype)
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, interleaved=cfg.rope_interleave)
+        self.scale = mla_softmax_scale(cfg)
+        self.kv_cache: dict[str, torch.Tensor] | None = None
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.cfg
+        if self.kv_cache_mode == "latent":
+            return KVCacheSpec({"kv_latent": (1, c.kv_lora_rank + c.qk_rope_head_dim)}, self.dtype)
+        return KVCacheSpec({"key": (self.num_heads, c.qk_head_dim), "value": (self.num_heads, c.v_head_dim)}, self.dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.core(self.prepare(positions, x))
+
+    def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Query and latent projections with rotary embedding (TBO's attention prepare):
+        `(q_nope, q_rope, latent, k_rope)`."""
+        c, T, nh = self.cfg, x.shape[0], self.num_heads
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(T, nh, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q_rope = self.rotary.rotate(q_rope, cos, sin)
+        k_rope = self.rotary.rotate(k_rope.unsqueeze(1), cos, sin)  # [T, 1, rope]
+        return q_nope, q_rope, latent, k_rope
+
+    def core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Cache write, attention (latent or expanded), output projection (TBO's attention core)."""
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
+        q_nope, q_rope, latent, k_rope = prepared
+        metadata = current_attention_metadata()
+        c, T, nh = self.cfg, q_nope.shape[0], self.num_heads
+        w_kv = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        if self.kv_cache_mode == "latent":
+            cache = self.kv_cache["kv_latent"]
+            write_to_cache(cache, torch.cat((latent.unsqueeze(1), k_rope), dim=-1), metadata.slot_mapping)
+            # Fold each head's nope query through its key slice of kv_b_proj into the latent.
+            q_latent = torch.einsum("thn,hnl->thl", q_nope, w_kv[:, : c.qk_nope_head_dim])
+            query = torch.cat((q_latent, q_rope), dim=-1)
+            out_latent = paged_attention(query, cache, cache[..., : c.kv_lora_rank], metadata, self.scale)
+            out = torch.einsum("thl,hvl->thv", out_latent, w_kv[:, c.qk_nope_head_dim :])
+        else:
+            kv = F.linear(latent, self.kv_b_proj.weight).view(T, nh, -1)
+            k_nope, value = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+            key = torch.cat((k_nope, k_rope.expand(T, nh, c.qk_rope_head_dim)), dim=-1)
+            write_to_cache(self.kv_cache["key"], key, metadata.slot_mapping)
+            write_to_cache(self.kv_cache["value"], value, metadata.slot_mapping)
+            query = torch.cat((q_nope, q_rope), dim=-1)
+            out = paged_attention(query, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale)
+        return self.o_proj(out.reshape(T, nh * c.v_head_dim))
+
+
+__all__ = ["KV_CACHE_MODES", "MLAttention", "mla_softmax_scale"]
