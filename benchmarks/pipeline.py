@@ -130,7 +130,7 @@ def bench_rank(rank: int, world: int, args) -> dict:
     from tandem.config import CacheConfig, EngineConfig, ParallelConfig
     from tandem.runner.chunking import fit_chunker
     from tandem.runner.engine import Engine
-    from tandem.runner.offline import build_runner
+    from tandem.runner.build import build_runner
     from tandem.runner.pipeline import PipelineEngine, build_pipeline_stage, run_stage
 
     torch.set_num_threads(1)

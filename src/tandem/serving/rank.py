@@ -162,7 +162,7 @@ def serve_rank(
     `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
     from tandem.runner.engine import Engine
     from tandem.runner.launch import cpu_group
-    from tandem.runner.offline import build_runner, write_rank_trace
+    from tandem.runner.build import build_runner, write_rank_trace
 
     def report(message: FromHead) -> None:
         if rank == 0 and outbox is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.runner.sampling import SamplingParams
-from tandem.serving.outputs import RequestOutput
+from tandem.runner.outputs import RequestOutput
 
 
 @dataclass(frozen=True)
