@@ -20,7 +20,11 @@ prompt can ride back-to-back micro-batches (chunked pipeline prefill).
 
 The last stage samples with per-request generators it keeps (created from the request's
 seed on first sight, dropped when the first stage reports the request finished) and sends
-the ids back to the first stage. A stage whose forward raises passes the error on instead
+the ids back to the first stage, with only the outcome and the stages' counters (the first
+stage kept the plan). Every transfer is one message into a receive posted in advance
+(`tandem.distributed.StageLink`). `choose_micro_batches` measures at start-up whether the
+micro-batch ring beats one micro-batch in flight (it does not on a model whose step costs the
+same whatever its size) and keeps the faster. A stage whose forward raises passes the error on instead
 of hidden states; the first stage fails that micro-batch's requests and goes on. A dead
 stage breaks the links: its neighbours' transfers fail (or time out after the step
 timeout), they exit, and the front end reports the engine unavailable. While idle the first
