@@ -25,7 +25,7 @@ def test_the_model_holds_the_seeded_checkpoint_tensors():
     experts = build_small_moe().model.model.layers[1].mlp.experts
     gate = small_moe_tensor("model.layers.1.mlp.experts.8.gate_proj.weight")
     down = small_moe_tensor("model.layers.1.mlp.experts.8.down_proj.weight")
-    assert torch.equal(experts.w1[8, : gate.shape[0]], gate) and torch.equal(experts.w2[8], down)
+    assert torch.equal(experts.w13[8, : gate.shape[0]], gate) and torch.equal(experts.w2[8], down)
     # Drawn per tensor name: the same values whatever else was drawn before.
     small_moe_tensor.cache_clear()
     assert torch.equal(small_moe_tensor("model.layers.1.mlp.experts.8.gate_proj.weight"), gate)

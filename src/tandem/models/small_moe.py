@@ -79,16 +79,8 @@ def build_small_moe(
 
     with torch.device(device):
         model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype, stage=stage)
-    held = {i: layer.mlp.experts.experts for i, layer in enumerate(model.model.layers) if getattr(layer, "is_moe", False)}
-
-    def holds(name: str) -> bool:
-        if not model.owns_checkpoint_tensor(name):
-            return False
-        if ".experts." not in name:
-            return True
-        return int(name.split(".experts.")[1].split(".")[0]) in held[int(name.split(".")[2])]
-
-    model.load_weights((name, small_moe_tensor(name)) for name in checkpoint_shapes() if holds(name))
+    # Each rank draws only its own experts (and its stage's layers) of the one checkpoint.
+    model.load_weights((name, small_moe_tensor(name)) for name in checkpoint_shapes() if model.checkpoint_selection(name))
     model.eval()
     return byte_model_info(model, CONFIG["max_position_embeddings"], "small-moe")
 
