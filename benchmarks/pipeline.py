@@ -101,19 +101,24 @@ def _link_round_trip_ms(groups, count: int = 40) -> float:
     between the two stages: the transfer cost every micro-batch pays twice."""
     import torch
 
-    from tandem.distributed import recv_tensor_dict, send_tensor_dict
+    from tandem.distributed import StageLink
 
     peer = 1 - groups.rank
-    links = {"cpu_group": groups.cpu_group, "device_group": groups.device_group}
+    link = StageLink(peer, cpu_group=groups.cpu_group, device_group=groups.device_group)
     message = {"plan": list(range(200)), "hidden": torch.randn(32, 64)}
     times = []
-    for _ in range(count):
+    link.expect()  # as the pipeline does: each side's receive is posted before the peer sends
+    for i in range(count):
         start = time.perf_counter()
         if groups.rank == 0:
-            send_tensor_dict(message, peer, **links).wait()
-            recv_tensor_dict(peer, **links)
+            link.send(message).wait()
+            received = link.recv()
         else:
-            send_tensor_dict(recv_tensor_dict(peer, **links), peer, **links).wait()
+            received = link.recv()
+        if i < count - 1:
+            link.expect()
+        if groups.rank == 1:
+            link.send(received).wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -125,7 +130,7 @@ def bench_rank(rank: int, world: int, args) -> dict:
     from tandem.config import CacheConfig, EngineConfig, ParallelConfig
     from tandem.runner.chunking import fit_chunker
     from tandem.runner.engine import Engine
-    from tandem.runner.offline import build_runner
+    from tandem.runner.build import build_runner
     from tandem.runner.pipeline import PipelineEngine, build_pipeline_stage, run_stage
 
     torch.set_num_threads(1)

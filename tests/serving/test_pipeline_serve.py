@@ -40,6 +40,8 @@ def test_openai_client_streams_from_a_two_stage_pipeline_and_a_killed_stage_is_n
         stream = client.completions.create(
             model="tiny-moe", prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
+        # At start-up the server says whether the pipeline can beat one process, and why.
+        assert re.search(r"pipeline parallelism (will not pay|pays) .*decode streams at start-up: [0-9]+ micro-batches in flight [0-9]+ tok/s", server.output())
         pieces = [chunk.choices[0].text for chunk in stream if chunk.choices]
         assert len(pieces) > 1
         assert "".join(pieces) == _one_process_text(12)

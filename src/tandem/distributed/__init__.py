@@ -2,7 +2,7 @@
 between pipeline stages."""
 
 from tandem.distributed.partition import MissingLayer, StageLayers, build_layers, partition_layers, stage_layers
-from tandem.distributed.tensor_dict import PendingSend, StageLinkError, recv_tensor_dict, send_tensor_dict
+from tandem.distributed.tensor_dict import PendingSend, StageLink, StageLinkError
 from tandem.distributed.topology import StageGroups, Topology, init_stage_groups
 
 __all__ = [
@@ -10,12 +10,11 @@ __all__ = [
     "PendingSend",
     "StageGroups",
     "StageLayers",
+    "StageLink",
     "StageLinkError",
     "Topology",
     "build_layers",
     "init_stage_groups",
     "partition_layers",
-    "recv_tensor_dict",
-    "send_tensor_dict",
     "stage_layers",
 ]

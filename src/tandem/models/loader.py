@@ -38,6 +38,8 @@ MODEL_REGISTRY: dict[str, str] = {arch: f"{module}:{arch}" for arch, module in F
 #: Names `load_model` accepts instead of a path.
 BUILTIN_MODELS: dict[str, str] = {
     "tiny-moe": "tandem.models.tiny_moe:build_tiny_moe",
+    # Same family, hidden 1024: a step whose cost is tensor work (real-link benchmarks).
+    "small-moe": "tandem.models.small_moe:build_small_moe",
     # GPU benchmarks: V2-Lite's shape with random weights drawn on the device (~31 GB bf16).
     "deepseek-v2-lite-random": "tandem.models.random_deepseek:build_random_deepseek_v2_lite",
 }
@@ -235,14 +237,25 @@ class TokenizerInfo:
     name: str
 
 
+def _builtin_config(name: str) -> dict:
+    """A built-in model's HF-style config, without building it."""
+    from tandem.models import random_deepseek, small_moe, tiny_moe
+
+    return {
+        "tiny-moe": tiny_moe.CONFIG,
+        "small-moe": small_moe.CONFIG,
+        "deepseek-v2-lite-random": random_deepseek.DEEPSEEK_V2_LITE,
+    }[name]
+
+
 def load_tokenizer_info(path_or_name: str) -> TokenizerInfo:
     """Tokenizer, stop tokens, context length and chat template of a model directory (or
     a built-in model), with the same errors `load_model` gives for a bad directory."""
     if str(path_or_name) in BUILTIN_MODELS:
-        from tandem.models import random_deepseek, tiny_moe
+        from tandem.models import tiny_moe
 
-        config = tiny_moe.CONFIG if path_or_name == "tiny-moe" else random_deepseek.DEEPSEEK_V2_LITE
-        # Both built-in models use the byte tokenizer.
+        config = _builtin_config(str(path_or_name))
+        # Every built-in model uses the byte tokenizer.
         return TokenizerInfo(
             tiny_moe.build_tokenizer(), {tiny_moe.EOS_ID}, config["max_position_embeddings"], None, str(path_or_name)
         )
@@ -279,9 +292,7 @@ def load_tokenizer_info(path_or_name: str) -> TokenizerInfo:
 def num_hidden_layers(path_or_name: str) -> int:
     """The decoder layer count of a model directory (or a built-in model), from its config
     alone: what a pipeline stage needs to know which layers are its own before loading."""
-    if str(path_or_name) == "tiny-moe":
-        from tandem.models import tiny_moe
-
-        return int(tiny_moe.CONFIG["num_hidden_layers"])
+    if str(path_or_name) in BUILTIN_MODELS:
+        return int(_builtin_config(str(path_or_name))["num_hidden_layers"])
     path = Path(path_or_name).expanduser()
     return int(config_value(read_config(path), "num_hidden_layers"))

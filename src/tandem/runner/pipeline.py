@@ -20,7 +20,11 @@ prompt can ride back-to-back micro-batches (chunked pipeline prefill).
 
 The last stage samples with per-request generators it keeps (created from the request's
 seed on first sight, dropped when the first stage reports the request finished) and sends
-the ids back to the first stage. A stage whose forward raises passes the error on instead
+the ids back to the first stage, with only the outcome and the stages' counters (the first
+stage kept the plan). Every transfer is one message into a receive posted in advance
+(`tandem.distributed.StageLink`). `choose_micro_batches` measures at start-up whether the
+micro-batch ring beats one micro-batch in flight (it does not on a model whose step costs the
+same whatever its size) and keeps the faster. A stage whose forward raises passes the error on instead
 of hidden states; the first stage fails that micro-batch's requests and goes on. A dead
 stage breaks the links: its neighbours' transfers fail (or time out after the step
 timeout), they exit, and the front end reports the engine unavailable. While idle the first
@@ -40,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.contexts import ForwardContext, set_forward_context
-from tandem.distributed import StageGroups, StageLinkError, recv_tensor_dict, send_tensor_dict
+from tandem.distributed import StageGroups, StageLink, StageLinkError
 from tandem.runner.batch import ScheduledChunk, build_step_inputs
 from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, EngineStats
 from tandem.runner.model_runner import ModelRunner, StepResult
@@ -70,9 +74,21 @@ class MicroBatchPlan:
     forward_extras: dict = field(default_factory=dict)
     #: Requests finished since the previous micro-batch (the last stage drops their generators).
     finished_ids: list[str] = field(default_factory=list)
+    #: A start-up measurement (`choose_micro_batches`), not serving work: no stage counts it
+    #: among its runner's steps (fault injection and the step counters see serving steps only).
+    probe: bool = False
     error: str | None = None
     #: stage -> its counters, filled in on the way (the first stage reads them at the end).
     stage_stats: dict[int, dict] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    """What the last stage sends back to the first beside the sampled ids: the first stage
+    kept the plan, so only the outcome and the stages' counters travel back."""
+
+    error: str | None
+    stage_stats: dict[int, dict]
 
 
 @dataclass
@@ -114,33 +130,44 @@ class StageWorker:
         self.device = next(iter(runner.model.parameters())).device
         self.hidden_size = int(runner.model.config.hidden_size)
         self.dtype = runner.model.dtype
+        self._links: dict[int, StageLink] = {}
 
     # -- transfers ------------------------------------------------------------------------
 
+    def link(self, peer: int) -> StageLink:
+        """The link to `peer` (one per peer: with two stages the next rank is the previous one)."""
+        if peer not in self._links:
+            self._links[peer] = StageLink(peer, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group,
+                                          device=self.device)
+        return self._links[peer]
+
     def send(self, data: dict, dst: int):
-        return send_tensor_dict(data, dst, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group)
+        return self.link(dst).send(data)
+
+    def expect(self, src: int) -> None:
+        """Post the receive of the next message from `src` before it is sent."""
+        self.link(src).expect()
 
     def recv(self, src: int) -> dict:
-        return recv_tensor_dict(
-            src, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group, device=self.device,
-            timeout_s=self.timeout_s,
-        )
+        return self.link(src).recv(self.timeout_s)
 
     # -- compute --------------------------------------------------------------------------
 
-    def _run(self, x: torch.Tensor, inputs, slices, extras: dict) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, inputs, slices, extras: dict, probe: bool = False) -> torch.Tensor:
         runner = self.runner
         start = time.perf_counter()
-        runner.steps += 1
-        runner.ubatched_steps += slices is not None
+        if not probe:
+            runner.steps += 1
+            runner.ubatched_steps += slices is not None
         try:
             with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=extras)):
                 return runner.wrapper(x, inputs.positions)
         finally:
-            runner.step_time_s += time.perf_counter() - start
+            if not probe:
+                runner.step_time_s += time.perf_counter() - start
 
     @torch.no_grad()
-    def forward_first(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, int, list | None, dict]:
+    def forward_first(self, chunks: list[ScheduledChunk], probe: bool = False) -> tuple[torch.Tensor, int, list | None, dict]:
         """Embed and run the first stage's layers; the padding, the ubatch split and the
         forward-context extras are agreed with the stage's other DP ranks here and forwarded
         to the later stages."""
@@ -149,7 +176,7 @@ class StageWorker:
         padded = inputs.input_ids.shape[0]
         if padded == 0:
             return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0, None, {}
-        return self._run(inputs.input_ids, inputs, slices, extras), padded, slices, extras
+        return self._run(inputs.input_ids, inputs, slices, extras, probe), padded, slices, extras
 
     @torch.no_grad()
     def forward_later(self, plan: MicroBatchPlan, hidden: torch.Tensor):
@@ -158,7 +185,7 @@ class StageWorker:
         inputs = build_step_inputs(plan.chunks, self.runner.block_size, plan.num_tokens_padded, device=self.device)
         if plan.num_tokens_padded == 0:
             return hidden, inputs
-        return self._run(hidden, inputs, plan.ubatch_slices, plan.forward_extras), inputs
+        return self._run(hidden, inputs, plan.ubatch_slices, plan.forward_extras, plan.probe), inputs
 
 
 class PipelineEngine(Engine):
@@ -189,16 +216,18 @@ class PipelineEngine(Engine):
         if not self.worker.is_first:
             raise ValueError("PipelineEngine runs on the first pipeline stage; later stages run run_stage()")
         self.num_micro_batches = num_micro_batches
-        self._in_flight: deque[tuple[SchedulerStep, object]] = deque()
+        self._in_flight: deque[tuple[SchedulerStep, MicroBatchPlan, object]] = deque()
         self._finished: list[str] = []
         self._last_send = time.monotonic()
         #: stage -> that stage's latest counters (this stage's own under index 0).
         self.stage_stats: dict[int, dict] = {}
         self._closed = False
+        #: Set while `choose_micro_batches` measures: its micro-batches are marked as probes.
+        self.probing = False
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished or any(step.scheduled for step, _ in self._in_flight)
+        return self.scheduler.has_unfinished or any(step.scheduled for step, _, _ in self._in_flight)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         output = super().abort(request_id)
@@ -238,22 +267,24 @@ class PipelineEngine(Engine):
             sampling=[entry.request.params for entry in planned.scheduled],
             samples=[entry.slot is not None for entry in planned.scheduled],
             finished_ids=self._finished,
+            probe=self.probing,
         )
         self._finished = []
         start = time.perf_counter()
         try:
-            hidden, plan.num_tokens_padded, plan.ubatch_slices, plan.forward_extras = worker.forward_first(chunks)
+            hidden, plan.num_tokens_padded, plan.ubatch_slices, plan.forward_extras = worker.forward_first(chunks, self.probing)
         except Exception as exc:  # noqa: BLE001 - the micro-batch's requests fail, the pipeline goes on
             plan.error = f"stage 0: {type(exc).__name__}: {exc}"
             hidden = torch.empty(0, dtype=worker.dtype, device=worker.device)
         worker.counters.busy_s += time.perf_counter() - start
         worker.counters.micro_batches += 1
         self.forward_busy_s += time.perf_counter() - start
-        self._in_flight.append((planned, worker.send({"plan": plan, "hidden": hidden}, worker.next_rank)))
+        self._in_flight.append((planned, plan, worker.send({"plan": plan, "hidden": hidden}, worker.next_rank)))
+        worker.expect(worker.prev_rank)  # its results will come back: be ready for them
         self._last_send = time.monotonic()
 
     def _retire(self) -> list[RequestOutput]:
-        planned, send = self._in_flight.popleft()
+        planned, plan, send = self._in_flight.popleft()
         worker = self.worker
         start = time.perf_counter()
         try:
@@ -266,12 +297,14 @@ class PipelineEngine(Engine):
             ) from exc
         waited = time.perf_counter() - start
         worker.counters.idle_s += waited
+        if self._in_flight:
+            worker.expect(worker.prev_rank)
         send.wait(self.step_timeout_s)  # the micro-batch came back: every stage has read its inputs
-        plan: MicroBatchPlan = message["plan"]
-        self.stage_stats.update(plan.stage_stats)
+        result: MicroBatchResult = message["result"]
+        self.stage_stats.update(result.stage_stats)
         self.stage_stats[0] = worker.counters.as_dict()
-        if plan.error is not None:
-            return self._fail(planned, RuntimeError(plan.error))
+        if result.error is not None:
+            return self._fail(planned, RuntimeError(result.error))
         tokens = [int(t) if t >= 0 else None for t in message["tokens"].tolist()]
         return self._apply(planned, StepResult(tokens, 0, plan.num_tokens_padded, plan.ubatch_slices is not None))
 
@@ -322,6 +355,8 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
         if on_message is not None:
             on_message()
         plan: MicroBatchPlan = message["plan"]
+        if plan.kind != STOP:
+            worker.expect(worker.prev_rank)  # the first stage sends until it says stop
         if plan.kind != STEP:
             previous_was_step = False
             if not worker.is_last:
@@ -350,6 +385,8 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
         counters.busy_s += time.perf_counter() - start
         counters.micro_batches += 1
         plan.stage_stats[worker.stage] = counters.as_dict()
+        if worker.is_last:  # the first stage kept the plan: send back only the outcome
+            out = {"result": MicroBatchResult(plan.error, plan.stage_stats), "tokens": out["tokens"]}
         pending.append(worker.send(out, worker.next_rank))
         while len(pending) > num_micro_batches:
             pending.popleft().wait(step_timeout_s)
@@ -408,6 +445,54 @@ def pipeline_engine(runner: ModelRunner, groups: StageGroups, config, **options)
     return engine
 
 
+def _decode_burst_s(engine: PipelineEngine, tag: str, num_requests: int, decode_tokens: int) -> float:
+    """Seconds for `num_requests` short prompts to decode `decode_tokens` tokens each."""
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(f"__{tag}_{i}__", [1, 2, 3, 4], params)
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return time.perf_counter() - start
+
+
+def choose_micro_batches(engine: PipelineEngine, num_requests: int, decode_tokens: int = 8) -> str:
+    """Measure, on a short decode burst of `num_requests` requests, the configured ring
+    (M micro-batches in flight) against one micro-batch in flight (the stages take turns);
+    keep the faster and return the reason in words.
+
+    M micro-batches pay only when a step's cost grows with its size: the busiest stage runs
+    M steps of N/M requests per round where one process runs one step of N. On a small model
+    a step costs about the same whatever its size (Python and kernel launches, not
+    arithmetic), so splitting multiplies that cost by M and the ring loses to one process;
+    one micro-batch in flight then costs only the transfers. Run on the first stage of a
+    pipeline without DP (DP peers would have to agree on the choice), before serving."""
+    configured = engine.num_micro_batches
+    if configured == 1:
+        return "one micro-batch in flight (configured)"
+    num_requests = max(1, min(num_requests, engine.scheduler.max_num_seqs))
+    timings = {}
+    engine.probing = True
+    try:
+        for trial, micro_batches in enumerate((configured, 1, configured, 1)):
+            engine.num_micro_batches = micro_batches
+            seconds = _decode_burst_s(engine, f"probe{trial}", num_requests, decode_tokens)
+            timings[micro_batches] = min(timings.get(micro_batches, math.inf), seconds)
+    finally:
+        engine.probing = False
+    rate = {m: num_requests * decode_tokens / s for m, s in timings.items()}
+    measured = (f"{num_requests} decode streams at start-up: {configured} micro-batches in flight "
+                f"{rate[configured]:.0f} tok/s, one in flight {rate[1]:.0f} tok/s")
+    engine.worker.counters = StageCounters()  # the probe is no serving work
+    if rate[1] > rate[configured]:
+        engine.num_micro_batches = 1
+        return (f"pipeline parallelism will not pay for this model here ({measured}): a step costs about the same "
+                f"whatever its size, so splitting the batch over {configured} micro-batches loses; serving with one "
+                "micro-batch in flight (serve without --pipeline-parallel-size to save the transfers)")
+    engine.num_micro_batches = configured
+    return f"pipeline parallelism pays ({measured}): serving with {configured} micro-batches in flight"
+
+
 def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
     """Whether `flag` holds on any rank of the first stage (one small gloo all-reduce)."""
     import torch.distributed as dist
@@ -458,7 +543,9 @@ def generate_pipeline_rank(
 
 
 __all__ = [
+    "choose_micro_batches",
     "MicroBatchPlan",
+    "MicroBatchResult",
     "PipelineEngine",
     "StageCounters",
     "StageWorker",

@@ -28,6 +28,7 @@ from tandem.runner.sampling import SamplingParams
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
 from tandem.runner.outputs import RequestOutput
 from tandem.serving.rank import ServeOptions, local_rank_main
+from tandem.serving.rank_messages import AbortRequest, AddRequest, Fatal, Outputs, Progress, Ready, Shutdown, Stats
 
 #: Silence from the head beyond the step timeout before the front end declares it hung.
 HEARTBEAT_GRACE_S = 10.0
@@ -134,13 +135,12 @@ class ProcessEngineClient(EngineClient):
                     self._kill_ranks()
                     raise RuntimeError(f"engine start failed: {dead}") from None
                 continue
-            kind = message[0]
-            if kind == "progress":
-                self.log(message[1])
-            elif kind == "fatal":
+            if isinstance(message, Progress):
+                self.log(message.text)
+            elif isinstance(message, Fatal):
                 self._kill_ranks()
-                raise RuntimeError(f"engine start failed: {message[1]}")
-            elif kind == "ready":
+                raise RuntimeError(f"engine start failed: {message.message}")
+            elif isinstance(message, Ready):
                 break
         self.ready = True
         self._last_heard = time.monotonic()
@@ -156,7 +156,7 @@ class ProcessEngineClient(EngineClient):
             return
         self._stopping = True
         try:
-            self._inbox.put(("shutdown",))
+            self._inbox.put(Shutdown())
         except (OSError, ValueError):
             pass
         if self._failure is not None:
@@ -204,17 +204,16 @@ class ProcessEngineClient(EngineClient):
             except queue.Empty:
                 message = None
             except (OSError, EOFError, ValueError):
-                message = ("fatal", "the head rank's output queue closed")
+                message = Fatal("the head rank's output queue closed")
             if message is not None:
                 self._last_heard = time.monotonic()
-                kind = message[0]
-                if kind == "outputs":
-                    for output in message[1]:
+                if isinstance(message, Outputs):
+                    for output in message.outputs:
                         self._deliver(output)
-                elif kind == "stats":
-                    self._rank_stats = message[1]
-                elif kind == "fatal":
-                    self._set_failure(self._root_cause(message[1].splitlines()[0]))
+                elif isinstance(message, Stats):
+                    self._rank_stats = message.per_rank
+                elif isinstance(message, Fatal):
+                    self._set_failure(self._root_cause(message.message.splitlines()[0]))
             if self._stopping:
                 break
             dead = self._dead_rank()
@@ -296,7 +295,7 @@ class ProcessEngineClient(EngineClient):
             rank = min(range(self.num_request_ranks), key=lambda r: self._in_flight[r])
             self._in_flight[rank] += 1
             self._streams[request_id] = (stream, loop, rank)
-        self._inbox.put(("add", rank, request_id, list(prompt_ids), params))
+        self._inbox.put(AddRequest(rank, request_id, list(prompt_ids), params))
         finished = False
         try:
             while not finished:
@@ -314,7 +313,7 @@ class ProcessEngineClient(EngineClient):
                 return
             self._in_flight[entry[2]] -= 1
         if not self._stopping:
-            self._inbox.put(("abort", entry[2], request_id))
+            self._inbox.put(AbortRequest(entry[2], request_id))
 
     def health(self) -> tuple[bool, str]:
         if self._failure is not None:

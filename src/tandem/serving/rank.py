@@ -32,14 +32,13 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch.distributed as dist
 
-#: Head → front end: ("ready", info) once warm, ("progress", text), ("outputs", [RequestOutput]),
-#: ("stats", [per-rank dict]), ("fatal", message) before exiting on an error.
-#: Front end → head: ("add", rank, request_id, prompt_ids, params), ("abort", rank, request_id),
-#: ("shutdown",).
+from tandem.serving.rank_messages import (
+    AbortRequest, AddRequest, Fatal, FromHead, Outputs, Progress, Ready, Shutdown, Stats, ToHead,
+)
 
 
 @dataclass
@@ -128,7 +127,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _drain(inbox, block_s: float) -> list[tuple]:
+def _drain(inbox, block_s: float) -> list[ToHead]:
     messages = []
     try:
         messages.append(inbox.get(timeout=block_s) if block_s > 0 else inbox.get_nowait())
@@ -163,9 +162,9 @@ def serve_rank(
     `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
     from tandem.runner.engine import Engine
     from tandem.runner.launch import cpu_group
-    from tandem.runner.offline import build_runner, write_rank_trace
+    from tandem.runner.build import build_runner, write_rank_trace
 
-    def report(*message: Any) -> None:
+    def report(message: FromHead) -> None:
         if rank == 0 and outbox is not None:
             outbox.put(message)
 
@@ -177,7 +176,7 @@ def serve_rank(
         # keeps the forward close to its solo speed.
         sys.setswitchinterval(options.gil_switch_interval_s)
     try:
-        report("progress", f"loading {config.model} on {world_size} rank(s)")
+        report(Progress(f"loading {config.model} on {world_size} rank(s)"))
         if config.parallel.pipeline_parallel_size > 1:
             engine = _pipeline_stage(rank, config, options)
             if engine is None:
@@ -204,10 +203,12 @@ def serve_rank(
 
                 engine.scheduler.chunk_limit = fit_chunker(runner, config.max_num_batched_tokens)
         if options.warmup:
-            report("progress", "warming up")
+            report(Progress("warming up"))
             _warm_up(engine)
+        if config.parallel.pipeline_parallel_size > 1:
+            report(Progress(_pipeline_verdict(engine, options.max_num_seqs)))
         info = runner.info
-        report("ready", {"name": info.name, "max_model_len": info.max_model_len, "world_size": world_size})
+        report(Ready(info.name, info.max_model_len, world_size))
 
         def stuck(stalled_s: float) -> None:
             message = (
@@ -215,7 +216,7 @@ def serve_rank(
                 "is stuck (a hung collective, or a dead or hung peer rank)"
             )
             print(f"[tandem] {message}; exiting", file=sys.stderr, flush=True)
-            report("fatal", message)
+            report(Fatal(message))
             hard_exit(3, outbox if rank == 0 else None)
 
         watchdog = Watchdog(options.step_timeout_s, stuck).start()
@@ -227,8 +228,30 @@ def serve_rank(
         finally:
             watchdog.stop()
     except BaseException as exc:  # noqa: BLE001 - tell the front end before dying
-        report("fatal", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        report(Fatal(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
+
+
+def _pipeline_verdict(engine, max_num_seqs: int) -> str:
+    """Whether this pipeline can beat one process on decode, in one start-up line; when the
+    configured micro-batch ring measures slower than one micro-batch in flight, the engine
+    keeps one in flight."""
+    import torch
+
+    from tandem.runner.pipeline import choose_micro_batches
+
+    topology = engine.worker.topology
+    if engine.worker.device.type == "cpu" and hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+        wanted = topology.world_size * torch.get_num_threads()
+        if wanted > cores:
+            return (f"pipeline parallelism will not pay here: its {topology.world_size} rank processes x "
+                    f"{torch.get_num_threads()} threads need {wanted} CPU cores and this host has {cores} (the stages "
+                    "would take turns on the cores instead of running side by side)")
+    if topology.data_parallel_size > 1:
+        return (f"pipeline parallelism: {engine.num_micro_batches} micro-batches in flight (not measured at start-up "
+                "with data parallelism: the first stage's DP ranks would have to agree on the choice)")
+    return choose_micro_batches(engine, max_num_seqs)
 
 
 def _pipeline_stage(rank: int, config, options: ServeOptions):
@@ -262,7 +285,7 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
     while True:
         if watchdog is not None:
             watchdog.beat()
-        messages: list[tuple] = []
+        messages: list[ToHead] = []
         run_step = False
         now = time.monotonic()
         due = now - last_stats >= options.stats_interval_s  # the head's clock decides for all
@@ -270,9 +293,9 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
             idle = not busy_anywhere and not engine.has_work
             messages = _drain(inbox, options.idle_wait_s if idle else 0.0)
             if due and frontend_alive is not None and not frontend_alive():
-                messages.append(("shutdown",))
+                messages.append(Shutdown())
             # One decision for all ranks: step while any rank has work or a request arrives.
-            run_step = busy_anywhere or engine.has_work or any(m[0] == "add" for m in messages)
+            run_step = busy_anywhere or engine.has_work or any(isinstance(m, AddRequest) for m in messages)
         if control is not None:
             box = [(messages, run_step, due)]
             dist.broadcast_object_list(box, src=0, group=control)
@@ -280,21 +303,20 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
         outputs = []
         stop = False
         for message in messages:
-            kind = message[0]
-            if kind == "add":
-                _, target, request_id, prompt_ids, params = message
-                if target == rank:
-                    rejected = engine.add_request(request_id, prompt_ids, params)
+            if isinstance(message, AddRequest):
+                if message.rank == rank:
+                    rejected = engine.add_request(message.request_id, message.prompt_ids, message.params)
                     if rejected is not None:
                         outputs.append(rejected)
-            elif kind == "abort":
-                _, target, request_id = message
-                if target == rank:
-                    aborted = engine.abort(request_id)
+            elif isinstance(message, AbortRequest):
+                if message.rank == rank:
+                    aborted = engine.abort(message.request_id)
                     if aborted is not None:
                         outputs.append(aborted)
-            elif kind == "shutdown":
+            elif isinstance(message, Shutdown):
                 stop = True
+            else:
+                raise TypeError(f"rank {rank}: unknown control message {message!r}")
         if stop:
             return
         stepping = run_step if control is not None else engine.has_work
@@ -310,7 +332,7 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
                 if rank == 0 and outbox is not None and outputs:
                     # Answer the failed requests now: if the failure left the other ranks
                     # stuck, the gather below waits for the step timeout.
-                    outbox.put(("outputs", outputs))
+                    outbox.put(Outputs(outputs))
                     outputs = []
         stats = dataclasses.asdict(engine.stats()) if due else None
         per_rank: list = []
@@ -326,9 +348,9 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
             per_rank = [stats]
         if rank == 0 and outbox is not None:
             if outputs:
-                outbox.put(("outputs", outputs))
+                outbox.put(Outputs(outputs))
             if due:
-                outbox.put(("stats", per_rank))
+                outbox.put(Stats(per_rank))
         if due:
             last_stats = now
 
@@ -338,7 +360,9 @@ def local_rank_main(rank: int, world_size: int, env: dict, config, options: Serv
     _die_with_parent()
     # Ctrl-C reaches the whole process group; the front end shuts ranks down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(env)
+    from tandem.runner.launch import use_thread_env
+
+    use_thread_env(env)
     try:
         if world_size > 1:
             from tandem.runner.launch import init_rank

@@ -70,7 +70,9 @@ def coordinate_ubatching(
     predictions = [] if predicted_s is None else [
         _UNKNOWN_NS if not p < _UNKNOWN_NS / 1e9 else max(int(p * 1e9), 0) for p in predicted_s
     ]
-    if dist.is_available() and dist.is_initialized():
+    # A one-rank group (a pipeline stage without DP) has nothing to agree on: skip the
+    # all-reduce, a gloo round trip on every micro-batch.
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
         # Row 0: tokens per rank; row 1: 1 where the rank wants to ubatch; row 2: 1 where it

@@ -1,0 +1,620 @@
+"""Every overlap mode on real transfers: 2 hosts in network namespaces, a `tbf`-shaped link.
+
+One run: `moe-stack` (the MoE layer stack of `tandem bench`) and `small-moe` (a model step
+of the built-in preset), decode and prefill, modes none / dbo / dbo-greenlet / tbo / the three
+SBO modes / auto, at three link rates chosen so that communication takes about 0.5x, 1x and
+2x the computation. Everything is measured in the same run:
+
+- compute = the step of mode `none` on the unshaped link (median of the repeats, taken
+  right before each rate's row);
+- comm at a rate = the `none` step on the shaped link minus compute;
+- floor = max(compute, comm): what a perfect overlap would reach.
+
+The rates come from a calibration at the start of each (workload, phase): the `none` step at
+two probe rates fits comm(rate) = k * rate^-alpha (log-log: a tbf link is not linear in
+1/rate), solved for the three targets.
+
+The ranks are torchrun nodes, one per namespace host (`GLOO_SOCKET_IFNAME` = its veth), each
+running this file's `--worker` entry point with the bench workloads of `tandem.bench`. Rank 0
+asks the driver (this process, outside the namespaces) to change the link rate through files
+in a control directory, so one torchrun job covers the whole run and the model is built once.
+
+    sudo python benchmarks/real_links.py            # full run (~12 min on 2 cores)
+    sudo python benchmarks/real_links.py --quick    # smoke run: small shapes, one rate
+
+Prints one table per (workload, phase) and writes benchmarks/results/real_links.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's tandem, not an installed one
+
+MODES = ["none", "dbo", "dbo-greenlet", "tbo", "sbo-combine-down-gemm", "sbo-combine-shared", "sbo-dispatch-shared", "auto"]
+#: comm / compute targets of the three link rates.
+TARGET_RATIOS = (0.5, 1.0, 2.0)
+RESULT = HERE / "results" / "real_links.json"
+#: Every wait for the other side of the control channel is bounded.
+CONTROL_TIMEOUT_S = 300.0
+
+
+def full_plan() -> dict:
+    return {
+        "jobs": [
+            # The goals' rows first: a run cut short by its timeout keeps them.
+            {"workload": "moe-stack", "phase": "prefill", "tokens": 512},
+            {"workload": "moe-stack", "phase": "decode", "tokens": 64},
+            {"workload": "small-moe", "phase": "decode", "tokens": 64},
+            {"workload": "small-moe", "phase": "prefill", "tokens": 512},
+        ],
+        "modes": MODES,
+        "ratios": list(TARGET_RATIOS),
+        #: >= 1: the auto mode's tune prior comes from the warm-up round.
+        "warmup": 1,
+        "repeat": 3,
+        "compute_repeat": 5,
+        "probe_mbit": 400.0,
+        "context_len": 256,
+        "threads": 1,
+    }
+
+
+def quick_plan() -> dict:
+    plan = full_plan()
+    plan.update(
+        jobs=[{"workload": "moe-stack", "phase": "prefill", "tokens": 64, "shape": {"hidden": 256, "intermediate": 128, "layers": 2}}],
+        modes=["none", "dbo"],
+        ratios=[1.0],
+        warmup=1,
+        repeat=2,
+        compute_repeat=2,
+        one_host=False,
+    )
+    return plan
+
+
+# --------------------------------------------------------------------------- control channel
+
+
+class Control:
+    """Rank 0 ↔ driver over files in a shared directory (the namespaces share the file
+    system, not the network): rank 0 writes `req-N.json`, the driver acts and writes `ack-N`."""
+
+    def __init__(self, directory: str):
+        self.dir = Path(directory)
+        self.count = 0
+
+    def request(self, **payload) -> None:
+        n, self.count = self.count, self.count + 1
+        tmp = self.dir / f"req-{n}.json.tmp"
+        tmp.write_text(json.dumps(payload))
+        tmp.rename(self.dir / f"req-{n}.json")
+        ack = self.dir / f"ack-{n}"
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
+        while not ack.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the driver did not answer request {n} ({payload}) within {CONTROL_TIMEOUT_S:.0f} s")
+            time.sleep(0.01)
+
+    def serve_one(self, act) -> bool:
+        """Answer the next request if there is one; False when none is waiting."""
+        req = self.dir / f"req-{self.count}.json"
+        if not req.exists():
+            return False
+        act(json.loads(req.read_text()))
+        (self.dir / f"ack-{self.count}").write_text("ok")
+        self.count += 1
+        return True
+
+
+# --------------------------------------------------------------------------- worker (one rank)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _workload(job: dict, plan: dict, rank: int, world: int):
+    from tandem.bench.workloads import MoEStackWorkload, ModelStepWorkload
+
+    if job["workload"] == "moe-stack":
+        return MoEStackWorkload(rank, world, backend="torch_a2a", num_ubatches=2, phase=job["phase"], **job.get("shape", {}))
+    from tandem.config import CacheConfig, EngineConfig, ParallelConfig
+
+    config = EngineConfig(
+        model=job["workload"],
+        parallel=ParallelConfig(data_parallel_size=world, all2all_backend="torch_a2a" if world > 1 else None),
+        cache=CacheConfig(),
+        device="cpu",
+        dtype="float32",
+    )
+    return ModelStepWorkload(
+        config, phase=job["phase"], context_len=plan["context_len"], prefill_len=job["tokens"],
+        max_tokens=job["tokens"], distributed=world > 1,
+    )
+
+
+def _steps(workload, mode: str, tokens: int, n: int) -> list[float]:
+    return [workload.measure(mode, tokens).step_s for _ in range(n)]
+
+
+def _none_comm(workload, tokens: int, n: int, compute_s: float) -> float:
+    """Communication of the none step as the table defines it (shaped step minus the
+    unshaped one, measured just before); where load noise makes that non-positive, the
+    step's own time model (its receive waits, mean over ranks)."""
+    samples = [workload.measure("none", tokens) for _ in range(n)]
+    by_step = _median([s.step_s for s in samples]) - compute_s
+    return by_step if by_step > 0 else _median([s.mean_times.recv_wait_s for s in samples])
+
+
+def _outputs_digest(workload, tokens: int) -> dict:
+    """Outputs of none and dbo on the same input (moe-stack only: its forward returns them):
+    the smoke test checks DBO changes nothing."""
+    from tandem.bench.workloads import MoEStack
+
+    stack: MoEStack = getattr(workload, "stack", None)
+    if stack is None:
+        return {}
+    from tandem.contexts import run_ubatches
+
+    x = stack.inputs(tokens)
+    kernels = [stack._kernel(layer, comm=True, sbo=None, fabric=None, max_tokens=tokens) for layer in stack.layers]
+    plain = stack._forward(x, kernels, compute=True, local_ids=False)
+    halves = run_ubatches(
+        [lambda c=c: stack._forward(c, kernels, compute=True, local_ids=False) for c in x.tensor_split(2)],
+        executor=stack.executors["thread"],
+    )
+    import torch
+
+    split = torch.cat(halves)
+    return {"none_sum": float(plain.sum()), "dbo_sum": float(split.sum()), "max_abs_diff": float((plain - split).abs().max())}
+
+
+def _tune_auto(workload, job: dict, warm: dict, rate: float, rank: int) -> None:
+    """A fresh overlap planner for this link, with the prior `tandem tune` would give it:
+    the none and DBO steps measured at this rate (the warm-up round's and one more each;
+    identical on every rank: a step's time is the slowest rank's). A deployment tunes on its
+    own link."""
+    if "none" not in warm or "dbo" not in warm:
+        raise ValueError("the auto mode needs none and dbo before it in the warm-up round")
+    tokens, phase = job["tokens"], job["phase"]
+    # One more of each, the faster of two kept: a load spike on a neighbour's core must not
+    # decide the deployment's choice.
+    tuned = {m: min(warm[m], workload.measure(m, tokens).step_s) for m in ("none", "dbo")}
+    threshold = 0 if tuned["dbo"] < tuned["none"] else tokens + 1
+    path = Path(tempfile.gettempdir()) / f"tdr-real-links-tune-{os.getpid()}-{rank}-{job['workload']}-{phase}-{rate:.0f}.json"
+    path.write_text(json.dumps({
+        "dbo_decode_token_threshold": threshold, "dbo_prefill_token_threshold": threshold,
+        # The stack's steps are costed as decode steps (it has no KV attention).
+        "sweep": {"decode" if job["workload"] == "moe-stack" else phase: [{"tokens_per_rank": tokens, "none_ms": tuned["none"] * 1e3, "dbo_ms": tuned["dbo"] * 1e3}]},
+        "config": {"num_ubatches": 2},
+    }))
+    workload.base_overlap = workload.base_overlap.with_thresholds_file(path)
+
+
+def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: int, log) -> dict:
+    import torch.distributed as dist
+
+    def set_rate(mbit: float | None) -> None:
+        if control is not None:
+            control.request(rate_mbit=mbit)
+        dist.barrier()
+
+    tokens, modes = job["tokens"], plan["modes"]
+    start = time.perf_counter()
+    workload = _workload(job, plan, rank, world)
+    log(f"{job['workload']} {job['phase']} {tokens} tok/rank: built in {time.perf_counter() - start:.1f} s")
+
+    set_rate(None)
+    _steps(workload, "none", tokens, plan["warmup"] + 1)
+    compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
+    log(f"  compute (unshaped none step) {compute_s * 1e3:.1f} ms")
+
+    # Calibration: the none step at two probe rates. A probe that leaves comm tiny next to
+    # compute measures mostly noise: lower it.
+    probe = plan["probe_mbit"]
+    for _ in range(3):
+        set_rate(probe)
+        probe_comm = _none_comm(workload, tokens, 2, compute_s)
+        if probe_comm >= 0.3 * compute_s:
+            break
+        probe = probe * max(probe_comm, 0.05 * compute_s) / compute_s
+    probe_comm = max(probe_comm, 1e-4)
+    set_rate(probe / 2)
+    half_comm = max(_none_comm(workload, tokens, 2, compute_s), probe_comm * 1.05)
+    # comm = k * rate^-alpha through the two probes: a shaped link is not linear in 1/rate
+    # (tbf's queue shrinks with the rate, TCP backs off), so interpolate in log-log.
+    # Bounded: a noisy probe pair must not send a row to a rate where one step takes minutes.
+    alpha = min(max(math.log2(half_comm / probe_comm), 0.8), 2.0)
+    rates = [
+        min(max(probe * (probe_comm / (ratio * compute_s)) ** (1 / alpha), probe / 8), probe * 8) for ratio in plan["ratios"]
+    ]
+    log(
+        f"  probes {probe:.0f} / {probe / 2:.0f} Mbit/s → comm {probe_comm * 1e3:.1f} / {half_comm * 1e3:.1f} ms "
+        f"(comm ~ rate^-{alpha:.2f}); rates " + ", ".join(f"{r:.0f}" for r in rates)
+    )
+
+    rows = []
+    for ratio, rate in zip(plan["ratios"], rates):
+        # The machine's load drifts: compute is re-measured (unshaped) right before each row.
+        set_rate(None)
+        compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
+        set_rate(rate)
+        samples: dict[str, list[float]] = {m: [] for m in modes}
+        waits: dict[str, list[float]] = {m: [] for m in modes}
+        warm: dict[str, float] = {}
+        for i in range(plan["warmup"] + plan["repeat"]):
+            for mode in modes:  # interleaved: every mode sees the same machine state
+                if mode == "auto" and i == 0:
+                    _tune_auto(workload, job, warm, rate, rank)
+                sample = workload.measure(mode, tokens)
+                step = sample.step_s
+                if i >= plan["warmup"]:
+                    samples[mode].append(step)
+                    waits[mode].append(sample.mean_times.recv_wait_s)
+                else:
+                    warm[mode] = step
+        medians = {m: _median(v) for m, v in samples.items()}
+        comm_s = max(medians["none"] - compute_s, 0.0)
+        floor_s = max(compute_s, comm_s)
+        rows.append(
+            {
+                "target_ratio": ratio,
+                "rate_mbit": rate,
+                "compute_s": compute_s,
+                "comm_s": comm_s,
+                "comm_over_compute": comm_s / compute_s,
+                "floor_s": floor_s,
+                "step_s": medians,
+                "samples_s": samples,
+                # The time model's exposed communication (receive waits), mean over ranks.
+                "recv_wait_s": {m: _median(v) for m, v in waits.items()},
+                "vs_none": {m: medians["none"] / v for m, v in medians.items()},
+                "vs_floor": {m: v / floor_s for m, v in medians.items()},
+            }
+        )
+        log(f"  {rate:.0f} Mbit/s: comm/compute {comm_s / compute_s:.2f}; " + ", ".join(f"{m} {v * 1e3:.0f}" for m, v in medians.items()))
+    set_rate(None)
+    digest = _outputs_digest(workload, tokens)
+    del workload
+    return {
+        **job, "probe_mbit": probe, "probe_comm_s": probe_comm, "half_probe_comm_s": half_comm, "fit_alpha": alpha,
+        "rows": rows, "outputs": digest,
+    }
+
+
+def worker_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tandem.runner.launch import init_rank
+
+    plan = json.loads(Path(args.plan).read_text())
+    torch.set_num_threads(plan["threads"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_rank(rank, world, device="cpu", timeout_s=CONTROL_TIMEOUT_S)
+    control = Control(args.control) if rank == 0 else None
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"[real_links] {msg}", file=sys.stderr, flush=True)
+
+    jobs = []
+    for job in plan["jobs"]:
+        jobs.append(run_job(job, plan, control, rank, world, log))
+        if rank == 0:  # after every job: a run cut short by its timeout keeps what it measured
+            tmp = Path(args.control) / "result.json.tmp"
+            tmp.write_text(json.dumps({"plan": plan, "jobs": jobs, "complete": len(jobs) == len(plan["jobs"])}, indent=1))
+            tmp.rename(Path(args.control) / "result.json")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- one host
+
+
+def aten_share(model: str = "small-moe", tokens: int = 64, context_len: int = 256, threads: int = 1) -> dict:
+    """Where a `tokens`-request decode step of `model` spends its time on one rank: the torch
+    profiler's self CPU time of ATen ops against the step's wall time (the rest is Python:
+    the runner, the model's module code, the kernel's bookkeeping)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(threads)
+    workload = _workload({"workload": model, "phase": "decode", "tokens": tokens}, {"context_len": context_len}, 0, 1)
+    for _ in range(2):
+        workload.measure("none", tokens)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        steps = 3
+        for _ in range(steps):
+            workload.measure("none", tokens)
+        wall = (time.perf_counter() - start) / steps
+    aten = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / 1e6 / steps
+    top = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)[:5]
+    return {
+        "model": model, "decode_requests": tokens, "context_len": context_len, "threads": threads,
+        "step_wall_s": wall, "aten_self_cpu_s": aten, "aten_share": aten / wall,
+        "top_ops": {e.key: e.self_cpu_time_total / 1e6 / steps for e in top},
+    }
+
+
+def scheduler_loops(model: str = "small-moe", streams: int = 64, max_tokens: int = 16, repeat: int = 3, threads: int = 1) -> dict:
+    """The engine's overlapped scheduler loop against the normal one on one rank: `streams`
+    requests generating `max_tokens` each (ignore EOS), output tokens/s, median of
+    `repeat` runs of each, interleaved."""
+    import torch
+
+    from tandem.config import CacheConfig, EngineConfig
+    from tandem.runner.engine import Engine
+    from tandem.runner.offline import build_runner
+    from tandem.runner.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    config = EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=streams * 4 + 8), device="cpu", dtype="float32")
+    runner = build_runner(config)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 200 for j in range(24)] for i in range(streams)]
+
+    def run(overlap: bool) -> tuple[float, list]:
+        engine = Engine(runner, max_num_seqs=streams, overlap_schedule=overlap)
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{i}", ids, params)
+        start, tokens = time.perf_counter(), {}
+        while engine.has_work:
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        wall = time.perf_counter() - start
+        return sum(len(v) for v in tokens.values()) / wall, [tokens[f"r{i}"] for i in range(streams)]
+
+    run(True)  # warm-up
+    rates: dict[str, list[float]] = {"normal": [], "overlap": []}
+    outputs = {}
+    for _ in range(repeat):
+        for name in rates:
+            tok_s, outputs[name] = run(name == "overlap")
+            rates[name].append(tok_s)
+    medians = {k: _median(v) for k, v in rates.items()}
+    return {
+        "model": model, "streams": streams, "max_tokens": max_tokens, "threads": threads,
+        "tok_s": medians, "samples_tok_s": rates, "overlap_over_normal": medians["overlap"] / medians["normal"],
+        "same_tokens": outputs["normal"] == outputs["overlap"],
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _env_with_src(env: dict) -> dict:
+    src = str(HERE.parent / "src")
+    env = dict(env)
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_cluster(plan: dict, *, timeout_s: float) -> dict:
+    """Run the plan on 2 namespace hosts; return rank 0's results plus the link settings."""
+    from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv
+
+    ok, reason = namespaces_available()
+    if not ok:
+        raise RuntimeError(f"real-link benchmark needs network namespaces: {reason}")
+    with tempfile.TemporaryDirectory(prefix="tdr-real-links-") as tmp:
+        plan_file = Path(tmp) / "plan.json"
+        plan_file.write_text(json.dumps(plan))
+        control = Control(tmp)
+        with NetnsCluster(2, rate_mbit=None, prefix="tdr") as cluster:
+            master = cluster.hosts[0].address
+            port = 29500 + os.getpid() % 1000
+            procs = []
+            for i in range(2):
+                argv = torchrun_argv(
+                    nnodes=2, node_rank=i, master_addr=master, master_port=port,
+                    args=[str(Path(__file__).resolve()), "--worker", "--plan", str(plan_file), "--control", tmp],
+                    module=False,
+                )
+                procs.append(cluster.popen(i, argv, env=_env_with_src(cluster.env(i))))
+            rates: list = []
+
+            def act(req: dict) -> None:
+                cluster.set_rate(req["rate_mbit"])
+                rates.append(req["rate_mbit"])
+
+            deadline = time.monotonic() + timeout_s
+            timed_out = False
+            try:
+                while any(p.poll() is None for p in procs):
+                    if time.monotonic() > deadline:
+                        timed_out = True
+                        print(f"[real_links] the ranks did not finish within {timeout_s:.0f} s: stopping them", file=sys.stderr)
+                        break
+                    if not control.serve_one(act):
+                        time.sleep(0.02)
+                    if any(p.poll() not in (None, 0) for p in procs):
+                        break
+            finally:
+                for p in procs:  # torchrun passes SIGTERM on to its worker; SIGKILL would orphan it
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    try:
+                        p.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait(timeout=20)
+            codes = [p.returncode for p in procs]
+            partial = Path(tmp) / "result.json"
+            if not timed_out and any(codes):
+                raise RuntimeError(f"a rank failed (exit codes {codes}); see its output above")
+            if not partial.exists():
+                raise RuntimeError(f"no results: the ranks stopped (exit codes {codes}) before a job finished")
+        result = json.loads(partial.read_text())
+    result["link"] = {"hosts": 2, "qdisc": "tbf", "burst": "64kb", "latency_ms": 100.0, "rates_set_mbit": rates}
+    return result
+
+
+def _fmt_table(job: dict) -> str:
+    modes = list(job["rows"][0]["step_s"])
+    head = f"{job['workload']} {job['phase']}, {job['tokens']} tokens/rank  (ms; x = none / mode; f = mode / floor)"
+    lines = [head, f"{'rate Mbit/s':>11} {'comm/comp':>9} {'compute':>8} {'comm':>8} {'floor':>8}  " + "  ".join(f"{m:>22}" for m in modes)]
+    for r in job["rows"]:
+        cells = "  ".join(
+            f"{r['step_s'][m] * 1e3:8.1f} {r['vs_none'][m]:5.2f}x {r['vs_floor'][m]:4.2f}f" for m in modes
+        )
+        lines.append(
+            f"{r['rate_mbit']:11.0f} {r['comm_over_compute']:9.2f} {r['compute_s'] * 1e3:8.1f} {r['comm_s'] * 1e3:8.1f} {r['floor_s'] * 1e3:8.1f}  {cells}"
+        )
+    return "\n".join(lines)
+
+
+def goals(result: dict) -> list[dict]:
+    """The issue's goals checked against this run's figures."""
+    out = []
+    jobs = {(j["workload"], j["phase"]): j for j in result["jobs"]}
+
+    def row_near(job, ratio):
+        return min(job["rows"], key=lambda r: abs(r["target_ratio"] - ratio))
+
+    stack = jobs.get(("moe-stack", "prefill"))
+    if stack is not None and any(r["target_ratio"] == 1.0 for r in stack["rows"]):
+        r = row_near(stack, 1.0)
+        step = r["step_s"]
+        dbo_modes = [m for m in ("dbo", "dbo-greenlet") if m in step]
+        if dbo_modes:
+            best = min(dbo_modes, key=step.get)
+            out.append({"goal": "moe-stack prefill, comm≈compute: best DBO >= 1.5x none", "figure": r["vs_none"][best], "met": r["vs_none"][best] >= 1.5, "mode": best})
+            out.append({"goal": "moe-stack prefill, comm≈compute: best DBO <= 1.15x floor", "figure": r["vs_floor"][best], "met": r["vs_floor"][best] <= 1.15, "mode": best})
+            if "tbo" in step:
+                ratio = step["tbo"] / step[best]
+                out.append({"goal": "moe-stack prefill: TBO within 1.05x of DBO", "figure": ratio, "met": ratio <= 1.05})
+        sbo = [m for m in step if m.startswith("sbo-")]
+        if sbo:
+            best_sbo = min(sbo, key=step.get)
+            out.append({"goal": "moe-stack prefill, comm≈compute: best SBO >= 1.15x none", "figure": r["vs_none"][best_sbo], "met": r["vs_none"][best_sbo] >= 1.15, "mode": best_sbo})
+    loops = result.get("scheduler_loops")
+    if loops is not None:
+        out.append({"goal": f"overlapped scheduler loop vs normal, {loops['model']} {loops['streams']} streams >= 1.05x", "figure": loops["overlap_over_normal"], "met": loops["overlap_over_normal"] >= 1.05})
+    for job in result["jobs"]:
+        for r in job["rows"]:
+            step = r["step_s"]
+            if "auto" not in step:
+                continue
+            static = {m: v for m, v in step.items() if m != "auto"}
+            best = min(static, key=static.get)
+            ratio = step["auto"] / static[best]
+            where = f"{job['workload']} {job['phase']} @ {r['rate_mbit']:.0f} Mbit/s"
+            if best == "none":
+                vs_none = step["auto"] / step["none"]
+                out.append({"goal": f"auto <= 1.05x none where nothing wins ({where})", "figure": vs_none, "met": vs_none <= 1.05})
+            else:
+                out.append({"goal": f"auto <= 1.03x best static ({best}) ({where})", "figure": ratio, "met": ratio <= 1.03})
+    return out
+
+
+def report(result: dict) -> str:
+    parts = [_fmt_table(job) for job in result["jobs"]]
+    if "aten_share" in result:
+        a = result["aten_share"]
+        parts.append(
+            f"{a['model']} decode step, {a['decode_requests']} requests, one rank, {a['threads']} thread: wall "
+            f"{a['step_wall_s'] * 1e3:.0f} ms, ATen self CPU {a['aten_self_cpu_s'] * 1e3:.0f} ms ({a['aten_share']:.0%} tensor work)"
+        )
+    if "scheduler_loops" in result:
+        lo = result["scheduler_loops"]
+        parts.append(
+            f"scheduler loop, {lo['model']}, {lo['streams']} streams x {lo['max_tokens']} tokens, one rank: normal "
+            f"{lo['tok_s']['normal']:.0f} tok/s, overlapped {lo['tok_s']['overlap']:.0f} tok/s "
+            f"({lo['overlap_over_normal']:.2f}x; same tokens: {lo['same_tokens']})"
+        )
+    lines = ["goals:"]
+    for g in result.get("goals", []):
+        lines.append(f"  [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['figure']:.2f}" + (f" ({g['mode']})" if "mode" in g else ""))
+    return "\n\n".join(parts + ["\n".join(lines)])
+
+
+def markdown(result: dict) -> str:
+    """The tables and goals as Markdown (for benchmarks/README.md)."""
+    out = []
+    for job in result["jobs"]:
+        modes = list(job["rows"][0]["step_s"])
+        out.append(f"**{job['workload']} {job['phase']}, {job['tokens']} tokens/rank** (ms; x = none / mode; f = mode / floor)\n")
+        out.append("| rate Mbit/s | comm/compute | compute | comm | floor | " + " | ".join(modes) + " |")
+        out.append("|" + "---|" * (5 + len(modes)))
+        for r in job["rows"]:
+            cells = " | ".join(f"{r['step_s'][m] * 1e3:.0f} ({r['vs_none'][m]:.2f}x, {r['vs_floor'][m]:.2f}f)" for m in modes)
+            out.append(
+                f"| {r['rate_mbit']:.0f} | {r['comm_over_compute']:.2f} | {r['compute_s'] * 1e3:.0f} | {r['comm_s'] * 1e3:.0f} | "
+                f"{r['floor_s'] * 1e3:.0f} | {cells} |"
+            )
+        out.append("")
+    if "aten_share" in result:
+        a = result["aten_share"]
+        out.append(
+            f"{a['model']} decode step, {a['decode_requests']} requests over a {a['context_len']}-token context, one rank, "
+            f"{a['threads']} thread: {a['step_wall_s'] * 1e3:.0f} ms wall, {a['aten_self_cpu_s'] * 1e3:.0f} ms self CPU "
+            f"in ATen ops ({a['aten_share']:.0%}).\n"
+        )
+    if "scheduler_loops" in result:
+        lo = result["scheduler_loops"]
+        out.append(
+            f"Scheduler loop, {lo['model']}, {lo['streams']} streams x {lo['max_tokens']} tokens, one rank: normal "
+            f"{lo['tok_s']['normal']:.1f} tok/s, overlapped {lo['tok_s']['overlap']:.1f} tok/s "
+            f"({lo['overlap_over_normal']:.2f}x; identical tokens: {lo['same_tokens']}).\n"
+        )
+    out.append("| goal | figure | |\n|---|---|---|")
+    for g in result.get("goals", []):
+        out.append(f"| {g['goal']}{' (' + g['mode'] + ')' if 'mode' in g else ''} | {g['figure']:.2f} | {'met' if g['met'] else '**missed**'} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: one small moe-stack shape, none and dbo, one rate")
+    parser.add_argument("--plan-json", help="a plan (JSON) instead of the full or quick one")
+    parser.add_argument("--out", default=str(RESULT), help="where to write the JSON")
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds before the run is abandoned")
+    parser.add_argument("--markdown", metavar="JSON", help="print a results file's tables as Markdown and exit")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--control", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
+    plan = json.loads(args.plan_json) if args.plan_json else quick_plan() if args.quick else full_plan()
+    start = time.perf_counter()
+    result = run_cluster(plan, timeout_s=args.timeout)
+    if plan.get("one_host", True):
+        print("[real_links] one host: ATen share of a decode step, scheduler loops", file=sys.stderr, flush=True)
+        result["aten_share"] = aten_share(threads=plan["threads"])
+        result["scheduler_loops"] = scheduler_loops(threads=plan["threads"])
+    result["wall_s"] = time.perf_counter() - start
+    result["goals"] = goals(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(report(result))
+    if not result.get("complete", True):
+        print(f"\nINCOMPLETE: {len(result['jobs'])} of {len(plan['jobs'])} jobs finished before the timeout")
+    print(f"\nwrote {out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
