@@ -241,7 +241,7 @@ def _strict_cases(rank, world):
     # Low-latency layout: the data arrives only with the hook, packed per expert by source rank.
     recv_x, recv_count, handle, event, hook = ll(x, ids, T, E, use_fp8=False, return_recv_hook=True)
     assert event.event is None and tuple(recv_x.shape) == (El, world * T, H) and recv_x.dtype == torch.bfloat16
-    report["stale-before-hook"] = bool((recv_x.float() == fake_deep_ep._STALE).all())
+    report["stale-before-hook"] = _raises(lambda: recv_x.float(), RuntimeError, "before its receive hook ran")
     hook()
     report["hook-once"] = _raises(hook, RuntimeError, "once")
     src_info, layout_range, *_ = handle
@@ -521,3 +521,48 @@ def test_byte_counts_only_for_a_modelled_fabric_outside_captures(monkeypatch):
     assert adapter._modelled_bytes(host_read) is None
     monkeypatch.setattr(prepare_deepep, "graph_capture_active", lambda: False)
     assert adapter._modelled_bytes(lambda: 42) == 42
+
+
+# ------------------------------------------------------------------ stream order (review N1, N4)
+
+
+def _stream_order_cases(rank, world):
+    from tandem.platform import get_platform
+
+    report = {}
+    fake_deep_ep.install()
+    p = _problem(rank, "random")  # a float32 model: bf16 on DeepEP's side only
+    # N1: combine-shared issues the low-latency combine on the comm stream; DeepEP's hook
+    # launches the receive there, so the compute stream may only read it after a join that
+    # follows the hook (the fake raises on a read that is not ordered after the receive).
+    for ubatches in (1, 2):
+        release_shared_buffers()
+        kernel = _build(LL, shared_experts=p.shared_experts, enable_sbo=True, sbo_mode="combine-shared")
+        try:
+            out = run_kernel(kernel, p, rank, world, num_ubatches=ubatches)
+            report[f"combine-shared/ubatches={ubatches}"] = bool(
+                torch.allclose(out.float(), p.reference(with_shared=True).float(), **BF16_TOL)
+            )
+        except RuntimeError as exc:
+            report[f"combine-shared/ubatches={ubatches}"] = f"{exc}"
+        report[f"combine-shared/ubatches={ubatches}/nothing-unjoined"] = get_platform("cpu").pending_streams() == []
+    # N4: a 32-bit topk_idx_t build (or fp32 weights from bf16) makes the adapter convert
+    # copies; the combine's receive reads them when its hook runs, so they must outlive
+    # finalize_async (the fake raises when they were freed first).
+    fake_deep_ep.install(topk_idx_dtype=torch.int32)
+    release_shared_buffers()
+    for ubatches in (1, 2):
+        try:
+            out = run_kernel(_build(LL), p, rank, world, num_ubatches=ubatches)
+            report[f"copies-kept-alive/ubatches={ubatches}"] = _oracle(out, p)
+        except RuntimeError as exc:
+            report[f"copies-kept-alive/ubatches={ubatches}"] = f"{exc}"
+    return report
+
+
+def test_low_latency_receives_follow_stream_order_and_lifetimes():
+    """Review N1 and N4 on the stream-ordered fake: the hook before the join in SBO
+    combine-shared, and the converted top-k copies alive until the combine's receive ran."""
+    per_rank = run_distributed(_stream_order_cases, 2, timeout_s=200)
+    for report in per_rank:
+        assert {k: v for k, v in report.items() if v is not True} == {}

@@ -276,16 +276,25 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
         ids = self._topk_ids(topk_ids)
+        weights = topk_weights.to(torch.float32).contiguous()
         combined, _, hook = self.buffer.low_latency_combine(
             expert_output.to(DEEPEP_DTYPE).contiguous(),
             ids,
-            topk_weights.to(torch.float32).contiguous(),
+            weights,
             tokens.handle,
             async_finish=False,
             return_recv_hook=True,
         )
         nbytes = self._modelled_bytes(lambda: int((ids >= 0).sum()) * _row_bytes(expert_output.shape[-1], False))
-        return self._with_fabric(hook, nbytes), lambda: combined.to(tokens.dtype)
+
+        def receiver() -> torch.Tensor:
+            # DeepEP's receive reads `ids` and `weights` (maybe copies made above) through raw
+            # pointers when the hook has run, possibly a ubatch later: they live until here.
+            _ = keep_alive
+            return combined.to(tokens.dtype)
+
+        keep_alive = (ids, weights)
+        return self._with_fabric(hook, nbytes), receiver
 
 
 class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
