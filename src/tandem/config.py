@@ -173,7 +173,7 @@ class EngineConfig:
         if self.overlap.graph_mode == "full":
             from tandem.modular_kernels.capturable import check_backend_graph_capturable
 
-            check_backend_graph_capturable(self.parallel.all2all_backend)
+            check_backend_graph_capturable(self.parallel.all2all_backend, self.parallel.moe_backend)
 
     def resolve_device(self, local_rank: int = 0):
         from tandem.platform.device import resolve_device

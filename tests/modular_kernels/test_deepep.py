@@ -566,3 +566,33 @@ def test_low_latency_receives_follow_stream_order_and_lifetimes():
     per_rank = run_distributed(_stream_order_cases, 2, timeout_s=200)
     for report in per_rank:
         assert {k: v for k, v in report.items() if v is not True} == {}
+
+
+def test_full_graphs_refuse_host_syncing_backends():
+    """Review N7: the defaults (local or torch_a2a with the standard torch experts) sync on the
+    host, so `--graph-mode full` refuses them at configuration and at wrapper construction,
+    naming the backend, instead of failing at the first capture."""
+    from tandem.config import EngineConfig, OverlapConfig, ParallelConfig
+    from tandem.modular_kernels import TorchExperts
+    from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
+    from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
+    from tandem.runner.ubatch_wrapper import UBatchWrapper
+
+    full = OverlapConfig(graph_mode="full")
+    with pytest.raises(ValueError, match="cannot capture the torch moe backend in the standard layout.*nonzero"):
+        EngineConfig(overlap=full)  # local + torch: the defaults on one rank
+    with pytest.raises(ValueError, match="torch_a2a all2all backend.*tolist"):
+        EngineConfig(overlap=full, parallel=ParallelConfig(2, moe_backend="triton"))  # torch_a2a: the dp>1 default
+    EngineConfig(overlap=full, parallel=ParallelConfig(moe_backend="triton"))
+    EngineConfig(overlap=full, parallel=ParallelConfig(2, all2all_backend="torch_a2a_ll"))  # masked torch experts
+
+    class Layer(torch.nn.Module):
+        def __init__(self, prepare_finalize, experts):
+            super().__init__()
+            self.kernel = FusedMoEModularKernel(prepare_finalize, experts)
+
+    with pytest.raises(ValueError, match="torch moe backend"):
+        UBatchWrapper(torch.nn.Sequential(Layer(LocalPrepareAndFinalize(NUM_EXPERTS), TorchExperts())), graph_mode="full")
+    a2a = TorchAllToAllPrepareAndFinalize.__new__(TorchAllToAllPrepareAndFinalize)
+    with pytest.raises(ValueError, match="torch_a2a all2all backend"):
+        UBatchWrapper(torch.nn.Sequential(Layer(a2a, TorchExperts())), graph_mode="full")
