@@ -486,7 +486,7 @@ def test_full_graphs_refuse_high_throughput():
 
     with pytest.raises(ValueError, match="graph-mode full cannot capture the deepep_high_throughput"):
         EngineConfig(overlap=OverlapConfig(graph_mode="full"), parallel=ParallelConfig(2, all2all_backend=HT))
-    EngineConfig(overlap=OverlapConfig(graph_mode="full"), parallel=ParallelConfig(2, all2all_backend=LL))
+    EngineConfig(overlap=OverlapConfig(graph_mode="full"), parallel=ParallelConfig(2, all2all_backend=LL), max_num_batched_tokens=128)
 
     class Layer(torch.nn.Module):
         def __init__(self, prepare_finalize, experts):
@@ -536,7 +536,6 @@ def _stream_order_cases(rank, world):
     # launches the receive there, so the compute stream may only read it after a join that
     # follows the hook (the fake raises on a read that is not ordered after the receive).
     for ubatches in (1, 2):
-        release_shared_buffers()
         kernel = _build(LL, shared_experts=p.shared_experts, enable_sbo=True, sbo_mode="combine-shared")
         try:
             out = run_kernel(kernel, p, rank, world, num_ubatches=ubatches)
@@ -596,3 +595,33 @@ def test_full_graphs_refuse_host_syncing_backends():
     a2a = TorchAllToAllPrepareAndFinalize.__new__(TorchAllToAllPrepareAndFinalize)
     with pytest.raises(ValueError, match="torch_a2a all2all backend"):
         UBatchWrapper(torch.nn.Sequential(Layer(a2a, TorchExperts())), graph_mode="full")
+
+
+def _hidden_and_build_cases(rank, world):
+    fake_deep_ep.install()
+    release_shared_buffers()
+    report = {}
+    # N2: a hidden size DeepEP LL has no kernels for is refused when the model is built.
+    report["hidden-3584"] = _raises(
+        lambda: build_moe_kernel(LL, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=3584),
+        ValueError, "hidden size 3584 is not one DeepEP's low-latency kernels are built for (2048, 2560",
+    )
+    # N5: the Buffer exists once the kernel is built, before any (ubatched) forward.
+    kernel = _build(LL)
+    report["buffer-at-build"] = kernel.prepare_finalize.buffer is not None
+    return report
+
+
+def test_low_latency_hidden_size_and_buffer_are_settled_at_model_build():
+    per_rank = run_distributed(_hidden_and_build_cases, 2, timeout_s=120)
+    for report in per_rank:
+        assert {k: v for k, v in report.items() if v is not True} == {}
+
+
+def test_low_latency_step_budget_is_checked_at_configuration():
+    """Review N3: a step above the per-rank budget would fail at dispatch; refused up front."""
+    from tandem.config import EngineConfig, ParallelConfig
+
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 2048 exceeds --deepep-ll-max-tokens-per-rank 128"):
+        EngineConfig(parallel=ParallelConfig(2, all2all_backend=LL))
+    EngineConfig(parallel=ParallelConfig(2, all2all_backend=LL), max_num_batched_tokens=128)
