@@ -625,3 +625,48 @@ def test_low_latency_step_budget_is_checked_at_configuration():
     with pytest.raises(ValueError, match="--max-num-batched-tokens 2048 exceeds --deepep-ll-max-tokens-per-rank 128"):
         EngineConfig(parallel=ParallelConfig(2, all2all_backend=LL))
     EngineConfig(parallel=ParallelConfig(2, all2all_backend=LL), max_num_batched_tokens=128)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_step_with_low_latency_buffers_stops_the_engine(overlap, monkeypatch):
+    """Review N8: after a step fails part-way, DeepEP's low-latency double-buffer parity is out
+    of step with the peers and the captured graphs, so the engine must not serve on: the
+    failed step's requests, every request it still holds and every later one get an error
+    naming the backend. (tiny-moe runs the local backend here, its kernel marked as DeepEP
+    LL's is: DeepEP LL cannot run tiny-moe's hidden size.)"""
+    from tandem.config import OverlapConfig
+    from tandem.models.tiny_moe import build_tiny_moe
+    from tandem.runner.engine import Engine
+    from tandem.runner.model_runner import ModelRunner
+    from tandem.runner.sampling import SamplingParams
+
+    info = build_tiny_moe()
+    kernels = [m for layer in info.model.modules() for m in vars(layer).values() if isinstance(m, FusedMoEModularKernel)]
+    assert kernels
+    monkeypatch.setattr(kernels[0].prepare_finalize, "survives_failed_step", False, raising=False)
+    runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=64, block_size=4)
+    engine = Engine(runner, max_num_seqs=4, max_num_batched_tokens=32, overlap_schedule=overlap)
+    real_execute, calls = runner.execute, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a ubatch failed mid-layer")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", fails_once)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i in range(2):
+        assert engine.add_request(f"r{i}", [1, 2, 3, 4 + i], params) is None
+    finished = {}
+    for _ in range(50):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if not engine.has_work:
+            break
+    assert set(finished) == {"r0", "r1"} and all(o.finish_reason == "error" for o in finished.values())
+    late = engine.add_request("late", [5, 6], params)
+    assert late is not None and late.finish_reason == "error"
+    assert "engine stopped" in late.error and "local" in late.error and "restart" in late.error
+    engine.close()

@@ -60,3 +60,19 @@ def check_graph_capturable(model: Any) -> None:
         [k.prepare_finalize.name for k in kernels if not k.prepare_finalize.graph_capturable],
         [k.experts.name for k in kernels if not getattr(k.experts, "graph_capturable", True)],
     )
+
+
+def state_lost_by_a_failed_step(model: Any) -> list[str]:
+    """The all2all backends of `model`'s MoE kernels whose cross-rank state a step that
+    failed part-way leaves out of step (`survives_failed_step = False`): DeepEP's
+    low-latency double buffer flips on the host at every call, so an aborted layer leaves
+    this rank's parity out of step with its peers and with captured graphs."""
+    modules = model.modules() if hasattr(model, "modules") else [model]
+    return sorted(
+        {
+            value.prepare_finalize.name
+            for module in modules
+            for value in vars(module).values()
+            if isinstance(value, FusedMoEModularKernel) and not getattr(value.prepare_finalize, "survives_failed_step", True)
+        }
+    )

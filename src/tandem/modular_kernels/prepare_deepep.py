@@ -233,6 +233,11 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     activation_format = ActivationFormat.MASKED
     name = "deepep_low_latency"
+    #: DeepEP flips its double-buffer index on the host at every low-latency call and each
+    #: kernel cleans the other half for the next one: a step that stops between a dispatch
+    #: and its combine leaves this rank's parity out of step with its peers and with the
+    #: pointers baked into captured graphs. The engine stops instead of serving on.
+    survives_failed_step = False
 
     def __init__(
         self,
