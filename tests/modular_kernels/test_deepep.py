@@ -670,3 +670,33 @@ def test_a_failed_step_with_low_latency_buffers_stops_the_engine(overlap, monkey
     assert late is not None and late.finish_reason == "error"
     assert "engine stopped" in late.error and "local" in late.error and "restart" in late.error
     engine.close()
+
+
+def test_the_stall_watchdog_cannot_fire_during_the_cold_start(monkeypatch):
+    """Review N5: the first ubatched run of each ubatch count compiles and initialises
+    libraries between two yields; its watchdog limit is the cold-start one, later runs get
+    the normal limit."""
+    from tandem.contexts import ForwardContext, set_forward_context
+    from tandem.runner import ubatch_wrapper
+    from tandem.ubatch import split_by_tokens
+
+    seen = []
+    real = ubatch_wrapper.make_ubatch_contexts
+
+    def recording(*args, **kwargs):
+        seen.append((args[0], kwargs["timeout"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ubatch_wrapper, "make_ubatch_contexts", recording)
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    wrapper = ubatch_wrapper.UBatchWrapper(Double(), num_ubatches=3, executor="greenlet", timeout=5.0)
+    x = torch.arange(6.0)
+    for n in (2, 2, 3, 3):
+        with set_forward_context(ForwardContext(ubatch_slices=split_by_tokens([1] * 6, n))):
+            assert torch.equal(wrapper(x), x * 2)
+    cold = ubatch_wrapper.COLD_START_TIMEOUT_S
+    assert seen == [(2, cold), (2, 5.0), (3, cold), (3, 5.0)] and cold >= 600
