@@ -173,7 +173,11 @@ class EngineConfig:
         if self.overlap.graph_mode == "full":
             from tandem.modular_kernels.capturable import check_backend_graph_capturable
 
-            check_backend_graph_capturable(self.parallel.all2all_backend)
+            check_backend_graph_capturable(self.parallel.all2all_backend, self.parallel.moe_backend)
+        if self.parallel.all2all_backend == "deepep_low_latency":
+            from tandem.modular_kernels.prepare_deepep import check_low_latency_step_budget
+
+            check_low_latency_step_budget(self.max_num_batched_tokens, self.parallel.deepep_ll_max_tokens_per_rank)
 
     def resolve_device(self, local_rank: int = 0):
         from tandem.platform.device import resolve_device

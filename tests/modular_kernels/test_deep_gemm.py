@@ -316,32 +316,6 @@ def test_block_quantization_matches_an_independent_roundtrip():
     assert torch.equal(_dequant_blocks(q, s), exact)  # the test weights are fp8-exact
 
 
-def test_works_with_a_deep_gemm_1x_module(monkeypatch):
-    """A library with only the 1.x names (no 2.x ones) is used through those names."""
-    used = []
-    legacy = types.ModuleType("deep_gemm")
-    for name in ("m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_masked"):
-        impl = getattr(fake_deep_gemm, name)
-
-        def spy(*args, _impl=impl, _name=name, **kwargs):
-            used.append(_name)
-            return _impl(*args, **kwargs)
-
-        setattr(legacy, name, spy)
-    legacy.get_m_alignment_for_contiguous_layout = fake_deep_gemm.get_m_alignment_for_contiguous_layout
-    legacy.get_col_major_tma_aligned_tensor = fake_deep_gemm.get_col_major_tma_aligned_tensor
-    monkeypatch.setitem(sys.modules, "deep_gemm", legacy)
-
-    w1, w2 = _weights()
-    tokens, x_rt, ids, weights = _standard_tokens(True, num_tokens=6)
-    out = DeepGemmExperts().apply(tokens, w1, w2)
-    assert _rel_err(out, _pipeline_reference(x_rt, w1, w2, weights, ids)) < TIGHT_REL_TOL
-    x = _activations((E, 4, H), seed=6)
-    counts = torch.tensor([4, 0, 2, 1])
-    DeepGemmBatchedExperts().apply(ExpertTokens(x, None, torch.float32, expert_num_tokens=counts), w1, w2)
-    assert used == ["m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"] * 2 + ["m_grouped_gemm_fp8_fp8_bf16_nt_masked"] * 2
-
-
 # ----------------------------------------------------------------------------- factory
 
 
@@ -405,13 +379,9 @@ def _dequant_blocks(q, s):
     return q.float() * s.repeat_interleave(128, 1).repeat_interleave(128, 2)
 
 
-@pytest.mark.parametrize("api", ["1.x", "2.x"])
-def test_fake_contiguous_math_and_padding_rows(deep_gemm, api):
+def test_fake_contiguous_math_and_padding_rows(deep_gemm):
     p = _contiguous_problem()
-    if api == "1.x":
-        deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(p["a"], p["b"], out=p["d"], m_indices=p["layout"])
-    else:
-        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"])
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"])
     a = _dequant_rows(*p["a"])
     b = _dequant_blocks(*p["b"])
     valid = p["layout"] >= 0
@@ -424,7 +394,7 @@ def test_fake_contiguous_math_and_padding_rows(deep_gemm, api):
 def test_fake_contiguous_accepts_tma_aligned_scales(deep_gemm):
     p = _contiguous_problem()
     q, s = p["a"]
-    aligned = deep_gemm.get_col_major_tma_aligned_tensor(s)
+    aligned = deep_gemm.get_mn_major_tma_aligned_tensor(s)
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((q, aligned), p["b"], p["d"], p["layout"])
     ref = torch.empty_like(p["d"])
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((q, s), p["b"], ref, p["layout"])
@@ -464,17 +434,12 @@ CONTIGUOUS_VIOLATIONS = {
 }
 
 
-@pytest.mark.parametrize("api", ["1.x", "2.x"])
 @pytest.mark.parametrize("violation", sorted(CONTIGUOUS_VIOLATIONS))
-def test_fake_contiguous_asserts_its_contract(deep_gemm, violation, api):
+def test_fake_contiguous_asserts_its_contract(deep_gemm, violation):
     breaker, message = CONTIGUOUS_VIOLATIONS[violation]
     p = breaker(_contiguous_problem())
-    if api == "1.x":
-        fn = deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous
-    else:
-        fn = deep_gemm.m_grouped_fp8_gemm_nt_contiguous
     with pytest.raises(RuntimeError, match=message):
-        fn(p["a"], p["b"], p["d"], p["layout"])
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"])
 
 
 @pytest.mark.parametrize("k,n", [(64, 128), (192, 128), (128, 96)])
@@ -499,15 +464,9 @@ def _masked_problem(num_groups=3, m=64, n=128, k=256, counts=(4, 0, 64), seed=0)
     )
 
 
-@pytest.mark.parametrize("api", ["1.x", "2.x"])
-def test_fake_masked_math_and_rows_past_the_count(deep_gemm, api):
+def test_fake_masked_math_and_rows_past_the_count(deep_gemm):
     p = _masked_problem()
-    if api == "1.x":
-        deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked(
-            p["a"], p["b"], out=p["d"], masked_m=p["masked_m"], expected_m=p["expected_m"]
-        )
-    else:
-        deep_gemm.m_grouped_fp8_gemm_nt_masked(p["a"], p["b"], p["d"], p["masked_m"], p["expected_m"])
+    deep_gemm.m_grouped_fp8_gemm_nt_masked(p["a"], p["b"], p["d"], p["masked_m"], p["expected_m"])
     a = _dequant_rows(*p["a"])
     b = _dequant_blocks(*p["b"])
     for group, count in enumerate(p["masked_m"].tolist()):
@@ -531,7 +490,7 @@ def test_fake_masked_asserts_its_contract(deep_gemm, violation):
     breaker, message = MASKED_VIOLATIONS[violation]
     p = breaker(_masked_problem())
     with pytest.raises(RuntimeError, match=message):
-        deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked(p["a"], p["b"], p["d"], p["masked_m"], p["expected_m"])
+        deep_gemm.m_grouped_fp8_gemm_nt_masked(p["a"], p["b"], p["d"], p["masked_m"], p["expected_m"])
 
 
 def test_fake_masked_m_must_be_a_multiple_of_the_block_m(deep_gemm):
@@ -552,16 +511,16 @@ def test_fake_2x_options(deep_gemm):
 
 
 def test_fake_helpers(deep_gemm):
-    assert deep_gemm.get_m_alignment_for_contiguous_layout() == 128
+    assert deep_gemm.get_mk_alignment_for_contiguous_layout() == 128
     assert deep_gemm.get_mk_alignment_for_contiguous_layout() == 128
     assert deep_gemm.get_tma_aligned_size(5, 4) == 8 and deep_gemm.ceil_div(5, 4) == 2
 
     x = torch.randn(5, 3)
-    aligned = deep_gemm.get_col_major_tma_aligned_tensor(x)
+    aligned = deep_gemm.get_mn_major_tma_aligned_tensor(x)
     assert aligned.shape == (5, 3) and aligned.stride() == (1, 8) and torch.equal(aligned, x)
-    assert deep_gemm.get_col_major_tma_aligned_tensor(aligned) is aligned
+    assert deep_gemm.get_mn_major_tma_aligned_tensor(aligned) is aligned
     x3 = torch.randn(2, 5, 3)
-    aligned3 = deep_gemm.get_col_major_tma_aligned_tensor(x3)
+    aligned3 = deep_gemm.get_mn_major_tma_aligned_tensor(x3)
     assert aligned3.stride() == (24, 1, 8) and torch.equal(aligned3, x3)
 
     assert deep_gemm.get_num_sms() == fake_deep_gemm.DEVICE_NUM_SMS
@@ -572,7 +531,7 @@ def test_fake_helpers(deep_gemm):
     for bad in (-1, fake_deep_gemm.DEVICE_NUM_SMS + 1):
         with pytest.raises(RuntimeError, match="multiProcessorCount"):
             deep_gemm.set_num_sms(bad)
-    assert deep_gemm.get_mn_major_tma_aligned_tensor is deep_gemm.get_col_major_tma_aligned_tensor
+    assert deep_gemm.get_mn_major_tma_aligned_tensor is deep_gemm.get_mn_major_tma_aligned_tensor
     fake_deep_gemm.install()  # a fresh install resets the cap
     assert deep_gemm.get_num_sms() == fake_deep_gemm.DEVICE_NUM_SMS
 
@@ -618,8 +577,7 @@ def test_import_failures_of_any_kind_get_the_message(monkeypatch, tmp_path):
         DeepGemmBatchedExperts()
 
 
-def test_prefers_the_2x_tma_helper_and_keeps_lhs_scales_as_they_are(deep_gemm, monkeypatch):
-    monkeypatch.delattr(deep_gemm, "get_col_major_tma_aligned_tensor")  # a 2.x module
+def test_uses_the_2x_tma_helper_and_keeps_lhs_scales_as_they_are(deep_gemm):
     experts = DeepGemmBatchedExperts()
     assert experts._tma_align is deep_gemm.get_mn_major_tma_aligned_tensor
     # DeepEP low-latency scales: [E, R*T, H/128] float32, column-major in the last two dims.
@@ -650,3 +608,47 @@ def test_sm100_needs_power_of_two_scales(monkeypatch):
     monkeypatch.setattr(experts_deep_gemm, "_arch_major", lambda device: 12)
     with fake_deep_gemm.installed(), pytest.raises(RuntimeError, match="SM90.*SM100"):
         DeepGemmBatchedExperts().apply(tokens, w1, w2)
+
+
+def test_fake_has_deep_gemm_2_6_1_names_only(deep_gemm):
+    """The 1.x names DeepGEMM 2.6.1 removed are absent (code using them fails here as on the
+    real library); the 2.6.1 fp8/fp4 aliases are present."""
+    for removed in ("m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
+                    "get_col_major_tma_aligned_tensor", "get_m_alignment_for_contiguous_layout"):
+        assert not hasattr(deep_gemm, removed), removed
+    assert deep_gemm.m_grouped_fp8_fp4_gemm_nt_masked is deep_gemm.m_grouped_fp8_gemm_nt_masked
+
+
+def test_fake_reads_no_device_value_on_the_host(deep_gemm, monkeypatch):
+    """Value checks are device-side asserts: no `.item()`/`bool()`/`int()` of a tensor."""
+    from tandem.testing import fake_deep_gemm as fake
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the fake read a device value on the host")
+
+    monkeypatch.setattr(torch.Tensor, "item", forbidden)
+    monkeypatch.setattr(torch.Tensor, "__bool__", forbidden)
+    monkeypatch.setattr(torch.Tensor, "__int__", forbidden)
+    monkeypatch.setattr(fake, "ARCH_MAJOR", 10)  # SM100: the UE8M0 scale check runs too
+    p = _contiguous_problem()
+    scales = p["a"][1]
+    p["a"] = (p["a"][0], torch.exp2(torch.log2(scales).ceil()))
+    p["b"] = (p["b"][0], torch.exp2(torch.log2(p["b"][1]).ceil()))
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"])
+    m = _masked_problem()
+    m["a"] = (m["a"][0], torch.exp2(torch.log2(m["a"][1]).ceil()))
+    m["b"] = (m["b"][0], torch.exp2(torch.log2(m["b"][1]).ceil()))
+    deep_gemm.m_grouped_fp8_gemm_nt_masked(m["a"], m["b"], m["d"], m["masked_m"], m["expected_m"])
+
+
+def test_fake_sm_count_comes_from_the_device_or_the_install():
+    from tandem.testing import fake_deep_gemm as fake
+
+    with fake.installed(device_num_sms=114) as deep_gemm:
+        assert deep_gemm.get_num_sms() == 114
+    with fake.installed() as deep_gemm:
+        expected = (
+            torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            if torch.cuda.is_available() else fake.EMULATED_NUM_SMS
+        )
+        assert deep_gemm.get_num_sms() == expected

@@ -241,7 +241,7 @@ def _strict_cases(rank, world):
     # Low-latency layout: the data arrives only with the hook, packed per expert by source rank.
     recv_x, recv_count, handle, event, hook = ll(x, ids, T, E, use_fp8=False, return_recv_hook=True)
     assert event.event is None and tuple(recv_x.shape) == (El, world * T, H) and recv_x.dtype == torch.bfloat16
-    report["stale-before-hook"] = bool((recv_x.float() == fake_deep_ep._STALE).all())
+    report["stale-before-hook"] = _raises(lambda: recv_x.float(), RuntimeError, "before its receive hook ran")
     hook()
     report["hook-once"] = _raises(hook, RuntimeError, "once")
     src_info, layout_range, *_ = handle
@@ -486,7 +486,7 @@ def test_full_graphs_refuse_high_throughput():
 
     with pytest.raises(ValueError, match="graph-mode full cannot capture the deepep_high_throughput"):
         EngineConfig(overlap=OverlapConfig(graph_mode="full"), parallel=ParallelConfig(2, all2all_backend=HT))
-    EngineConfig(overlap=OverlapConfig(graph_mode="full"), parallel=ParallelConfig(2, all2all_backend=LL))
+    EngineConfig(overlap=OverlapConfig(graph_mode="full"), parallel=ParallelConfig(2, all2all_backend=LL), max_num_batched_tokens=128)
 
     class Layer(torch.nn.Module):
         def __init__(self, prepare_finalize, experts):
@@ -521,3 +521,182 @@ def test_byte_counts_only_for_a_modelled_fabric_outside_captures(monkeypatch):
     assert adapter._modelled_bytes(host_read) is None
     monkeypatch.setattr(prepare_deepep, "graph_capture_active", lambda: False)
     assert adapter._modelled_bytes(lambda: 42) == 42
+
+
+# ------------------------------------------------------------------ stream order (review N1, N4)
+
+
+def _stream_order_cases(rank, world):
+    from tandem.platform import get_platform
+
+    report = {}
+    fake_deep_ep.install()
+    p = _problem(rank, "random")  # a float32 model: bf16 on DeepEP's side only
+    # N1: combine-shared issues the low-latency combine on the comm stream; DeepEP's hook
+    # launches the receive there, so the compute stream may only read it after a join that
+    # follows the hook (the fake raises on a read that is not ordered after the receive).
+    for ubatches in (1, 2):
+        kernel = _build(LL, shared_experts=p.shared_experts, enable_sbo=True, sbo_mode="combine-shared")
+        try:
+            out = run_kernel(kernel, p, rank, world, num_ubatches=ubatches)
+            report[f"combine-shared/ubatches={ubatches}"] = bool(
+                torch.allclose(out.float(), p.reference(with_shared=True).float(), **BF16_TOL)
+            )
+        except RuntimeError as exc:
+            report[f"combine-shared/ubatches={ubatches}"] = f"{exc}"
+        report[f"combine-shared/ubatches={ubatches}/nothing-unjoined"] = get_platform("cpu").pending_streams() == []
+    # N4: a 32-bit topk_idx_t build (or fp32 weights from bf16) makes the adapter convert
+    # copies; the combine's receive reads them when its hook runs, so they must outlive
+    # finalize_async (the fake raises when they were freed first).
+    fake_deep_ep.install(topk_idx_dtype=torch.int32)
+    release_shared_buffers()
+    for ubatches in (1, 2):
+        try:
+            out = run_kernel(_build(LL), p, rank, world, num_ubatches=ubatches)
+            report[f"copies-kept-alive/ubatches={ubatches}"] = _oracle(out, p)
+        except RuntimeError as exc:
+            report[f"copies-kept-alive/ubatches={ubatches}"] = f"{exc}"
+    return report
+
+
+def test_low_latency_receives_follow_stream_order_and_lifetimes():
+    """Review N1 and N4 on the stream-ordered fake: the hook before the join in SBO
+    combine-shared, and the converted top-k copies alive until the combine's receive ran."""
+    per_rank = run_distributed(_stream_order_cases, 2, timeout_s=200)
+    for report in per_rank:
+        assert {k: v for k, v in report.items() if v is not True} == {}
+
+
+def test_full_graphs_refuse_host_syncing_backends():
+    """Review N7: the defaults (local or torch_a2a with the standard torch experts) sync on the
+    host, so `--graph-mode full` refuses them at configuration and at wrapper construction,
+    naming the backend, instead of failing at the first capture."""
+    from tandem.config import EngineConfig, OverlapConfig, ParallelConfig
+    from tandem.modular_kernels import TorchExperts
+    from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
+    from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
+    from tandem.runner.ubatch_wrapper import UBatchWrapper
+
+    full = OverlapConfig(graph_mode="full")
+    with pytest.raises(ValueError, match="cannot capture the torch moe backend in the standard layout.*nonzero"):
+        EngineConfig(overlap=full)  # local + torch: the defaults on one rank
+    with pytest.raises(ValueError, match="torch_a2a all2all backend.*tolist"):
+        EngineConfig(overlap=full, parallel=ParallelConfig(2, moe_backend="triton"))  # torch_a2a: the dp>1 default
+    EngineConfig(overlap=full, parallel=ParallelConfig(moe_backend="triton"))
+    EngineConfig(overlap=full, parallel=ParallelConfig(2, all2all_backend="torch_a2a_ll"))  # masked torch experts
+
+    class Layer(torch.nn.Module):
+        def __init__(self, prepare_finalize, experts):
+            super().__init__()
+            self.kernel = FusedMoEModularKernel(prepare_finalize, experts)
+
+    with pytest.raises(ValueError, match="torch moe backend"):
+        UBatchWrapper(torch.nn.Sequential(Layer(LocalPrepareAndFinalize(NUM_EXPERTS), TorchExperts())), graph_mode="full")
+    a2a = TorchAllToAllPrepareAndFinalize.__new__(TorchAllToAllPrepareAndFinalize)
+    with pytest.raises(ValueError, match="torch_a2a all2all backend"):
+        UBatchWrapper(torch.nn.Sequential(Layer(a2a, TorchExperts())), graph_mode="full")
+
+
+def _hidden_and_build_cases(rank, world):
+    fake_deep_ep.install()
+    release_shared_buffers()
+    report = {}
+    # N2: a hidden size DeepEP LL has no kernels for is refused when the model is built.
+    report["hidden-3584"] = _raises(
+        lambda: build_moe_kernel(LL, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=3584),
+        ValueError, "hidden size 3584 is not one DeepEP's low-latency kernels are built for (2048, 2560",
+    )
+    # N5: the Buffer exists once the kernel is built, before any (ubatched) forward.
+    kernel = _build(LL)
+    report["buffer-at-build"] = kernel.prepare_finalize.buffer is not None
+    return report
+
+
+def test_low_latency_hidden_size_and_buffer_are_settled_at_model_build():
+    per_rank = run_distributed(_hidden_and_build_cases, 2, timeout_s=120)
+    for report in per_rank:
+        assert {k: v for k, v in report.items() if v is not True} == {}
+
+
+def test_low_latency_step_budget_is_checked_at_configuration():
+    """Review N3: a step above the per-rank budget would fail at dispatch; refused up front."""
+    from tandem.config import EngineConfig, ParallelConfig
+
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 2048 exceeds --deepep-ll-max-tokens-per-rank 128"):
+        EngineConfig(parallel=ParallelConfig(2, all2all_backend=LL))
+    EngineConfig(parallel=ParallelConfig(2, all2all_backend=LL), max_num_batched_tokens=128)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_step_with_low_latency_buffers_stops_the_engine(overlap, monkeypatch):
+    """Review N8: after a step fails part-way, DeepEP's low-latency double-buffer parity is out
+    of step with the peers and the captured graphs, so the engine must not serve on: the
+    failed step's requests, every request it still holds and every later one get an error
+    naming the backend. (tiny-moe runs the local backend here, its kernel marked as DeepEP
+    LL's is: DeepEP LL cannot run tiny-moe's hidden size.)"""
+    from tandem.config import OverlapConfig
+    from tandem.models.tiny_moe import build_tiny_moe
+    from tandem.runner.engine import Engine
+    from tandem.runner.model_runner import ModelRunner
+    from tandem.runner.sampling import SamplingParams
+
+    info = build_tiny_moe()
+    kernels = [m for layer in info.model.modules() for m in vars(layer).values() if isinstance(m, FusedMoEModularKernel)]
+    assert kernels
+    monkeypatch.setattr(kernels[0].prepare_finalize, "survives_failed_step", False, raising=False)
+    runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=64, block_size=4)
+    engine = Engine(runner, max_num_seqs=4, max_num_batched_tokens=32, overlap_schedule=overlap)
+    real_execute, calls = runner.execute, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a ubatch failed mid-layer")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", fails_once)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i in range(2):
+        assert engine.add_request(f"r{i}", [1, 2, 3, 4 + i], params) is None
+    finished = {}
+    for _ in range(50):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if not engine.has_work:
+            break
+    assert set(finished) == {"r0", "r1"} and all(o.finish_reason == "error" for o in finished.values())
+    late = engine.add_request("late", [5, 6], params)
+    assert late is not None and late.finish_reason == "error"
+    assert "engine stopped" in late.error and "local" in late.error and "restart" in late.error
+    engine.close()
+
+
+def test_the_stall_watchdog_cannot_fire_during_the_cold_start(monkeypatch):
+    """Review N5: the first ubatched run of each ubatch count compiles and initialises
+    libraries between two yields; its watchdog limit is the cold-start one, later runs get
+    the normal limit."""
+    from tandem.contexts import ForwardContext, set_forward_context
+    from tandem.runner import ubatch_wrapper
+    from tandem.ubatch import split_by_tokens
+
+    seen = []
+    real = ubatch_wrapper.make_ubatch_contexts
+
+    def recording(*args, **kwargs):
+        seen.append((args[0], kwargs["timeout"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ubatch_wrapper, "make_ubatch_contexts", recording)
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    wrapper = ubatch_wrapper.UBatchWrapper(Double(), num_ubatches=3, executor="greenlet", timeout=5.0)
+    x = torch.arange(6.0)
+    for n in (2, 2, 3, 3):
+        with set_forward_context(ForwardContext(ubatch_slices=split_by_tokens([1] * 6, n))):
+            assert torch.equal(wrapper(x), x * 2)
+    cold = ubatch_wrapper.COLD_START_TIMEOUT_S
+    assert seen == [(2, cold), (2, 5.0), (3, cold), (3, 5.0)] and cold >= 600

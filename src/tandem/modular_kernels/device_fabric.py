@@ -65,6 +65,10 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
         self.fabric = fabric
         self.activation_format = inner.activation_format
         self.name = f"{inner.name}+device-fabric"
+        # What the wrapped backend says of itself holds for the wrapper too.
+        self.graph_capturable = inner.graph_capturable
+        self.yields_in_send = inner.yields_in_send
+        self.survives_failed_step = getattr(inner, "survives_failed_step", True)
         self._platform = platform
         self._own_comm_stream = None
 

@@ -9,11 +9,11 @@ changes (another tensor, an in-place update, or new storage).
 - `DeepGemmExperts` (STANDARD): the (token, k) pairs routed to this rank are permuted into
   DeepGEMM's contiguous layout (expert e's rows in one segment padded to the M alignment,
   `m_indices` -1 on padding rows), run through `m_grouped_fp8_gemm_nt_contiguous`
-  (1.x: `m_grouped_gemm_fp8_fp8_bf16_nt_contiguous`), SiLU-and-mul, requantized, run through
+  (DeepGEMM 2.x names only), SiLU-and-mul, requantized, run through
   the second GEMM, then weighted and summed back per token. The row budget is a static
   upper bound (pairs + E * (alignment - 1)), so the permutation needs no host sync.
 - `DeepGemmBatchedExperts` (MASKED): `[E, M, H]` goes straight to
-  `m_grouped_fp8_gemm_nt_masked` (1.x: `m_grouped_gemm_fp8_fp8_bf16_nt_masked`) with
+  `m_grouped_fp8_gemm_nt_masked` with
   `masked_m = expert_num_tokens`; static shapes, no host sync, rows past the count zero.
 
 `deep_gemm` is imported when an adapter is built, never at module import. It is not on
@@ -63,7 +63,7 @@ def _function(dg: types.ModuleType, *names: str):
         fn = getattr(dg, name, None)
         if fn is not None:
             return fn
-    raise ImportError(f"the installed deep_gemm provides none of {', '.join(names)}; tandem needs DeepGEMM >= 1.0")
+    raise ImportError(f"the installed deep_gemm provides none of {', '.join(names)}; tandem needs DeepGEMM 2.x (2.6.1)")
 
 
 def quantize_fp8_per_block(
@@ -190,10 +190,7 @@ class _DeepGemmBase(Experts):
         self._dg = import_deep_gemm()
         self._weights = _FP8WeightCache()
         self.power_of_two_scales = power_of_two_scales
-        # 2.x name first; 1.x called it get_col_major_tma_aligned_tensor.
-        self._tma_align = getattr(self._dg, "get_mn_major_tma_aligned_tensor", None) or getattr(
-            self._dg, "get_col_major_tma_aligned_tensor", None
-        )
+        self._tma_align = _function(self._dg, "get_mn_major_tma_aligned_tensor")
 
     def _scale_format(self, device: torch.device) -> bool:
         if self.power_of_two_scales is None:
@@ -203,7 +200,7 @@ class _DeepGemmBase(Experts):
     def _lhs_scales(self, scales: torch.Tensor) -> torch.Tensor:
         """LHS scales in the MN-major TMA-aligned layout the kernels read, so the library
         does not transpose them on every call (a no-op for scales already laid out so)."""
-        return scales if self._tma_align is None else self._tma_align(scales)
+        return self._tma_align(scales)
 
     def _quantized_weights(self, w1: torch.Tensor, w2: torch.Tensor, power_of_two_scales: bool):
         return self._weights.get(w1, power_of_two_scales), self._weights.get(w2, power_of_two_scales)
@@ -217,11 +214,8 @@ class DeepGemmExperts(_DeepGemmBase):
     def __init__(self, power_of_two_scales: bool | None = None) -> None:
         super().__init__(power_of_two_scales)
         dg = self._dg
-        self._gemm = _function(dg, "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous")
-        get_alignment = getattr(dg, "get_m_alignment_for_contiguous_layout", None) or getattr(
-            dg, "get_mk_alignment_for_contiguous_layout", None
-        )
-        self.alignment = int(get_alignment()) if get_alignment is not None else BLOCK
+        self._gemm = _function(dg, "m_grouped_fp8_gemm_nt_contiguous")
+        self.alignment = int(_function(dg, "get_mk_alignment_for_contiguous_layout")())
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         num_experts, hidden, inter = _check_hidden_sizes(w1, w2)
@@ -282,7 +276,7 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
 
     def __init__(self, power_of_two_scales: bool | None = None) -> None:
         super().__init__(power_of_two_scales)
-        self._gemm = _function(self._dg, "m_grouped_fp8_gemm_nt_masked", "m_grouped_gemm_fp8_fp8_bf16_nt_masked")
+        self._gemm = _function(self._dg, "m_grouped_fp8_gemm_nt_masked")
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         num_experts, hidden, inter = _check_hidden_sizes(w1, w2)

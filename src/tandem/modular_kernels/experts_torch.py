@@ -26,6 +26,8 @@ class TorchExperts(Experts):
     activation_format = ActivationFormat.STANDARD
     name = "torch"
     blocks_down_projection = True
+    #: each expert's rows are found with `nonzero` (a host sync).
+    graph_capturable = False
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return next(self._blocks(tokens, w1, w2, None))[1]

@@ -53,6 +53,7 @@ def _make_prepare_finalize(
     fabric: FabricModel | None,
     deepep_ll_max_tokens_per_rank: int,
     comm_sms: int | None,
+    hidden_size: int,
 ) -> PrepareAndFinalize:
     if name not in ALL2ALL_BACKENDS:
         raise ValueError(f"unknown all2all backend {name!r}: expected one of {sorted(ALL2ALL_BACKENDS)}")
@@ -73,6 +74,10 @@ def _make_prepare_finalize(
         kwargs["max_tokens_per_rank"] = deepep_ll_max_tokens_per_rank
     elif name == "deepep_high_throughput":
         kwargs["comm_sms"] = comm_sms
+    if name.startswith("deepep_"):
+        # The Buffer (a collective plus NVSHMEM init) is made now, at model build, not inside
+        # the first (maybe ubatched) forward; the hidden size is checked here too.
+        kwargs["hidden_size"] = hidden_size
     return cls(num_experts, **kwargs)
 
 
@@ -126,6 +131,7 @@ def build_moe_kernel(
         fabric=fabric,
         deepep_ll_max_tokens_per_rank=deepep_ll_max_tokens_per_rank,
         comm_sms=comm_sms,
+        hidden_size=hidden_size,
     )
     experts = _make_experts(moe_backend, prepare_finalize.activation_format)
     return FusedMoEModularKernel(

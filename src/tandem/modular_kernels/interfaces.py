@@ -166,6 +166,9 @@ class Experts(ABC):
     #: True when `apply_blocks` runs the up projection once and only the down projection
     #: per block (what SBO `auto` wants before it picks combine-down-gemm).
     blocks_down_projection: bool = False
+    #: False when `apply` reads device values on the host (or has data-dependent shapes),
+    #: which a CUDA graph capture refuses: such experts cannot run under `graph_mode="full"`.
+    graph_capturable: bool = True
 
     @abstractmethod
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -211,9 +211,11 @@ class FusedMoEModularKernel:
     def combine_recv(self, state: MoEStepState) -> None:
         """Run the receive hook unless it was handed to another ubatch, wait, keep the
         routed output `[T, H]`."""
+        # The hook first: its receive goes on the stream the send was issued on (the comm
+        # stream in the combine modes), so the join must come after it.
+        _run_hook(state, "combine_hook")
         if state.sbo_mode in (COMBINE_SHARED, COMBINE_DOWN_GEMM):
             self._comm_stream.join(state.hidden_states.device)
-        _run_hook(state, "combine_hook")
         state.routed_output = _take(state, "combine_receiver", "combine_send")()
         state.expert_blocks = None
 

@@ -51,6 +51,9 @@ from tandem.platform import graph_capture_active
 
 #: The only activation dtype DeepEP's kernels take (besides fp8 with scales).
 DEEPEP_DTYPE = torch.bfloat16
+#: Hidden sizes DeepEP's low-latency kernels are instantiated for (`launch.cuh`'s
+#: SWITCH_HIDDEN); any other hidden size fails a host assert at the first dispatch.
+DEEPEP_LL_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 #: `--deepep-ll-max-tokens-per-rank` default (vLLM sizes its buffer by a 128-256 chunk).
 DEFAULT_LL_MAX_TOKENS_PER_RANK = 128
 #: NVSHMEM's queue-pair depth when `NVSHMEM_QP_DEPTH` is not set (DeepEP's default).
@@ -93,6 +96,29 @@ def check_low_latency_budget(max_tokens_per_rank: int, num_ranks: int) -> None:
         raise ValueError(
             f"--deepep-ll-max-tokens-per-rank={T} on {num_ranks} ranks: DeepEP's low-latency kernels need "
             f"num_ranks * T = {num_ranks * T} to be a multiple of 4 (TMA moves tokens in fours); use T={fits}"
+        )
+
+
+def check_low_latency_hidden_size(hidden_size: int) -> None:
+    """Raise a ValueError unless DeepEP's low-latency kernels exist for `hidden_size`."""
+    if hidden_size not in DEEPEP_LL_HIDDEN_SIZES:
+        raise ValueError(
+            f"--all2all-backend deepep_low_latency cannot run this model: its hidden size {hidden_size} is not one "
+            f"DeepEP's low-latency kernels are built for ({', '.join(map(str, DEEPEP_LL_HIDDEN_SIZES))}); use "
+            "--all2all-backend torch_a2a_ll (the same semantics on torch.distributed) or deepep_high_throughput"
+        )
+
+
+def check_low_latency_step_budget(max_num_batched_tokens: int, max_tokens_per_rank: int) -> None:
+    """Raise a ValueError unless every step fits DeepEP's low-latency budget: a step's MoE
+    input is dispatched whole (tandem does not chunk it), and a ubatched step's ubatches are
+    smaller than the step, so the step budget must not exceed the per-rank budget."""
+    if max_num_batched_tokens > max_tokens_per_rank:
+        raise ValueError(
+            f"--max-num-batched-tokens {max_num_batched_tokens} exceeds --deepep-ll-max-tokens-per-rank "
+            f"{max_tokens_per_rank}: deepep_low_latency dispatches at most that many tokens per rank and a step's MoE "
+            f"input is not chunked; set --max-num-batched-tokens <= {max_tokens_per_rank}, or raise "
+            "--deepep-ll-max-tokens-per-rank (at most NVSHMEM_QP_DEPTH / 2 - 1, 511 by default)"
         )
 
 
@@ -207,6 +233,11 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     activation_format = ActivationFormat.MASKED
     name = "deepep_low_latency"
+    #: DeepEP flips its double-buffer index on the host at every low-latency call and each
+    #: kernel cleans the other half for the next one: a step that stops between a dispatch
+    #: and its combine leaves this rank's parity out of step with its peers and with the
+    #: pointers baked into captured graphs. The engine stops instead of serving on.
+    survives_failed_step = False
 
     def __init__(
         self,
@@ -220,8 +251,10 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         super().__init__(num_experts, group, buffer, fabric)
         check_low_latency_budget(max_tokens_per_rank, self.world_size)
         self.max_tokens_per_rank = max_tokens_per_rank
-        if self.buffer is None and hidden_size is not None:
-            self.ensure_buffer(hidden_size)
+        if hidden_size is not None:
+            check_low_latency_hidden_size(hidden_size)
+            if self.buffer is None:
+                self.ensure_buffer(hidden_size)
 
     def _check_buffer(self, buffer) -> None:
         super()._check_buffer(buffer)
@@ -229,6 +262,7 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             raise ValueError(f"{self.name} needs a deep_ep.Buffer built with low_latency_mode=True")
 
     def _shared(self, hidden_size: int):
+        check_low_latency_hidden_size(hidden_size)
         Buffer = self._deep_ep.Buffer
         num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(
             self.max_tokens_per_rank, hidden_size, self.world_size, self.num_experts
@@ -276,16 +310,25 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
         ids = self._topk_ids(topk_ids)
+        weights = topk_weights.to(torch.float32).contiguous()
         combined, _, hook = self.buffer.low_latency_combine(
             expert_output.to(DEEPEP_DTYPE).contiguous(),
             ids,
-            topk_weights.to(torch.float32).contiguous(),
+            weights,
             tokens.handle,
             async_finish=False,
             return_recv_hook=True,
         )
         nbytes = self._modelled_bytes(lambda: int((ids >= 0).sum()) * _row_bytes(expert_output.shape[-1], False))
-        return self._with_fabric(hook, nbytes), lambda: combined.to(tokens.dtype)
+
+        def receiver() -> torch.Tensor:
+            # DeepEP's receive reads `ids` and `weights` (maybe copies made above) through raw
+            # pointers when the hook has run, possibly a ubatch later: they live until here.
+            _ = keep_alive
+            return combined.to(tokens.dtype)
+
+        keep_alive = (ids, weights)
+        return self._with_fabric(hook, nbytes), receiver
 
 
 class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):

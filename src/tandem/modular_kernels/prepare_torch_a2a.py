@@ -37,6 +37,8 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
     activation_format = ActivationFormat.STANDARD
     name = "torch_a2a"
+    #: the counts exchange is read on the host (`.tolist()`) and rows are picked with `nonzero`.
+    graph_capturable = False
 
     def __init__(self, num_experts: int, group=None, fabric: FabricModel | None = None):
         super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))

@@ -95,14 +95,17 @@ class CommStream:
             platform.set_stream(compute)
 
     def joined(self, hook, device: torch.device):
-        """`hook` (a receive hook, run by whichever ubatch receives) made to run after what
-        the comm stream issued; None stays None."""
+        """`hook` (a receive hook, run by whichever ubatch receives) followed by the join of
+        the comm stream; None stays None. The hook goes first: DeepEP launches the receive
+        on the stream current at *send* time (here the comm stream), so only a join after
+        the hook orders that receive before the compute stream reads its output (and joins
+        it into a graph capture)."""
         if hook is None:
             return None
 
         def run() -> None:
-            self.join(device)
             hook()
+            self.join(device)
 
         return run
 

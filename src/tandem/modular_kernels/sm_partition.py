@@ -5,20 +5,18 @@ settings come back afterwards. On CPU there are no SMs and the setting does noth
 from __future__ import annotations
 
 import contextlib
-import importlib
 import sys
 from typing import Iterator
 
 import torch
 
 
-def _loaded_or_importable(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    try:
-        return importlib.import_module(name)
-    except Exception:  # noqa: BLE001 - a library that fails to import (any way) is not there
-        return None
+def _loaded(name: str):
+    """The library if it is already imported: a backend in use imports its library when it
+    is built, so one that is not loaded is not in use. Never imported from here (importing
+    DeepEP or DeepGEMM initialises NCCL checks and JIT state, and a failing import would be
+    retried at every step)."""
+    return sys.modules.get(name)
 
 
 def device_sm_count() -> int | None:
@@ -53,8 +51,8 @@ def comm_sm_partition(comm_sms: int | None, *, total_sms: int | None = None) -> 
         raise ValueError(f"--comm-sms must lie in [2, {total - 2}] on a device with {total} SMs, got {comm_sms}")
     if comm_sms % 2:
         raise ValueError(f"--comm-sms must be even (DeepEP splits SMs in pairs), got {comm_sms}")
-    deep_ep = _loaded_or_importable("deep_ep")
-    deep_gemm = _loaded_or_importable("deep_gemm")
+    deep_ep = _loaded("deep_ep")
+    deep_gemm = _loaded("deep_gemm")
     restore = []
     try:
         if deep_ep is not None:

@@ -57,6 +57,9 @@ class CudaPlatform(Platform):
 
         if not hasattr(self, "_pool"):
             # One pool for every graph: they never replay at the same time, so they can
-            # share memory (as vLLM's graphs of different sizes do).
+            # share memory (as vLLM's graphs of different sizes do). And one capture stream:
+            # the caching allocator keeps blocks per stream, so graphs sharing a pool must be
+            # captured on the same stream to reuse each other's memory (torch.cuda.graph's docs).
             self._pool = torch.cuda.graph_pool_handle()
-        return CudaGraph(pool=self._pool)
+            self._capture_stream = torch.cuda.Stream()
+        return CudaGraph(pool=self._pool, stream=self._capture_stream)

@@ -46,8 +46,10 @@ class _CudaCaptureState(_CaptureState):
 class CudaGraph(Graph):
     capture_computes_outputs = False
 
-    def __init__(self, pool: Any = None, warmup_runs: int = 1) -> None:
+    def __init__(self, pool: Any = None, warmup_runs: int = 1, stream: Any = None) -> None:
         self._pool = pool
+        #: the stream warm-up and capture run on (shared by the graphs of a pool); own if None
+        self._stream = stream
         self._warmup_runs = warmup_runs
         self._graph: torch.cuda.CUDAGraph | None = None
         self._outputs: Any = None
@@ -68,24 +70,31 @@ class CudaGraph(Graph):
             raise RuntimeError("this CudaGraph is already captured; call reset() to capture again")
         if graph_capture_active():
             raise RuntimeError("graph captures cannot be nested")
-        side = torch.cuda.Stream()
+        side = self._stream if self._stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self._warmup_runs):
                 fn(*args, **kwargs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        previous = torch.cuda.current_stream()
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 with _capturing(_CudaCaptureState()), torch.cuda.graph(graph, pool=self._pool, stream=side):
                     out = fn(*args, **kwargs)
         except RuntimeError as exc:
+            # torch.cuda.graph's __exit__ skips restoring the stream when capture_end raises:
+            # put this thread back on its own stream, or later eager work runs on `side`.
+            torch.cuda.set_stream(previous)
             if "capture" in str(exc).lower():
                 raise GraphCaptureError(
                     f"CUDA graph capture failed: {exc}. A captured forward must not sync with the host "
                     "(.item(), .tolist(), data-dependent shapes, blocking collectives)."
                 ) from exc
+            raise
+        except BaseException:
+            torch.cuda.set_stream(previous)
             raise
         for warning in caught:
             if "graph is empty" not in str(warning.message).lower():

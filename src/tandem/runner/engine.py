@@ -101,11 +101,16 @@ class Engine:
         #: Steps whose forward raised (their requests were failed; the engine went on).
         self.failed_steps = 0
         self.last_failure: str | None = None
+        #: Set when a failed step left state that later steps cannot trust (DeepEP's
+        #: low-latency buffers): every request is refused with this message from then on.
+        self.stopped: str | None = None
 
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
         """Queue a request; a request that can never run comes back at once as an error output."""
+        if self.stopped is not None:
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=self.stopped)
         try:
             self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
         except Exception as exc:  # noqa: BLE001 - a bad request must never take the rank down
@@ -128,6 +133,15 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration of the loop; returns the output deltas it produced."""
+        if self.stopped is not None:
+            if self._pending is not None:  # a step already in flight: its results are not trusted either
+                _, future = self._pending
+                self._pending = None
+                try:
+                    self._result(future)
+                except Exception:  # noqa: BLE001 - its requests are failed below regardless
+                    pass
+            return self._refuse_all()
         return self._step_overlap() if self.overlap_schedule else self._step_normal()
 
     def _step_normal(self) -> list[RequestOutput]:
@@ -195,6 +209,15 @@ class Engine:
         self.failed_steps += 1
         message = f"model step failed: {type(error).__name__}: {error}"
         self.last_failure = message
+        from tandem.modular_kernels.capturable import state_lost_by_a_failed_step
+
+        lost = state_lost_by_a_failed_step(getattr(self.runner, "model", None) or [])
+        if lost and self.stopped is None:
+            self.stopped = (
+                f"engine stopped: a model step failed ({type(error).__name__}: {error}) and the {', '.join(lost)} "
+                "all2all backend cannot run on after a failed step (its buffers are out of step with the peer "
+                "ranks and the captured graphs); restart the server"
+            )
         outputs = []
         for entry in step.scheduled:
             request = entry.request
@@ -213,6 +236,22 @@ class Engine:
                     num_prompt_tokens=len(request.prompt_ids),
                     num_output_tokens=len(request.output_ids),
                     error=message,
+                )
+            )
+        return outputs
+
+    def _refuse_all(self) -> list[RequestOutput]:
+        """A stopped engine fails every request it still holds, once."""
+        outputs = []
+        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+            if request.finished:
+                continue
+            self.scheduler._finish(request, "error")
+            outputs.append(
+                RequestOutput(
+                    request.request_id, [], "", finished=True, finish_reason="error",
+                    num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),
+                    error=self.stopped,
                 )
             )
         return outputs

@@ -87,6 +87,11 @@ class _StepGraph:
     outputs: Any
 
 
+#: The stall watchdog's limit in the first ubatched run of each ubatch count (the cold start:
+#: JIT compiles and lazy init happen between two yields there).
+COLD_START_TIMEOUT_S = 1800.0
+
+
 class UBatchWrapper:
     def __init__(
         self,
@@ -119,6 +124,10 @@ class UBatchWrapper:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.platform = platform or get_platform(_parameter_device(model))
         self.timeout = timeout
+        #: Ubatch counts that have run once. The first run of each is the cold start: lazy
+        #: library init and JIT compilation (Triton, DeepGEMM) inside one ubatch segment,
+        #: which may take minutes, so the stall watchdog gets `COLD_START_TIMEOUT_S` there.
+        self._warm_ubatch_counts: set[int] = set()
         #: One comm stream for every run of this wrapper (as vLLM keeps one), made on first use:
         #: streams are not free to create, and a graph's captured work refers to it.
         self._comm_stream: Any = None
@@ -173,12 +182,19 @@ class UBatchWrapper:
         fns = [lambda i=i, ub=ub: ubatch(i, ub) for i, ub in enumerate(slices)]
         if self._comm_stream is None:
             self._comm_stream = self.platform.new_stream()
+        cold = len(fns) not in self._warm_ubatch_counts
         contexts = make_ubatch_contexts(
-            len(fns), executor=self.executor.kind, comm_stream=self._comm_stream, platform=self.platform, timeout=self.timeout
+            len(fns),
+            executor=self.executor.kind,
+            comm_stream=self._comm_stream,
+            platform=self.platform,
+            timeout=max(self.timeout, COLD_START_TIMEOUT_S) if cold else self.timeout,
         )
         self.ubatched_runs += 1
         with comm_sm_partition(self.comm_sms):
-            return merge_outputs(self.executor.run(fns, contexts))
+            outputs = merge_outputs(self.executor.run(fns, contexts))
+        self._warm_ubatch_counts.add(len(fns))
+        return outputs
 
     def _prepare_streams_for_capture(self) -> None:
         """In a ubatch worker, before a capture: set up its library state (cuBLAS handle and

@@ -33,6 +33,12 @@ low-latency):
   -1 skipped), accumulated in float32.
 - With `return_recv_hook=True` the transfer is only issued: the received tensors hold stale
   data until `hook()` runs (once). `async_finish` and `return_recv_hook` are exclusive.
+- Stream order of hooks: `hook()` launches the receive on the stream that was current at
+  *send* time (as DeepEP's hook does), deferred on the CPU platform's stream order: it
+  completes when an event recorded behind it on that stream is waited, or when the buffer
+  is read on that stream. Reading a received tensor before that (before the hook ran, or on
+  another stream with no event between) raises; so does a receive whose `topk_idx` /
+  `topk_weights` were freed before it ran (DeepEP holds raw pointers to them).
 - Low-latency limits: `(T + 1) * 2 <= nvshmem_qp_depth` (a Python assert in DeepEP),
   `num_ranks * T % 4 == 0` (TMA), top-k at most 11, the instantiated hidden sizes.
 - `topk_idx_t` (int64 unless `install(topk_idx_dtype=...)` emulates a 32-bit build); every
@@ -50,8 +56,8 @@ operation while the one two calls back still waits for its receive (DeepEP keeps
 low-latency buffers and alternates between them).
 
 Not emulated: internode (> 8 ranks) high-throughput kernels, `num_worst_tokens`, mpi4py
-`comm`, LogFMT's precision loss (`use_logfmt` is accepted, lossless), CUDA streams (events
-block the CPU instead of a stream), and the arrival-order nondeterminism of the real
+`comm`, LogFMT's precision loss (`use_logfmt` is accepted, lossless), CUDA streams for the
+event (non-hook) paths (events block the CPU instead of a stream), and the arrival-order nondeterminism of the real
 low-latency packing (here rows are always in source-rank, then token order).
 
 `install(allow_float32=True)` relaxes the bf16-only checks for tests of the emulation's own
@@ -142,6 +148,10 @@ class _Transfer:
         self._on_complete = on_complete
         self._lock = threading.Lock()
         self.done = False
+        #: the receive hook ran (its receive is launched, maybe not complete yet)
+        self.issued = False
+        #: `(stream, work id)` of the launched receive on the CPU platform
+        self.launched = None
 
     def complete(self) -> None:
         with self._lock:
@@ -203,16 +213,95 @@ class EventOverlap:
         self._release_handle_by_call = False
 
 
-def _recv_hook(transfer: _Transfer) -> Callable[[], None]:
+def _launch_stream():
+    """The stream a hook's receive goes on: the one current at send time (DeepEP captures
+    `compute_stream` by value into the hook), with the platform that orders it; None where
+    the platform cannot defer work (the receive then completes at once)."""
+    from tandem.platform import get_platform
+
+    platform = get_platform("cpu")
+    if not hasattr(platform, "enqueue"):
+        return None
+    return platform, platform.current_stream()
+
+
+def _recv_hook(transfer: _Transfer, launch) -> Callable[[], None]:
     called = []
 
     def hook() -> None:
         if called:
             raise RuntimeError("deep_ep (emulated): a receive hook may only be called once")
         called.append(True)
-        transfer.complete()
+        transfer.issued = True
+        if launch is None:
+            transfer.complete()
+            return
+        platform, stream = launch
+        transfer.launched = platform.enqueue(transfer.complete, stream)
 
     return hook
+
+
+class _ReceiveBuffer(torch.Tensor):
+    """A receive buffer handed out before its receive ran: any read (a torch op on it, not
+    its metadata) is checked against the stream order. On the stream the receive was
+    launched on, the read waits for it (stream order); anywhere else, or before the hook
+    ran, it is an error: on a GPU it would read stale memory."""
+
+    _METADATA = frozenset(
+        {"__get__", "size", "dim", "stride", "numel", "is_contiguous", "element_size", "data_ptr", "storage_offset",
+         "__len__", "__hash__"}
+    )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in cls._METADATA:
+            for arg in _tensor_args(args, kwargs):
+                transfer = getattr(arg, "_deep_ep_transfer", None)
+                if transfer is not None:
+                    _check_received(transfer)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _tensor_args(args, kwargs):
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from _tensor_args(value, {})
+        elif isinstance(value, torch.Tensor):
+            yield value
+
+
+def _check_received(transfer: "_Transfer") -> None:
+    if transfer.done:
+        return
+    launched = getattr(transfer, "launched", None)
+    if launched is None:
+        raise RuntimeError(
+            "deep_ep (emulated): a low-latency receive buffer was read before its receive hook ran (the real "
+            "kernel has not written it: stale memory)"
+        )
+    from tandem.platform import get_platform
+
+    platform = get_platform("cpu")
+    stream, work_id = launched
+    current = platform.current_stream()
+    if current is not stream:
+        raise RuntimeError(
+            f"deep_ep (emulated): a low-latency receive buffer was read on {current} while its receive, launched "
+            f"by the hook on {stream} (the stream current at send time), had not completed and nothing ordered "
+            f"{current} after it: run the hook, then record an event on {stream} and wait on it before reading"
+        )
+    platform.complete_through(stream, work_id)
+
+
+def _guarded(tensor: Optional[torch.Tensor], transfer: "_Transfer") -> Optional[torch.Tensor]:
+    if tensor is None:
+        return None
+    out = tensor.as_subclass(_ReceiveBuffer)
+    out._deep_ep_transfer = transfer
+    return out
 
 
 # ---------------------------------------------------------------------------- config
@@ -814,7 +903,7 @@ class Buffer:
         with self._lock:
             idx = self._ll_buffer_idx
             previous = self._ll_in_flight[idx]
-            if previous is not None and not previous.done:
+            if previous is not None and not (previous.done or previous.issued):
                 raise RuntimeError(
                     f"deep_ep (emulated): low-latency buffer {idx} is reused while the operation issued two "
                     "calls ago still waits for its receive hook; DeepEP keeps two buffers, so at most two "
@@ -963,7 +1052,9 @@ class Buffer:
         handle = (src_info, layout_range, T, H, num_experts)
         recv = (packed_x, packed_scales) if use_fp8 else packed_x
         if return_recv_hook:
-            return recv, packed_count, handle, EventOverlap(None), _recv_hook(transfer)
+            hook = _recv_hook(transfer, _launch_stream())
+            recv = (_guarded(packed_x, transfer), _guarded(packed_scales, transfer)) if use_fp8 else _guarded(packed_x, transfer)
+            return recv, _guarded(packed_count, transfer), handle, EventOverlap(None), hook
         tensors = (x, topk_idx, packed_x, packed_scales, packed_count, src_info, layout_range)
         return recv, packed_count, handle, self._finish(transfer, async_finish, tensors), None
 
@@ -1047,7 +1138,18 @@ class Buffer:
         works = [_a2a(received.view(R, -1), send.view(R, -1), None, None, self.group)]
         combined_x = out if out is not None else _fill_stale(torch.empty((N, H), dtype=x.dtype), self._options)
 
+        # The receive reads topk_idx and topk_weights through raw pointers: DeepEP keeps no
+        # reference to them in hook mode, so the caller must keep them alive until it ran.
+        idx_ref, weights_ref = weakref.ref(topk_idx), weakref.ref(topk_weights)
+
         def receive() -> None:
+            topk_idx, topk_weights = idx_ref(), weights_ref()
+            if topk_idx is None or topk_weights is None:
+                raise RuntimeError(
+                    "deep_ep (emulated): the topk_idx/topk_weights given to low_latency_combine were freed before "
+                    "its receive ran (the real kernel reads them then: their memory may already be reused); keep "
+                    "them alive until the receive hook has run"
+                )
             by_expert = received.view(num_experts, T, H)  # row [global expert, my token]
             valid = topk_idx >= 0
             rows = by_expert[topk_idx.clamp(min=0).long(), torch.arange(N).unsqueeze(1)].float()
@@ -1058,7 +1160,7 @@ class Buffer:
         transfer = _Transfer(works, receive)
         self._ll_in_flight[slot] = transfer
         if return_recv_hook:
-            return combined_x, EventOverlap(None), _recv_hook(transfer)
+            return _guarded(combined_x, transfer), EventOverlap(None), _recv_hook(transfer, _launch_stream())
         tensors = (x, topk_idx, topk_weights, src_info, layout_range, combined_x)
         return combined_x, self._finish(transfer, async_finish, tensors), None
 

@@ -4,16 +4,16 @@ DeepGEMM (github.com/deepseek-ai/DeepGEMM) is CUDA-only and is built from its ow
 so the `deep_gemm` experts adapters are tested against this emulation instead. It keeps
 the library's Python surface and data layout:
 
-- the grouped GEMMs under their 1.x names (`m_grouped_gemm_fp8_fp8_bf16_nt_contiguous`,
-  `m_grouped_gemm_fp8_fp8_bf16_nt_masked`, keywords `lhs, rhs, out, m_indices | masked_m,
-  expected_m`) and their 2.x names (`m_grouped_fp8_gemm_nt_contiguous`,
-  `m_grouped_fp8_gemm_nt_masked`, keywords `a, b, d, grouped_layout | masked_m, expected_m`
-  plus the recipe options, of which only the default 1x128 / 128x128 recipe is emulated);
-- the helpers `get_m_alignment_for_contiguous_layout` (and its 2.x spelling
-  `get_mk_alignment_for_contiguous_layout`), `get_tma_aligned_size`,
-  `get_mn_major_tma_aligned_tensor` (2.x; `get_col_major_tma_aligned_tensor` is its 1.x
-  name), `set_num_sms` / `get_num_sms` (0 up to the device's SM count, 0 meaning all of
-  them; every GEMM then needs an even count), `ceil_div`, `align`;
+- DeepGEMM 2.6.1's names only (the removed 1.x names are absent, so code that uses them
+  fails here as on the real library): the grouped GEMMs `m_grouped_fp8_gemm_nt_contiguous`
+  and `m_grouped_fp8_gemm_nt_masked` (and their 2.6.1 aliases
+  `m_grouped_fp8_fp4_gemm_nt_*`), keywords `a, b, d, grouped_layout | masked_m,
+  expected_m` plus the recipe options, of which only the default 1x128 / 128x128 recipe
+  is emulated;
+- the helpers `get_mk_alignment_for_contiguous_layout`, `get_tma_aligned_size`,
+  `get_mn_major_tma_aligned_tensor`, `set_num_sms` / `get_num_sms` (0 up to the device's
+  SM count, taken from the CUDA device when there is one, 0 meaning all of them; every
+  GEMM then needs an even count), `ceil_div`, `align`;
 - the contracts the library asserts on the host, raised here as `DeepGemmContractError`
   (a `RuntimeError`, as 2.x's `DGException` reaches Python): operand dtypes (fp8 e4m3
   data, float32 scales, bf16 output, int32 layout), shapes, contiguity, scale shapes
@@ -32,8 +32,10 @@ the library's Python surface and data layout:
 The math is what the kernels compute: dequantize the fp8 operands with their block scales,
 multiply in float32 and write bf16 into `out` in place. Rows the kernels leave unspecified
 (`m_indices == -1` rows; masked rows at or past `masked_m[g]`) are written as NaN, so a
-caller that reads them fails loudly instead of passing by luck. The masked GEMM reads
-`masked_m` on the device only (no host sync), like the real kernel.
+caller that reads them fails loudly instead of passing by luck. No host read of a
+device value anywhere: the masked GEMM reads `masked_m` on the device, and the value checks
+the real library makes on the device (the contiguous layout's group ids, SM100's UE8M0
+scales) are device-side asserts (`torch._assert_async`; on CPU they raise at once).
 
 `install()` puts this module in `sys.modules["deep_gemm"]`; `uninstall()` restores what
 was there before.
@@ -57,8 +59,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 BLOCK = 128
 #: M-axis group alignment of the contiguous layout.
 _M_ALIGNMENT = 128
-#: SM count of the emulated device (an H800 / H100 SXM has 132).
-DEVICE_NUM_SMS = 132
+#: SM count of the emulated device where there is no CUDA device to ask (an H800 / H100 SXM
+#: has 132); with a CUDA device, `install()` takes the device's own count.
+EMULATED_NUM_SMS = 132
+DEVICE_NUM_SMS = EMULATED_NUM_SMS
 #: what the kernels leave in rows they do not define.
 POISON = float("nan")
 
@@ -109,13 +113,9 @@ def align(x: int, y: int) -> int:
     return ceil_div(x, y) * y
 
 
-def get_m_alignment_for_contiguous_layout() -> int:
+def get_mk_alignment_for_contiguous_layout() -> int:
     """Every group's row segment in the contiguous layout starts at a multiple of this."""
     return _M_ALIGNMENT
-
-
-#: DeepGEMM 2.x spelling of the same query.
-get_mk_alignment_for_contiguous_layout = get_m_alignment_for_contiguous_layout
 
 
 def get_tma_aligned_size(x: int, element_size: int) -> int:
@@ -156,21 +156,18 @@ def _unpack(pair, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scales
 
 
-#: DeepGEMM 1.x name of the same helper.
-get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor
-
-
 def _check_ue8m0(scales: torch.Tensor, name: str) -> None:
     """SM100 packs float32 scales into their exponent byte and traps unless sign and
     mantissa are zero (`transpose_and_pack_fp32_into_ue8m0`)."""
     if ARCH_MAJOR != 10:
         return
     bits = scales.contiguous().view(torch.int32)
-    if bool(((bits & 0x807FFFFF) != 0).any()):
-        raise RuntimeError(
-            f"deep_gemm (fake, SM100): device-side assert (values[j] & 0x807fffffu) == 0: {name} scales must be "
-            "positive powers of two (UE8M0) on SM100; quantize with ceil-to-power-of-two scales"
-        )
+    # A device-side assert, as the real pack kernel's: no host read (on CPU it raises at once).
+    torch._assert_async(
+        ((bits & 0x807FFFFF) == 0).all(),
+        f"deep_gemm (fake, SM100): device-side assert (values[j] & 0x807fffffu) == 0: {name} scales must be "
+        "positive powers of two (UE8M0) on SM100; quantize with ceil-to-power-of-two scales",
+    )
 
 
 def _check_operands(data, scales, name, expected_scale_shape, *, scales_contiguous: bool) -> None:
@@ -218,7 +215,7 @@ def _check_recipe(recipe, recipe_a, recipe_b) -> None:
 def _check_contiguous_layout(m_indices: torch.Tensor, num_groups: int) -> None:
     """Values of `m_indices`: in [-1, G), and each aligned block of rows is one group
     followed only by -1 padding (or all -1)."""
-    alignment = get_m_alignment_for_contiguous_layout()
+    alignment = get_mk_alignment_for_contiguous_layout()
     m = m_indices.numel()
     _require(
         m % alignment == 0,
@@ -226,25 +223,21 @@ def _check_contiguous_layout(m_indices: torch.Tensor, num_groups: int) -> None:
         "pad each group's rows up to the alignment and mark the padding rows with -1",
     )
     values = m_indices.to(torch.int64)
-    low, high = int(values.min()), int(values.max())
-    _require(
-        low >= -1 and high < num_groups,
-        f"m_indices values must lie in [-1, {num_groups}), got min {low}, max {high}",
+    # Checked on the device (no host read of the layout): on CPU the assert raises at once.
+    torch._assert_async(
+        ((values >= -1) & (values < num_groups)).all(), f"m_indices values must lie in [-1, {num_groups})"
     )
     blocks = values.view(-1, alignment)
     valid = blocks >= 0
     same_group = (blocks == blocks[:, :1]) | ~valid
     valid_is_prefix = (valid[:, 1:] <= valid[:, :-1]).all(dim=1)
     good = same_group.all(dim=1) & valid_is_prefix
-    if not bool(good.all()):
-        bad = int((~good).nonzero()[0, 0])
-        row = bad * alignment
-        _require(
-            False,
-            f"rows [{row}, {row + alignment}) of m_indices mix groups or put -1 padding before valid rows: "
-            f"every group's segment must start at a multiple of {alignment} "
-            f"(get_m_alignment_for_contiguous_layout()), padded at its tail with -1",
-        )
+    torch._assert_async(
+        good.all(),
+        f"an aligned block of m_indices rows: rows mix groups or put -1 padding before valid rows: every group's "
+        f"segment must start at a multiple of {alignment} (get_mk_alignment_for_contiguous_layout()), padded at "
+        "its tail with -1",
+    )
 
 
 def _contiguous_impl(a, b, d, m_indices, *, api: str, scales_contiguous: bool) -> None:
@@ -275,7 +268,7 @@ def _contiguous_impl(a, b, d, m_indices, *, api: str, scales_contiguous: bool) -
         return
     _check_contiguous_layout(m_indices, num_groups)
 
-    alignment = get_m_alignment_for_contiguous_layout()
+    alignment = get_mk_alignment_for_contiguous_layout()
     block_group = m_indices.view(-1, alignment)[:, 0].to(torch.int64)
     live = (block_group >= 0).nonzero().flatten()  # all--1 blocks are skipped, as the kernel does
     result = torch.full((m // alignment, alignment, n), POISON, dtype=torch.float32, device=d.device)
@@ -340,41 +333,6 @@ def _masked_impl(a, b, d, masked_m, expected_m, *, api: str, scales_contiguous: 
 # --------------------------------------------------------------------------- public GEMMs
 
 
-def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
-    lhs: tuple[torch.Tensor, torch.Tensor],
-    rhs: tuple[torch.Tensor, torch.Tensor],
-    out: torch.Tensor,
-    m_indices: torch.Tensor,
-) -> None:
-    """Grouped GEMM, contiguous layout (DeepGEMM 1.x name).
-
-    `lhs = (fp8 [M, K], float32 [M, K/128])`, `rhs = (fp8 [G, N, K], float32
-    [G, N/128, K/128])`, `out` bf16 `[M, N]` written in place with
-    `out[i] = lhs[i] @ rhs[m_indices[i]].T`. `m_indices` int32 `[M]`: each group's rows
-    form a segment starting at a multiple of `get_m_alignment_for_contiguous_layout()`,
-    tail-padded with -1 rows whose output is unspecified.
-    """
-    _contiguous_impl(lhs, rhs, out, m_indices, api="m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", scales_contiguous=True)
-
-
-def m_grouped_gemm_fp8_fp8_bf16_nt_masked(
-    lhs: tuple[torch.Tensor, torch.Tensor],
-    rhs: tuple[torch.Tensor, torch.Tensor],
-    out: torch.Tensor,
-    masked_m: torch.Tensor,
-    expected_m: int,
-) -> None:
-    """Grouped GEMM, masked layout (DeepGEMM 1.x name).
-
-    `lhs = (fp8 [G, M, K], float32 [G, M, K/128])`, `rhs` as in the contiguous GEMM,
-    `out` bf16 `[G, M, N]`: for each group g only rows `< masked_m[g]` (int32 `[G]`) are
-    computed; the rest is unspecified. `expected_m` (a host int > 0) is a tuning hint.
-    """
-    _masked_impl(
-        lhs, rhs, out, masked_m, expected_m, api="m_grouped_gemm_fp8_fp8_bf16_nt_masked", scales_contiguous=True
-    )
-
-
 def m_grouped_fp8_gemm_nt_contiguous(
     a: tuple[torch.Tensor, torch.Tensor],
     b: tuple[torch.Tensor, torch.Tensor],
@@ -418,17 +376,28 @@ def m_grouped_fp8_gemm_nt_masked(
     _masked_impl(a, b, d, masked_m, expected_m, api="m_grouped_fp8_gemm_nt_masked", scales_contiguous=False)
 
 
+#: In 2.6.1 the fp8 names are aliases of the fp8/fp4 GEMMs (fp4 operands are not emulated).
+m_grouped_fp8_fp4_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
+m_grouped_fp8_fp4_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
+
+
 # --------------------------------------------------------------------------- install
 
 
-def install(*, arch_major: int = 9, device_num_sms: int = 132) -> types.ModuleType:
+def _device_sm_count() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return EMULATED_NUM_SMS
+
+
+def install(*, arch_major: int = 9, device_num_sms: int | None = None) -> types.ModuleType:
     """Make `import deep_gemm` return this emulation (state reset) of a device with
     compute capability `arch_major` (9: SM90, 10: SM100) and `device_num_sms` SMs;
     returns the module."""
     global _previous_module, _installed, _num_sms, ARCH_MAJOR, DEVICE_NUM_SMS
     if arch_major not in (9, 10):
         raise ValueError(f"the emulated device is SM90 or SM100 (arch_major 9 or 10), got {arch_major}")
-    ARCH_MAJOR, DEVICE_NUM_SMS = arch_major, device_num_sms
+    ARCH_MAJOR, DEVICE_NUM_SMS = arch_major, device_num_sms if device_num_sms is not None else _device_sm_count()
     module = sys.modules[__name__]
     if not _installed:
         _previous_module = sys.modules.get("deep_gemm")
@@ -454,7 +423,7 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed(*, arch_major: int = 9, device_num_sms: int = 132) -> Iterator[types.ModuleType]:
+def installed(*, arch_major: int = 9, device_num_sms: int | None = None) -> Iterator[types.ModuleType]:
     """`with installed() as deep_gemm: ...`"""
     module = install(arch_major=arch_major, device_num_sms=device_num_sms)
     try:

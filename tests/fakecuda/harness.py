@@ -1,0 +1,198 @@
+"""Fake CUDA: tandem's CUDA code paths on `FakeTensorMode` CUDA tensors, on a machine with
+no GPU and no driver (the CUDA build of torch is needed: the CPU build cannot dispatch
+CUDA kernels' fake implementations).
+
+What is real: every torch op tandem issues, with CUDA dtype/shape/device propagation, and
+FakeTensorMode's refusal of data-dependent host reads (`.item()`, `.tolist()`, `bool(t)`:
+DataDependentOutputException) and of data-dependent shapes (`nonzero`, `bincount`, mask
+indexing: DynamicOutputShapeException). What is stubbed, at the library boundary: Triton
+kernel launches, DeepGEMM's GEMMs and DeepEP's low-latency Buffer (each checks that what
+it is given lives on CUDA with the dtype the real library takes, and launches nothing),
+streams and events (the CPU platform's ordering tokens: `torch.cuda.Stream()` needs a
+driver), and graph capture (a graph whose capture runs the callable once with
+`graph_capture_active()` true and whose replay returns the captured outputs).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import torch
+
+from tandem.platform import CpuPlatform
+from tandem.platform.graph import Graph, _capturing, _CaptureState
+
+CUDA = torch.device("cuda", 0)
+
+
+def _check_cuda(where: str, *tensors) -> None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+            raise RuntimeError(f"{where}: got a {t.device} tensor where the GPU library needs CUDA memory")
+
+
+class FakeCaptureGraph(Graph):
+    """Capture semantics without a driver: `fn` runs once as if captured."""
+
+    capture_computes_outputs = True
+
+    def __init__(self) -> None:
+        self._outputs = None
+
+    def capture(self, fn, *args, **kwargs):
+        with _capturing(_CaptureState()):
+            self._outputs = fn(*args, **kwargs)
+        return self._outputs
+
+    def replay(self):
+        return self._outputs
+
+    @property
+    def captured(self) -> bool:
+        return self._outputs is not None
+
+    @property
+    def outputs(self):
+        return self._outputs
+
+    def reset(self) -> None:
+        self._outputs = None
+
+
+class FakeCudaPlatform(CpuPlatform):
+    """The CPU platform's streams and events for CUDA tensors, with the fake capture."""
+
+    def new_graph(self):
+        return FakeCaptureGraph()
+
+
+class _Launch:
+    def __init__(self, name: str, launches: list):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _check_cuda(f"triton kernel {self.name}", *args)
+            self.launches.append(self.name)
+
+        return launch
+
+
+def stub_triton(monkeypatch) -> list:
+    """Triton kernels that check their tensors and launch nothing; returns the launch log."""
+    import triton
+
+    from tandem.modular_kernels import experts_triton
+
+    launches: list = []
+    kernels = SimpleNamespace(
+        triton=triton, grouped_gemm=_Launch("grouped_gemm", launches), masked_gemm=_Launch("masked_gemm", launches)
+    )
+    monkeypatch.setattr(experts_triton, "_kernels", lambda interpret: kernels)
+    return launches
+
+
+def stub_deep_gemm(monkeypatch) -> list:
+    """DeepGEMM 2.6.1's names used by tandem, checking devices and fp8 operands."""
+    from tandem.modular_kernels import experts_deep_gemm
+
+    calls: list = []
+    fp8 = torch.float8_e4m3fn
+
+    def _operands(where, a, b, d):
+        _check_cuda(where, a[0], a[1], b[0], b[1], d)
+        if a[0].dtype != fp8 or b[0].dtype != fp8 or d.dtype != torch.bfloat16:
+            raise RuntimeError(f"{where}: fp8 x fp8 -> bf16 expected, got {a[0].dtype} x {b[0].dtype} -> {d.dtype}")
+
+    def contiguous(a, b, d, m_indices, *args, **kwargs):
+        _operands("m_grouped_fp8_gemm_nt_contiguous", a, b, d)
+        _check_cuda("m_grouped_fp8_gemm_nt_contiguous", m_indices)
+        calls.append("contiguous")
+
+    def masked(a, b, d, masked_m, expected_m, *args, **kwargs):
+        _operands("m_grouped_fp8_gemm_nt_masked", a, b, d)
+        _check_cuda("m_grouped_fp8_gemm_nt_masked", masked_m)
+        if not isinstance(expected_m, int):
+            raise RuntimeError(f"expected_m must be a host int, got {type(expected_m).__name__}")
+        calls.append("masked")
+
+    def tma_aligned(x):
+        _check_cuda("get_mn_major_tma_aligned_tensor", x)
+        return x
+
+    module = types.ModuleType("deep_gemm")
+    module.m_grouped_fp8_gemm_nt_contiguous = contiguous
+    module.m_grouped_fp8_gemm_nt_masked = masked
+    module.get_mk_alignment_for_contiguous_layout = lambda: 128
+    module.get_mn_major_tma_aligned_tensor = tma_aligned
+    module.set_num_sms = lambda n: None
+    module.get_num_sms = lambda: 132
+    monkeypatch.setitem(sys.modules, "deep_gemm", module)
+    # The SM generation is a device query (no driver here): pretend SM90.
+    monkeypatch.setattr(experts_deep_gemm, "_arch_major", lambda device: 9)
+    return calls
+
+
+class _EventOverlap:
+    def __init__(self, event=None):
+        self.event = event
+
+
+class _StubLowLatencyBuffer:
+    """`deep_ep.Buffer` in low-latency mode: DeepEP v2.1's signatures and return layouts,
+    checking CUDA bf16 inputs and `topk_idx_t` ids, launching nothing."""
+
+    num_sms = 20
+    calls: list = []
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24, **kw):
+        self.group = group
+        self.rank, self.group_size = group.rank(), group.size()
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(T, hidden, num_ranks, num_experts):
+        return 1024
+
+    @classmethod
+    def set_num_sms(cls, n):
+        cls.num_sms = n
+
+    def _check(self, where, x, topk_idx, T):
+        _check_cuda(where, x, topk_idx)
+        if x.dtype != torch.bfloat16 or topk_idx.dtype != torch.int64:
+            raise RuntimeError(f"{where}: bf16 x and int64 topk_idx expected, got {x.dtype}, {topk_idx.dtype}")
+
+    def low_latency_dispatch(self, x, topk_idx, T, num_experts, use_fp8=True, async_finish=False,
+                             return_recv_hook=False, **kwargs):
+        self._check("low_latency_dispatch", x, topk_idx, T)
+        if x.shape[0] > T:
+            raise RuntimeError(f"x.size(0) <= num_max_dispatch_tokens_per_rank ({x.shape[0]} > {T})")
+        El, R, H = num_experts // self.group_size, self.group_size, x.shape[1]
+        recv = torch.empty((El, R * T, H), dtype=torch.bfloat16, device=x.device)
+        if use_fp8:
+            recv = (recv.to(torch.float8_e4m3fn), torch.empty((El, R * T, H // 128), device=x.device))
+        count = torch.empty((El,), dtype=torch.int32, device=x.device)
+        type(self).calls.append("dispatch")
+        return recv, count, (T, H, num_experts), _EventOverlap(), lambda: None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, async_finish=False, return_recv_hook=False,
+                            **kwargs):
+        T, H, num_experts = handle
+        self._check("low_latency_combine", x.flatten(0, 1), topk_idx, T)
+        _check_cuda("low_latency_combine", topk_weights)
+        if x.shape[1] != self.group_size * T or topk_weights.dtype != torch.float32:
+            raise RuntimeError("x.size(1) == num_ranks * T and fp32 topk_weights expected")
+        type(self).calls.append("combine")
+        return torch.empty((topk_idx.shape[0], H), dtype=torch.bfloat16, device=x.device), _EventOverlap(), lambda: None
+
+
+def stub_deep_ep(monkeypatch) -> list:
+    module = types.ModuleType("deep_ep")
+    module.Buffer = type("Buffer", (_StubLowLatencyBuffer,), {"calls": []})
+    module.topk_idx_t = torch.int64
+    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    return module.Buffer.calls
