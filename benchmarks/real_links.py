@@ -489,7 +489,7 @@ def goals(result: dict) -> list[dict]:
         return min(job["rows"], key=lambda r: abs(r["target_ratio"] - ratio))
 
     stack = jobs.get(("moe-stack", "prefill"))
-    if stack is not None and any(r["target_ratio"] == 1.0 for r in stack["rows"]):
+    if stack is not None and stack["tokens"] == 512 and any(r["target_ratio"] == 1.0 for r in stack["rows"]):
         r = row_near(stack, 1.0)
         step = r["step_s"]
         dbo_modes = [m for m in ("dbo", "dbo-greenlet") if m in step]
