@@ -32,7 +32,7 @@ def main(
 
 
 # Options shared by every command that runs the engine (generate, serve, bench, tune).
-_MODEL = typer.Option("tiny-moe", help="A Hugging Face model directory, or a built-in model: 'tiny-moe', 'small-moe'.")
+_MODEL = typer.Option("tiny-moe", help="A Hugging Face model directory, or the built-in 'tiny-moe'.")
 _DATA_PARALLEL_SIZE = typer.Option(1, help="DP ranks (processes); experts are sharded across them.")
 _ENABLE_DBO = typer.Option(False, help="Split large steps into ubatches that overlap communication.")
 _NUM_UBATCHES = typer.Option(2, help="Ubatches per DBO step.")
@@ -343,7 +343,7 @@ def generate(
 
 @app.command()
 def serve(
-    model: str = typer.Argument("tiny-moe", help="A Hugging Face model directory, or a built-in model: 'tiny-moe', 'small-moe'."),
+    model: str = typer.Argument("tiny-moe", help="A Hugging Face model directory, or the built-in 'tiny-moe'."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; loopback by default."),
     port: int = typer.Option(8000),
     data_parallel_size: int = _DATA_PARALLEL_SIZE,
