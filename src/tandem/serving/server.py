@@ -14,21 +14,10 @@ import ipaddress
 import os
 import signal
 import sys
-from dataclasses import dataclass
 
+from tandem.config import HttpOptions
+from tandem.runner.torchrun import under_torchrun
 from tandem.serving.rank import ServeOptions
-
-
-@dataclass
-class HttpOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_queue_len: int | None = None
-    log_requests: bool = False
-    max_request_bytes: int = 1_000_000
-    max_streams_per_key: int | None = None
 
 
 def _log(message: str) -> None:
@@ -166,12 +155,6 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
             hard_exit(1)  # a forward stuck in a collective would block a normal exit
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def under_torchrun() -> bool:
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and (
-        "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    )
 
 
 __all__ = ["HttpOptions", "describe", "run_server", "run_torchrun_rank", "under_torchrun"]
