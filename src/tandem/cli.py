@@ -175,13 +175,7 @@ def serve(flags: Flags = None) -> None:
 
     config = _build_config(flags, parallel=_torchrun_parallel(flags))
     http = flags.http_options()
-    s = config.scheduler
-    options = ServeOptions(
-        max_num_seqs=s.max_num_seqs,
-        overlap_schedule=s.overlap_schedule,
-        step_timeout_s=s.step_timeout_s,
-        max_model_len=s.max_model_len,
-    )
+    options = ServeOptions()
     try:
         from tandem.models.loader import load_tokenizer_info
 

@@ -126,7 +126,12 @@ class Flags:
                 continue
             value = self._values[param]
             parse = flag.meta["parse"]
-            out[flag.field.name] = parse(value) if parse is not None and value is not None else value
+            if parse is not None and value is not None:
+                try:
+                    value = parse(value)
+                except ValueError as exc:
+                    raise typer.BadParameter(f"{flag.declaration}: {exc}") from None
+            out[flag.field.name] = value
         return out
 
     def engine_config(self, **overrides: dict[str, Any]) -> EngineConfig:
