@@ -170,3 +170,14 @@ def test_flags_table_lists_every_visible_flag():
     table = markdown_table()
     for flag in config_flags(*ENGINE_SECTIONS, "http"):
         assert (f"`{flag.declaration}`" in table) != flag.meta["hidden"], flag.param
+
+
+def test_the_documented_flags_table_is_current(tmp_path):
+    from pathlib import Path
+
+    from tandem.cli_options import write_flags_table
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    copy = tmp_path / "configuration.md"
+    copy.write_text(doc.read_text())
+    assert not write_flags_table(str(copy)), "run: python -m tandem.cli_options --write docs/configuration.md"

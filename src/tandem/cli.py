@@ -87,7 +87,10 @@ def _torchrun_parallel(flags: Flags) -> dict:
     world = _torchrun_world()
     if world is None:
         return {}
-    return {"data_parallel_size": world[1] // max(flags["pipeline_parallel_size"], 1)}
+    stages = max(flags["pipeline_parallel_size"], 1)
+    if world[1] % stages:
+        raise typer.BadParameter(f"torchrun's WORLD_SIZE {world[1]} is not a multiple of --pipeline-parallel-size {stages}")
+    return {"data_parallel_size": world[1] // stages}
 
 
 @app.command()
@@ -233,6 +236,9 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
     from tandem.platform.device import resolve_device
 
     _check_device(device)
+    world = _torchrun_world()
+    if world is not None:
+        data_parallel_size = world[1]  # torchrun decides the ranks
     on_gpu = resolve_device(device).type == "cuda"
     if model == MOE_STACK and on_gpu:
         raise typer.BadParameter("--model moe-stack runs on CPU only; bench a model step (tiny-moe, a directory) with --device cuda")
@@ -278,13 +284,6 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
 def _run_bench_sweep(spec):
     from tandem.bench import run_sweep
     from tandem.runner.launch import RankFailedError
-    from tandem.runner.torchrun import torchrun_world
-
-    world = torchrun_world()
-    if world is not None and world[1] != spec.data_parallel_size:
-        raise typer.BadParameter(
-            f"--data-parallel-size {spec.data_parallel_size} != torchrun's WORLD_SIZE {world[1]} (leave it out under torchrun)"
-        )
 
     try:
         return run_sweep(spec)

@@ -218,4 +218,33 @@ def markdown_table(sections: typing.Iterable[str] = (*ENGINE_SECTIONS, "http")) 
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["ENGINE_SECTIONS", "SECTIONS", "ConfigFlag", "Flags", "config_command", "config_flags", "markdown_table"]
+_TABLE_START, _TABLE_END = "<!-- flags table: generated -->", "<!-- end of flags table -->"
+
+
+def write_flags_table(path: str) -> bool:
+    """Replace the flags table between the markers in `path`; True when it changed."""
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    start, end = text.index(_TABLE_START) + len(_TABLE_START), text.index(_TABLE_END)
+    updated = text[:start] + "\n" + markdown_table() + text[end:]
+    if updated != text:
+        Path(path).write_text(updated)
+    return updated != text
+
+
+__all__ = [
+    "ENGINE_SECTIONS", "SECTIONS", "ConfigFlag", "Flags", "config_command", "config_flags", "markdown_table",
+    "write_flags_table",
+]
+
+
+if __name__ == "__main__":
+    # python -m tandem.cli_options [--write docs/configuration.md]: print (or write) the flags table.
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:
+        print(("updated " if write_flags_table(sys.argv[2]) else "unchanged ") + sys.argv[2])
+    else:
+        print(markdown_table(), end="")
+

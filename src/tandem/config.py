@@ -154,7 +154,9 @@ class OverlapConfig:
 class ParallelConfig:
     """Data parallelism across ranks and expert parallelism of the MoE layers over them."""
 
-    data_parallel_size: int = option(1, "DP ranks (processes); experts are sharded across them.")
+    data_parallel_size: int = option(
+        1, "DP ranks (processes); experts are sharded across them (under torchrun: WORLD_SIZE / pipeline stages)."
+    )
     #: None: "local" on one rank, "torch_a2a" on several.
     all2all_backend: str | None = option(
         None, "local | torch_a2a | torch_a2a_ll | deepep_low_latency | deepep_high_throughput"
