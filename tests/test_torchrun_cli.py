@@ -60,4 +60,4 @@ def test_bench_under_torchrun_writes_one_table_like_the_local_launch(tmp_path):
 
 def test_a_rank_count_other_than_torchruns_is_refused():
     under = _torchrun("generate", "hi", "--max-tokens", "1", "--device", "cpu", "--pipeline-parallel-size", "3")
-    assert under.returncode != 0 and "not a multiple of --pipeline-parallel-size 3" in under.stderr
+    assert under.returncode != 0 and "is not a multiple of" in under.stderr
