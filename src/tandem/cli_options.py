@@ -35,6 +35,15 @@ SECTIONS: dict[str, tuple[type, str | None]] = {
     "scheduler": (SchedulerConfig, "scheduler"),
     "http": (HttpOptions, None),
 }
+#: Section -> its heading in `--help`.
+PANELS = {
+    "engine": "Model, device and step",
+    "overlap": "Overlap: DBO / TBO",
+    "parallel": "Parallelism, MoE backends, SBO",
+    "cache": "KV cache",
+    "scheduler": "Scheduler",
+    "http": "HTTP server",
+}
 #: Every section an engine-running command takes.
 ENGINE_SECTIONS = ("engine", "overlap", "parallel", "cache", "scheduler")
 
@@ -95,12 +104,12 @@ def config_flags(*sections: str, only: typing.Iterable[str] | None = None) -> li
 def _typer_parameter(flag: ConfigFlag, *, default: Any, help: str | None, argument: bool) -> inspect.Parameter:
     meta = flag.meta
     if argument:
-        info = typer.Argument(default, help=help or meta["help"])
+        info = typer.Argument(default, help=help or meta["help"], rich_help_panel=PANELS[flag.section])
     else:
         declarations = [meta["flag"]] if meta["flag"] else []  # else typer's own (--x/--no-x for a switch)
         info = typer.Option(
             default, *declarations, help=help or meta["help"], metavar=meta["metavar"], envvar=meta["envvar"],
-            hidden=meta["hidden"], show_default=default is not None,
+            hidden=meta["hidden"], show_default=default is not None, rich_help_panel=PANELS[flag.section],
         )
     return inspect.Parameter(flag.param, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=flag.annotation)
 
