@@ -33,15 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _engine(args, **overrides):
     """One rank on the GPU, no overlap configured (the sweep switches modes per step)."""
-    from tandem.cli import _engine_config
+    from tandem.config import EngineConfig, OverlapConfig, ParallelConfig
 
-    flags = dict(
-        model=args.model, data_parallel_size=1, enable_dbo=False, num_ubatches=2, ubatch_executor="thread",
-        dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, thresholds_file=None, enable_sbo=False,
-        all2all_backend="local", moe_backend=args.moe_backend, graph_mode="none", fabric_latency_us=None,
-        fabric_gbps=None, device=args.device, dtype=args.dtype,
+    return EngineConfig(
+        model=args.model,
+        overlap=OverlapConfig(dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0),
+        parallel=ParallelConfig(all2all_backend="local", moe_backend=args.moe_backend),
+        device=args.device,
+        dtype=args.dtype,
+        **overrides,
     )
-    return _engine_config(**{**flags, **overrides})
 
 
 def _sweep(args, phase: str, tokens: list[int]) -> tuple[list[dict], dict | None]:

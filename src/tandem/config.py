@@ -1,10 +1,17 @@
-"""One configuration tree shared by the CLI and the library."""
+"""One configuration tree shared by the CLI and the library.
+
+Every setting a user can change is a dataclass field here, declared once with `option(...)`:
+its default, its help text and (where it differs from the field name) its flag live in the
+field's metadata, and `tandem.cli` generates the command-line options from them. A command
+declares which sections it takes; nothing else repeats a flag or its default.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any, Callable
 
 EXECUTORS = ("thread", "greenlet", "stages")
 GRAPH_MODES = ("none", "full")
@@ -14,29 +21,95 @@ OVERLAP_POLICIES = ("static", "auto")
 UBATCH_SPLITS = ("tokens", "balanced-cost")
 
 
+def option(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    cli_type: type | None = None,
+    parse: Callable[[Any], Any] | None = None,
+    metavar: str | None = None,
+    envvar: str | None = None,
+    hidden: bool = False,
+    default_factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A configuration field that is also a command-line option.
+
+    `flag`: the option's declaration when it is not `--field-name` (e.g. "--trace", or
+    "--overlap-schedule/--disable-overlap-schedule" for a switch); `cli_type` + `parse`: the
+    type the command line takes and how it becomes the field's value (e.g. "10,14" -> (10, 14))."""
+    metadata = {
+        "help": help, "flag": flag, "cli_type": cli_type, "parse": parse, "metavar": metavar, "envvar": envvar,
+        "hidden": hidden,
+    }
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata={"cli": metadata})
+    return field(default=default, metadata={"cli": metadata})
+
+
+def cli_fields(section: type) -> list:
+    """The fields of a config dataclass that are command-line options, in declaration order."""
+    return [f for f in fields(section) if "cli" in f.metadata]
+
+
+def parse_int_tuple(text: str | tuple | list | None) -> tuple[int, ...] | None:
+    """'10,14' -> (10, 14); a tuple or list passes through."""
+    if text is None or isinstance(text, (tuple, list)):
+        return None if text is None else tuple(int(v) for v in text)
+    try:
+        values = tuple(int(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"expected comma-separated integers, got {text!r}")
+    return values
+
+
 @dataclass
 class OverlapConfig:
     """When and how a step is split into ubatches (DBO)."""
 
-    enable_dbo: bool = False
-    num_ubatches: int = 2
-    executor: str = "thread"
-    dbo_decode_token_threshold: int = 32
-    dbo_prefill_token_threshold: int = 512
-    graph_mode: str = "none"
-    #: SMs reserved for communication kernels while ubatches overlap (`--comm-sms`, GPU only).
-    comm_sms: int | None = None
-    #: TBO prefill split: sequences are cut inside one when no sequence boundary leaves
-    #: each part at least this share of the tokens (SGLang's tbo_token_distribution_threshold).
-    tbo_token_distribution_threshold: float = 0.48
-    overlap_policy: str = "static"
-    ubatch_split: str = "tokens"
+    enable_dbo: bool = option(False, "Split large steps into ubatches that overlap communication.")
+    #: SGLang's spelling of DBO with the stages executor; kept as its own switch so a
+    #: contradicting --ubatch-executor is an error rather than silently overridden.
+    enable_two_batch_overlap: bool = option(
+        False, "SGLang's name for two-batch overlap: the same as --enable-dbo --ubatch-executor stages."
+    )
+    num_ubatches: int = option(2, "Ubatches per DBO step.")
+    executor: str = option(
+        "thread", "thread | greenlet | stages (TBO: operation lists, no threads)", flag="--ubatch-executor"
+    )
+    tbo_token_distribution_threshold: float = option(
+        0.48, "TBO prefill split: cut inside a sequence when no sequence boundary gives each ubatch this share."
+    )
+    dbo_decode_token_threshold: int = option(32, "Smallest uniform-decode step that uses DBO.")
+    dbo_prefill_token_threshold: int = option(512, "Smallest other step that uses DBO.")
     #: The `tandem tune` file the thresholds came from; `auto` starts from its sweep.
-    thresholds_file: str | None = None
+    thresholds_file: str | None = option(
+        None, "JSON from `tandem tune`; overrides the two thresholds (static) or seeds the planner (auto)."
+    )
+    overlap_policy: str = option(
+        "static",
+        "static (the two token thresholds decide) | auto (per step, the fastest of no overlap, SBO and DBO with "
+        "2..N ubatches as predicted by a cost model fitted to the measured step times; needs --enable-dbo for DBO).",
+    )
+    ubatch_split: str = option(
+        "tokens", "tokens (cut at the token midpoint) | balanced-cost (equal predicted work: attention + MoE tokens)."
+    )
+    graph_mode: str = option("none", "none | full (decode steps replayed from captured graphs)")
+    comm_sms: int | None = option(
+        None, "GPU SMs reserved for DeepEP while ubatches overlap (even); DeepGEMM gets the rest."
+    )
     #: Share of steps the planner runs a choice other than its best (at most 0.05).
     planner_explore_share: float = 0.03
 
     def __post_init__(self) -> None:
+        if self.enable_two_batch_overlap:
+            if self.executor not in ("thread", "stages"):  # "thread" is the default: not a choice
+                raise ValueError(
+                    f"--enable-two-batch-overlap runs the stages executor; it contradicts --ubatch-executor {self.executor}"
+                )
+            self.enable_dbo, self.executor = True, "stages"
         if self.comm_sms is not None and (self.comm_sms < 2 or self.comm_sms % 2):
             raise ValueError(f"--comm-sms must be an even count >= 2 (DeepEP uses SMs in pairs), got {self.comm_sms}")
         if self.num_ubatches < 2:
@@ -81,26 +154,52 @@ class OverlapConfig:
 class ParallelConfig:
     """Data parallelism across ranks and expert parallelism of the MoE layers over them."""
 
-    data_parallel_size: int = 1
-    all2all_backend: str | None = None  # default: "local" on one rank, "torch_a2a" on several
-    moe_backend: str = "torch"
-    enable_sbo: bool = False
-    sbo_mode: str = "auto"  # one of tandem.modular_kernels.SBO_MODES
+    data_parallel_size: int = option(
+        1, "DP ranks (processes); experts are sharded across them (under torchrun: WORLD_SIZE / pipeline stages)."
+    )
+    #: None: "local" on one rank, "torch_a2a" on several.
+    all2all_backend: str | None = option(
+        None, "local | torch_a2a | torch_a2a_ll | deepep_low_latency | deepep_high_throughput"
+    )
+    moe_backend: str = option("torch", "torch | triton | deep_gemm")
+    enable_sbo: bool = option(False, "Single-batch overlap inside each MoE layer (see --sbo-mode).")
+    sbo_mode: str = option(
+        "auto",
+        "auto | combine-down-gemm (the combine leaves block by block while the down projection runs) | "
+        "combine-shared (shared experts while the combine is in flight) | dispatch-shared (shared experts while the "
+        "dispatch is in flight); auto picks per backend as SGLang does.",
+    )
     use_fp8_dispatch: bool = False
-    fabric_latency_us: float | None = None
-    fabric_gbps: float | None = None
-    fabric: str | None = None  # a preset name (`--fabric`), instead of latency + bandwidth
-    #: tokens per rank deepep_low_latency's buffer holds (`--deepep-ll-max-tokens-per-rank`).
-    deepep_ll_max_tokens_per_rank: int = 128
+    fabric_latency_us: float | None = option(None, "Modelled interconnect: per-transfer latency.")
+    fabric_gbps: float | None = option(None, "Modelled interconnect: bandwidth in GB/s.")
+    fabric: str | None = option(
+        None,
+        "Modelled interconnect preset, e.g. deepep-ll-h800 (DeepEP low-latency, H800, EP8) or deepep-ll-h800-ep64.",
+    )
+    #: The dispatch's token budget: tokens one rank may send per dispatch. Only the fixed-size
+    #: (low-latency) backends have one; None derives it (see `EngineConfig.dispatch_budget`).
+    dispatch_max_tokens_per_rank: int | None = option(
+        None,
+        "Tokens one rank may dispatch at once, for the fixed-buffer backends only (torch_a2a_ll: default "
+        "--max-num-batched-tokens; deepep_low_latency: default 128, DeepEP needs (T+1)*2 <= NVSHMEM_QP_DEPTH and "
+        "ranks*T divisible by 4). Other backends refuse it.",
+    )
+    #: Deprecated spelling of `dispatch_max_tokens_per_rank` (DeepEP low-latency only).
+    deepep_ll_max_tokens_per_rank: int | None = option(
+        None, "Deprecated: use --dispatch-max-tokens-per-rank.", hidden=True
+    )
     #: Pipeline parallelism: stage processes (world = PP x DP), the layers per stage (None:
     #: even), micro-batches in flight beyond one per stage, and an explicit ring size
     #: (None: PP + depth; 1 is the one-micro-batch baseline the benchmark compares with).
-    pipeline_parallel_size: int = 1
-    pp_layer_partition: tuple[int, ...] | None = None
-    pp_async_batch_depth: int = 0
+    pipeline_parallel_size: int = option(1, "Pipeline stages (processes); the decoder layers are split over them.")
+    pp_layer_partition: tuple[int, ...] | None = option(
+        None, "Decoder layers per pipeline stage, e.g. 10,14 (default: even).", cli_type=str, parse=parse_int_tuple
+    )
+    pp_async_batch_depth: int = option(0, "Micro-batches in flight beyond one per pipeline stage.")
     pp_num_micro_batches: int | None = None
-    #: Size prompt chunks from a latency model fitted at start-up (chunked pipeline prefill).
-    enable_dynamic_chunking: bool = False
+    enable_dynamic_chunking: bool = option(
+        False, "Size prompt chunks from a latency model fitted at start-up, so each chunk costs about the same."
+    )
 
     @property
     def world_size(self) -> int:
@@ -114,6 +213,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         from tandem.modular_kernels.fabric import FabricModel
+        from tandem.modular_kernels.factory import check_dispatch_options
 
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
@@ -122,7 +222,7 @@ class ParallelConfig:
         if self.pp_num_micro_batches is not None and self.pp_num_micro_batches < 1:
             raise ValueError(f"pp_num_micro_batches must be >= 1, got {self.pp_num_micro_batches}")
         if self.pp_layer_partition is not None:
-            self.pp_layer_partition = tuple(int(c) for c in self.pp_layer_partition)
+            self.pp_layer_partition = parse_int_tuple(self.pp_layer_partition)
             if len(self.pp_layer_partition) != self.pipeline_parallel_size:
                 raise ValueError(
                     f"--pp-layer-partition has {len(self.pp_layer_partition)} entries for "
@@ -135,49 +235,161 @@ class ParallelConfig:
             raise ValueError(f"--sbo-mode must be one of {', '.join(SBO_MODES)}, got {self.sbo_mode!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
+        if self.deepep_ll_max_tokens_per_rank is not None:
+            if self.dispatch_max_tokens_per_rank not in (None, self.deepep_ll_max_tokens_per_rank):
+                raise ValueError(
+                    "--deepep-ll-max-tokens-per-rank is the old name of --dispatch-max-tokens-per-rank; give one"
+                )
+            self.dispatch_max_tokens_per_rank, self.deepep_ll_max_tokens_per_rank = self.deepep_ll_max_tokens_per_rank, None
         if self.all2all_backend is None:
             self.all2all_backend = "local" if self.data_parallel_size == 1 else "torch_a2a"
         if self.all2all_backend == "local" and self.data_parallel_size > 1:
             raise ValueError("--all2all-backend local runs one rank; pick torch_a2a or torch_a2a_ll for --data-parallel-size > 1")
+        has_fabric = any(v is not None for v in (self.fabric_latency_us, self.fabric_gbps, self.fabric))
+        check_dispatch_options(
+            self.all2all_backend,
+            dispatch_max_tokens_per_rank=self.dispatch_max_tokens_per_rank,
+            fabric=True if has_fabric else None,
+            use_fp8_dispatch=self.use_fp8_dispatch or None,
+        )
         if self.all2all_backend == "deepep_low_latency":
             from tandem.modular_kernels.prepare_deepep import check_low_latency_budget
 
-            check_low_latency_budget(self.deepep_ll_max_tokens_per_rank, self.data_parallel_size)
+            check_low_latency_budget(self.dispatch_budget(None), self.data_parallel_size)
+
+    def dispatch_budget(self, max_num_batched_tokens: int | None) -> int | None:
+        """The dispatch token budget the chosen backend runs with: the flag, else the
+        backend's default (torch_a2a_ll: a whole step's tokens; deepep_low_latency: 128, the
+        buffer vLLM sizes for), else None (a backend with no fixed buffer)."""
+        if self.dispatch_max_tokens_per_rank is not None:
+            return self.dispatch_max_tokens_per_rank
+        from tandem.modular_kernels.factory import default_dispatch_budget
+
+        return default_dispatch_budget(self.all2all_backend, max_num_batched_tokens)
 
 
 @dataclass
 class CacheConfig:
-    num_kv_blocks: int = 512
-    block_size: int = 16
+    """The paged KV cache of one rank."""
+
+    #: The blocks themselves; None: `kv_cache_tokens / block_size` plus the null block the
+    #: runner reserves for padding rows.
+    num_kv_blocks: int | None = None
+    block_size: int = option(16, "Tokens per KV cache block.")
+    kv_cache_tokens: int = option(32768, "KV cache size per rank, in tokens.")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"--kv-cache-tokens ({self.kv_cache_tokens}) must hold at least one block of {self.block_size}"
+            )
+        if self.num_kv_blocks is None:
+            self.num_kv_blocks = self.kv_cache_tokens // self.block_size + 1
+        elif self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    """What the scheduler admits into a step, and how long a step may take."""
+
+    max_num_seqs: int = option(64, "Most requests running at once per rank.")
+    #: None: the model's own context length (the front end also caps it at one rank's KV cache).
+    max_model_len: int | None = option(
+        None,
+        "Longest context (prompt + max_tokens) a request may use (default: the model's, capped by the KV cache); "
+        "the front end and the ranks both refuse longer requests.",
+    )
+    overlap_schedule: bool = option(
+        True,
+        "Overlap the CPU work of step N-1 (results, stop checks, scheduling) with the forward of step N; "
+        "--disable-overlap-schedule runs them in sequence.",
+        flag="--overlap-schedule/--disable-overlap-schedule",
+    )
+    step_timeout_s: float = option(
+        300.0,
+        "Seconds a rank may spend in one step before it is declared stuck and the engine unavailable "
+        "(503); keep it well above the slowest normal step.",
+        flag="--step-timeout",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"--step-timeout must be > 0, got {self.step_timeout_s}")
+
+
+@dataclass
+class HttpOptions:
+    """`tandem serve`'s HTTP front end."""
+
+    host: str = option("127.0.0.1", "Address to bind; loopback by default.")
+    port: int = option(8000, "Port to bind.")
+    api_key: str | None = option(None, "Require 'Authorization: Bearer KEY' on /v1.", envvar="TANDEM_API_KEY")
+    served_model_name: str | None = option(None, "Model name clients use (default: the directory name).")
+    max_queue_len: int | None = option(None, "Requests in flight before new ones get 429.")
+    log_requests: bool = option(False, "Log request contents (off by default).")
+    max_request_bytes: int = option(1_000_000, "Largest request body accepted; larger ones get 413.")
+    max_streams_per_key: int | None = option(
+        None, "Streaming requests open at once per API key (per client address without a key); more get 429."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_streams_per_key is not None and self.max_streams_per_key < 1:
+            raise ValueError(f"--max-streams-per-key must be >= 1, got {self.max_streams_per_key}")
 
 
 @dataclass
 class EngineConfig:
-    model: str = "tiny-moe"
+    model: str = option("tiny-moe", "A Hugging Face model directory, or the built-in 'tiny-moe'.")
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    max_num_batched_tokens: int = 2048
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_num_batched_tokens: int = option(2048, "Token budget of one step (prefill is chunked to fit).")
     #: `--trace FILE`: write the overlap timeline of every step as Chrome trace-event JSON.
-    trace_path: str | None = None
+    trace_path: str | None = option(
+        None,
+        "Write the overlap timeline (steps, each ubatch's compute, receive waits, switches, transfers; one process "
+        "per rank) as Chrome trace-event JSON: open it in ui.perfetto.dev or chrome://tracing. serve writes it when "
+        "stopped. Off by default.",
+        flag="--trace",
+        metavar="FILE",
+    )
     #: `--device auto|cpu|cuda` and `--dtype auto|bfloat16|float16|float32`, resolved per
     #: rank by `resolve_device` / `resolve_dtype` (auto: CUDA + bf16 when available, else CPU + fp32).
-    device: str = "auto"
-    dtype: str = "auto"
+    device: str = option("auto", "auto | cpu | cuda (auto: CUDA when available; rank i of a host takes cuda:{i % GPUs}).")
+    dtype: str = option("auto", "auto | bfloat16 | float16 | float32 (auto: bfloat16 on CUDA, float32 on CPU).")
 
     def __post_init__(self) -> None:
         from tandem.platform.device import check_device_flag, check_dtype_flag
 
         check_device_flag(self.device)
         check_dtype_flag(self.dtype)
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.overlap.graph_mode == "full":
             from tandem.modular_kernels.capturable import check_backend_graph_capturable
 
             check_backend_graph_capturable(self.parallel.all2all_backend, self.parallel.moe_backend)
+        if self.overlap.comm_sms is not None:
+            from tandem.modular_kernels.factory import check_dispatch_options
+
+            check_dispatch_options(self.parallel.all2all_backend, comm_sms=self.overlap.comm_sms)
         if self.parallel.all2all_backend == "deepep_low_latency":
             from tandem.modular_kernels.prepare_deepep import check_low_latency_step_budget
 
-            check_low_latency_step_budget(self.max_num_batched_tokens, self.parallel.deepep_ll_max_tokens_per_rank)
+            check_low_latency_step_budget(self.max_num_batched_tokens, self.dispatch_max_tokens_per_rank)
+
+    @property
+    def dispatch_max_tokens_per_rank(self) -> int | None:
+        """The dispatch token budget every MoE layer's kernel is built with."""
+        return self.parallel.dispatch_budget(self.max_num_batched_tokens)
 
     def resolve_device(self, local_rank: int = 0):
         from tandem.platform.device import resolve_device

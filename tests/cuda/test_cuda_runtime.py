@@ -152,7 +152,8 @@ def _tiny(all2all: str, moe_backend: str, group=None):
     from tandem.models.base import MoEOptions
     from tandem.models.tiny_moe import build_tiny_moe
 
-    options = MoEOptions(all2all_backend=all2all, moe_backend=moe_backend, group=group, max_tokens_per_rank=16)
+    budget = 16 if all2all in ("torch_a2a_ll", "deepep_low_latency") else None
+    options = MoEOptions(all2all_backend=all2all, moe_backend=moe_backend, group=group, dispatch_max_tokens_per_rank=budget)
     return build_tiny_moe(options, dtype=torch.float32, device="cuda").model
 
 

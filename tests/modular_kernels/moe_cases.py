@@ -116,3 +116,11 @@ def assert_every_case_passed(per_rank: list[dict], num_cases: int) -> None:
     failed = [(rank, case) for rank, report in enumerate(per_rank) for case, ok in report.items() if ok is not True]
     assert failed == [], str(failed)
     assert all(len(report) == num_cases for report in per_rank), [len(report) for report in per_rank]
+
+
+def dispatch_budget(all2all: str, tokens: int) -> dict:
+    """The dispatch token budget as a build_moe_kernel keyword, for the backends that take one
+    (the factory refuses it elsewhere)."""
+    from tandem.modular_kernels.factory import DISPATCH_OPTIONS
+
+    return {"dispatch_max_tokens_per_rank": tokens} if "dispatch_max_tokens_per_rank" in DISPATCH_OPTIONS[all2all] else {}

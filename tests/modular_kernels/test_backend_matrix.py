@@ -13,7 +13,7 @@ import torch
 
 from tandem.modular_kernels import ALL2ALL_BACKENDS, MOE_BACKENDS, build_moe_kernel
 from tandem.testing import run_distributed
-from tests.modular_kernels.moe_cases import NUM_EXPERTS, TOP_K, make_problem, run_kernel
+from tests.modular_kernels.moe_cases import dispatch_budget, NUM_EXPERTS, TOP_K, make_problem, run_kernel
 
 pytest.importorskip("triton")
 
@@ -46,8 +46,7 @@ def _matrix(rank, world):
         report[("local", moe, "oracle")] = _relative_error(ref, oracle)
         for all2all in COMMUNICATING:
             kernel = build_moe_kernel(
-                all2all, moe, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=TOKENS,
-                deepep_ll_max_tokens_per_rank=TOKENS,
+                all2all, moe, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, **dispatch_budget(all2all, TOKENS)
             )
             report[(all2all, moe, "plain")] = _relative_error(run_kernel(kernel, p, rank, world), ref)
             report[(all2all, moe, "dbo")] = _relative_error(run_kernel(kernel, p, rank, world, num_ubatches=2), ref)

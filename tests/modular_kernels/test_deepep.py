@@ -30,6 +30,7 @@ from tandem.modular_kernels.prepare_deepep import (
 from tandem.modular_kernels.sm_partition import comm_sm_partition
 from tandem.testing import fake_deep_ep, run_distributed
 from tests.modular_kernels.moe_cases import (
+    dispatch_budget,
     NUM_EXPERTS,
     TOP_K,
     RecordingPrepareFinalize,
@@ -48,8 +49,8 @@ TWIN = {LL: "torch_a2a_ll", HT: "torch_a2a"}  # the torch backend with the same 
 
 def _build(all2all, **kwargs):
     return build_moe_kernel(
-        all2all, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=MAX_TOKENS,
-        deepep_ll_max_tokens_per_rank=MAX_TOKENS, **kwargs,
+        all2all, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, **dispatch_budget(all2all, MAX_TOKENS),
+        **kwargs,
     )
 
 
@@ -471,13 +472,16 @@ def test_low_latency_budget_is_checked_against_deep_ep_limits(monkeypatch):
     check_low_latency_budget(2046, 2)
 
 
-def test_low_latency_budget_is_its_own_flag():
+def test_low_latency_budget_is_the_one_dispatch_budget():
     from tandem.config import ParallelConfig
 
-    assert ParallelConfig().deepep_ll_max_tokens_per_rank == 128
+    # One budget: --dispatch-max-tokens-per-rank (default 128 for DeepEP LL), the old flag an alias.
+    assert ParallelConfig(data_parallel_size=2, all2all_backend=LL).dispatch_budget(2048) == 128
+    assert ParallelConfig(data_parallel_size=2, all2all_backend=LL, deepep_ll_max_tokens_per_rank=64).dispatch_budget(2048) == 64
     with pytest.raises(ValueError, match="deepep-ll-max-tokens-per-rank=2048"):
         ParallelConfig(data_parallel_size=2, all2all_backend=LL, deepep_ll_max_tokens_per_rank=2048)
-    ParallelConfig(data_parallel_size=2, all2all_backend="torch_a2a", deepep_ll_max_tokens_per_rank=2048)
+    with pytest.raises(ValueError, match="dispatch_max_tokens_per_rank .* 'torch_a2a'"):
+        ParallelConfig(data_parallel_size=2, all2all_backend="torch_a2a", deepep_ll_max_tokens_per_rank=2048)
 
 
 def test_full_graphs_refuse_high_throughput():
@@ -622,7 +626,7 @@ def test_low_latency_step_budget_is_checked_at_configuration():
     """Review N3: a step above the per-rank budget would fail at dispatch; refused up front."""
     from tandem.config import EngineConfig, ParallelConfig
 
-    with pytest.raises(ValueError, match="--max-num-batched-tokens 2048 exceeds --deepep-ll-max-tokens-per-rank 128"):
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 2048 exceeds --dispatch-max-tokens-per-rank 128"):
         EngineConfig(parallel=ParallelConfig(2, all2all_backend=LL))
     EngineConfig(parallel=ParallelConfig(2, all2all_backend=LL), max_num_batched_tokens=128)
 

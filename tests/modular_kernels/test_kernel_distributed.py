@@ -7,6 +7,7 @@ from tandem.contexts import dbo_current_ubatch_id, run_ubatches
 from tandem.modular_kernels import build_moe_kernel, dequantize_fp8, quantize_fp8_per_token_group, torch_moe_reference
 from tandem.testing import run_distributed
 from tests.modular_kernels.moe_cases import (
+    dispatch_budget,
     HIDDEN,
     NUM_EXPERTS,
     TOP_K,
@@ -20,7 +21,7 @@ PAIRS = [("torch_a2a", "torch"), ("torch_a2a_ll", "torch")]
 
 def _build(all2all, moe, **kwargs):
     return build_moe_kernel(
-        all2all, moe, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=16, **kwargs
+        all2all, moe, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, **dispatch_budget(all2all, 16), **kwargs
     )
 
 

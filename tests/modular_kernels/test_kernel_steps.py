@@ -6,12 +6,12 @@ import torch
 
 from tandem.modular_kernels import MoEStepState, build_moe_kernel
 from tandem.testing import run_distributed
-from tests.modular_kernels.moe_cases import HIDDEN, NUM_EXPERTS, TOP_K, make_problem
+from tests.modular_kernels.moe_cases import dispatch_budget, HIDDEN, NUM_EXPERTS, TOP_K, make_problem
 
 
 def _build(all2all="local", **kwargs):
     return build_moe_kernel(
-        all2all, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=16, **kwargs
+        all2all, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, **dispatch_budget(all2all, 16), **kwargs
     )
 
 

@@ -11,14 +11,14 @@ from tandem.modular_kernels.sbo import resolve_sbo_mode
 from tandem.contexts import current_ubatch_context
 from tandem.platform import get_platform
 from tandem.testing import run_distributed
-from tests.modular_kernels.moe_cases import HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, make_problem, run_kernel
+from tests.modular_kernels.moe_cases import dispatch_budget, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, make_problem, run_kernel
 
 BACKENDS = ("torch_a2a", "torch_a2a_ll")
 
 
 def _build(all2all, **kwargs):
     return build_moe_kernel(
-        all2all, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens_per_rank=16, **kwargs
+        all2all, "torch", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, **dispatch_budget(all2all, 16), **kwargs
     )
 
 

@@ -119,7 +119,7 @@ def test_capture_refuses_host_sync_with_named_op():
 def _graph_replay_rank(rank: int, world: int, num_ubatches: int, executor: str):
     import torch.distributed as dist
 
-    options = MoEOptions(all2all_backend="torch_a2a_ll", group=dist.group.WORLD, max_tokens_per_rank=16)
+    options = MoEOptions(all2all_backend="torch_a2a_ll", group=dist.group.WORLD, dispatch_max_tokens_per_rank=16)
     model = build_tiny_moe(options).model
     batch = Batch(model)
     eager = UBatchWrapper(model, num_ubatches=max(num_ubatches, 2), executor=executor)

@@ -168,14 +168,22 @@ def _drain_progress(queue, bar, stop: threading.Event) -> None:
 
 def run_sweep(spec: BenchSpec, *, show_progress: bool = True, timeout_s: float = 3600.0) -> dict:
     """Launch `spec.data_parallel_size` ranks, run the sweep with a progress bar on stderr,
-    return rank 0's results."""
+    return rank 0's results. Under torchrun this process is one rank: rank 0 returns the
+    results, the others None."""
     import sys
 
     import torch.multiprocessing as mp
     from tqdm import tqdm
 
     from tandem.runner.launch import launch_ranks
+    from tandem.runner.torchrun import run_torchrun_rank, under_torchrun
 
+    if under_torchrun():
+        # One rank of torchrun's world; rank 0 gets the results (every rank's are the same).
+        per_rank = run_torchrun_rank(
+            sweep_on_rank, spec, world_size=spec.data_parallel_size, device=spec.device, timeout_s=timeout_s
+        )
+        return None if per_rank is None else per_rank[0]
     total = sum(len(grid) for _, grid in spec.grids) * (spec.warmup + spec.repeat)
     queue = mp.get_context("spawn").Queue()
     stop = threading.Event()

@@ -39,6 +39,7 @@ from tandem.modular_kernels import (
     select_experts,
 )
 from tandem.config import OverlapConfig
+from tandem.modular_kernels.factory import DISPATCH_OPTIONS
 from tandem.runner.model_runner import StepTimes
 from tandem.ubatch import coordinate_ubatching
 from tandem.ubatch.planner import OverlapPlanner, StepMeasurement, StepShape, TunePrior, overlap_choices
@@ -324,7 +325,8 @@ class MoEStack:
             return build_moe_kernel("local", "torch", num_experts=E // self.world, top_k=K, hidden_size=H, shared_experts=shared)
         return build_moe_kernel(
             self.backend, "torch", num_experts=E, top_k=K, hidden_size=H, shared_experts=shared,
-            enable_sbo=sbo is not None, sbo_mode=sbo or "auto", fabric=fabric, max_tokens_per_rank=max_tokens,
+            enable_sbo=sbo is not None, sbo_mode=sbo or "auto", fabric=fabric,
+            dispatch_max_tokens_per_rank=max_tokens if "dispatch_max_tokens_per_rank" in DISPATCH_OPTIONS[self.backend] else None,
         )
 
     def _forward(self, x, kernels, *, compute: bool, local_ids: bool):

@@ -31,12 +31,12 @@ class MoEOptions:
     all2all_backend: str = "local"
     moe_backend: str = "torch"
     group: object = None
-    max_tokens_per_rank: int | None = None
+    #: The dispatch token budget (fixed-buffer backends only; see build_moe_kernel).
+    dispatch_max_tokens_per_rank: int | None = None
     use_fp8_dispatch: bool = False
     enable_sbo: bool = False
     sbo_mode: str = "auto"
     fabric: FabricModel | None = None
-    deepep_ll_max_tokens_per_rank: int = 128
     comm_sms: int | None = None
 
     @property
@@ -72,13 +72,12 @@ class MoEOptions:
             top_k=top_k,
             hidden_size=hidden_size,
             group=self.group,
-            max_tokens_per_rank=self.max_tokens_per_rank,
+            dispatch_max_tokens_per_rank=self.dispatch_max_tokens_per_rank,
             shared_experts=shared_experts,
             use_fp8_dispatch=self.use_fp8_dispatch,
             enable_sbo=self.enable_sbo,
             sbo_mode=self.sbo_mode,
             fabric=self.fabric,
-            deepep_ll_max_tokens_per_rank=self.deepep_ll_max_tokens_per_rank,
             comm_sms=self.comm_sms,
         )
 

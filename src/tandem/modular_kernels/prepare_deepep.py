@@ -115,10 +115,10 @@ def check_low_latency_step_budget(max_num_batched_tokens: int, max_tokens_per_ra
     smaller than the step, so the step budget must not exceed the per-rank budget."""
     if max_num_batched_tokens > max_tokens_per_rank:
         raise ValueError(
-            f"--max-num-batched-tokens {max_num_batched_tokens} exceeds --deepep-ll-max-tokens-per-rank "
+            f"--max-num-batched-tokens {max_num_batched_tokens} exceeds --dispatch-max-tokens-per-rank "
             f"{max_tokens_per_rank}: deepep_low_latency dispatches at most that many tokens per rank and a step's MoE "
             f"input is not chunked; set --max-num-batched-tokens <= {max_tokens_per_rank}, or raise "
-            "--deepep-ll-max-tokens-per-rank (at most NVSHMEM_QP_DEPTH / 2 - 1, 511 by default)"
+            "--dispatch-max-tokens-per-rank (at most NVSHMEM_QP_DEPTH / 2 - 1, 511 by default)"
         )
 
 

@@ -35,12 +35,11 @@ def build_runner(config, *, group=None, cpu_group=None, stage=None) -> ModelRunn
         all2all_backend=par.all2all_backend,
         moe_backend=par.moe_backend,
         group=group,
-        max_tokens_per_rank=config.max_num_batched_tokens,
+        dispatch_max_tokens_per_rank=config.dispatch_max_tokens_per_rank,
         use_fp8_dispatch=par.use_fp8_dispatch,
         enable_sbo=par.enable_sbo,
         sbo_mode=par.sbo_mode,
         fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
-        deepep_ll_max_tokens_per_rank=par.deepep_ll_max_tokens_per_rank,
         comm_sms=config.overlap.comm_sms,
     )
     info = load_model(config.model, moe=moe, dtype=config.resolve_dtype(device), device=device, stage=stage)

@@ -24,6 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tandem.config import EngineConfig, SchedulerConfig
 from tandem.runner.future_map import FutureMap
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
@@ -31,7 +32,7 @@ from tandem.runner.scheduler import Request, Scheduler, SchedulerStep
 from tandem.runner.outputs import RequestOutput
 
 #: How long the scheduler waits for a forward before declaring the engine stuck.
-DEFAULT_STEP_TIMEOUT_S = 300.0
+DEFAULT_STEP_TIMEOUT_S = SchedulerConfig.step_timeout_s
 
 
 class StepTimeoutError(RuntimeError):
@@ -40,7 +41,9 @@ class StepTimeoutError(RuntimeError):
 
 
 @dataclass
-class EngineStats:
+class RankCounters:
+    """One rank's engine counters; the front end sums them into `serving.EngineStats`."""
+
     waiting: int
     running: int
     kv_usage: float
@@ -65,18 +68,30 @@ class EngineStats:
 
 
 class Engine:
+    """One rank's serving loop. Its settings are `tandem.config`'s (`Engine.from_config`);
+    a keyword left unset takes that tree's default, so no default lives here."""
+
     def __init__(
         self,
         runner: ModelRunner,
         *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        overlap_schedule: bool = True,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        overlap_schedule: bool | None = None,
         lockstep: bool = False,
-        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        step_timeout_s: float | None = None,
+        max_model_len: int | None = None,
     ):
+        defaults = SchedulerConfig()
+        max_num_seqs = defaults.max_num_seqs if max_num_seqs is None else max_num_seqs
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = EngineConfig.max_num_batched_tokens
+        overlap_schedule = defaults.overlap_schedule if overlap_schedule is None else overlap_schedule
+        step_timeout_s = defaults.step_timeout_s if step_timeout_s is None else step_timeout_s
         self.runner = runner
         info = runner.info
+        if max_model_len is not None and max_model_len > info.max_model_len:
+            raise ValueError(f"--max-model-len {max_model_len} is over the model's context length {info.max_model_len}")
         self.future_map = FutureMap(max_num_seqs, device=runner.device)
         runner.future_map = self.future_map
         self.scheduler = Scheduler(
@@ -85,7 +100,8 @@ class Engine:
             self.future_map,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=info.max_model_len,
+            # The ranks enforce --max-model-len too, not only the front end that admits requests.
+            max_model_len=info.max_model_len if max_model_len is None else max_model_len,
             eos_token_ids=info.eos_token_ids,
             decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
             generator_device=runner.device,
@@ -104,6 +120,20 @@ class Engine:
         #: Set when a failed step left state that later steps cannot trust (DeepEP's
         #: low-latency buffers): every request is refused with this message from then on.
         self.stopped: str | None = None
+
+    @classmethod
+    def from_config(cls, runner: ModelRunner, config: EngineConfig, **kwargs) -> "Engine":
+        """The engine `config` describes (its scheduler section and step token budget);
+        `kwargs` are the process's own (e.g. `lockstep`)."""
+        s = config.scheduler
+        settings = dict(
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            overlap_schedule=s.overlap_schedule,
+            step_timeout_s=s.step_timeout_s,
+            max_model_len=s.max_model_len,
+        )
+        return cls(runner, **{**settings, **kwargs})
 
     # -- requests -------------------------------------------------------------------------
 
@@ -258,9 +288,9 @@ class Engine:
 
     # -- state ----------------------------------------------------------------------------
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> RankCounters:
         runner = self.runner
-        return EngineStats(
+        return RankCounters(
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
             kv_usage=self.scheduler.kv_usage,
@@ -286,4 +316,4 @@ class Engine:
             self._worker.shutdown(wait=True)
 
 
-__all__ = ["Engine", "EngineStats", "StepTimeoutError"]
+__all__ = ["Engine", "RankCounters", "StepTimeoutError"]

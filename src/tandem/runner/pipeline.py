@@ -46,7 +46,7 @@ import torch
 from tandem.contexts import ForwardContext, set_forward_context
 from tandem.distributed import StageGroups, StageLink, StageLinkError
 from tandem.runner.batch import ScheduledChunk, build_step_inputs
-from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, EngineStats
+from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, RankCounters
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import SchedulerStep
@@ -198,21 +198,22 @@ class PipelineEngine(Engine):
         groups: StageGroups,
         *,
         num_micro_batches: int,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         lockstep: bool = False,
-        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        step_timeout_s: float | None = None,
+        max_model_len: int | None = None,
         chunk_limit=None,
     ):
         if num_micro_batches < 1:
             raise ValueError(f"the pipeline needs at least one micro-batch in flight, got {num_micro_batches}")
         super().__init__(
             runner, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, overlap_schedule=False,
-            lockstep=lockstep, step_timeout_s=step_timeout_s,
+            lockstep=lockstep, step_timeout_s=step_timeout_s, max_model_len=max_model_len,
         )
         if chunk_limit is not None:
             self.scheduler.chunk_limit = chunk_limit
-        self.worker = StageWorker(runner, groups, timeout_s=step_timeout_s)
+        self.worker = StageWorker(runner, groups, timeout_s=self.step_timeout_s)
         if not self.worker.is_first:
             raise ValueError("PipelineEngine runs on the first pipeline stage; later stages run run_stage()")
         self.num_micro_batches = num_micro_batches
@@ -319,7 +320,7 @@ class PipelineEngine(Engine):
         self.worker.send({"plan": MicroBatchPlan(kind=HEARTBEAT)}, self.worker.next_rank).wait(self.step_timeout_s)
         self._last_send = time.monotonic()
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> RankCounters:
         stats = super().stats()
         stats.pipeline_stage_idle_fraction = [
             self.stage_stats.get(s, {}).get("idle_fraction", 0.0) for s in range(self.worker.topology.pipeline_parallel_size)
@@ -432,10 +433,14 @@ def build_pipeline_stage(config, *, timeout_s: float = 600.0) -> tuple[ModelRunn
 def pipeline_engine(runner: ModelRunner, groups: StageGroups, config, **options) -> PipelineEngine:
     """The first stage's engine for `config` (ring size, lockstep over the stage's DP ranks;
     with `enable_dynamic_chunking`, prompt chunks sized from a latency model fitted here)."""
-    par = config.parallel
+    par, s = config.parallel, config.scheduler
+    settings = dict(
+        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        step_timeout_s=s.step_timeout_s, max_model_len=s.max_model_len,
+    )
     engine = PipelineEngine(
-        runner, groups, num_micro_batches=par.num_micro_batches, max_num_batched_tokens=config.max_num_batched_tokens,
-        lockstep=par.data_parallel_size > 1, **options,
+        runner, groups, num_micro_batches=par.num_micro_batches, lockstep=par.data_parallel_size > 1,
+        **{**settings, **options},
     )
     if par.enable_dynamic_chunking:
         from tandem.runner.chunking import fit_chunker

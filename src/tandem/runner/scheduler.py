@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from tandem.config import EngineConfig, SchedulerConfig
 from tandem.runner.batch import ScheduledChunk
 from tandem.runner.future_map import FutureMap, placeholder
 from tandem.runner.kv_cache import BlockAllocator, blocks_needed
@@ -97,8 +98,8 @@ class Scheduler:
         block_size: int,
         future_map: FutureMap,
         *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         max_model_len: int = 4096,
         eos_token_ids: set[int] | None = None,
         decode: Callable[[list[int]], str] = lambda ids: "",

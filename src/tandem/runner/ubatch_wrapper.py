@@ -44,6 +44,7 @@ from tandem.contexts import (
     make_ubatch_contexts,
     set_forward_context,
 )
+from tandem.config import GRAPH_MODES
 from tandem.contexts.ubatch_context import current_ubatch_context
 from tandem.models.paged_attention import AttentionMetadata
 from tandem.modular_kernels.capturable import check_graph_capturable
@@ -51,7 +52,6 @@ from tandem.modular_kernels.sm_partition import comm_sm_partition
 from tandem.platform import Graph, Platform, get_platform, graph_capture_active
 from tandem.ubatch import UBatchSlice, split_by_tokens
 
-GRAPH_MODES = ("none", "full")
 #: Forward-context extra: True when every DP rank runs TBO's decode strategy this step
 #: (the runner agrees on it); without it a ubatch's own metadata decides.
 TBO_DECODE = "tbo_decode"

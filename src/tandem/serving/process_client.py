@@ -68,7 +68,7 @@ class ProcessEngineClient(EngineClient):
         self.eos_token_ids = info.eos_token_ids
         # A request must fit in one rank's KV cache (the runner keeps one block for padding).
         kv_tokens = (config.cache.num_kv_blocks - 1) * config.cache.block_size
-        wanted = info.max_model_len if self.options.max_model_len is None else self.options.max_model_len
+        wanted = info.max_model_len if config.scheduler.max_model_len is None else config.scheduler.max_model_len
         if wanted > info.max_model_len:
             raise ValueError(f"--max-model-len {wanted} is over the model's context length {info.max_model_len}")
         self.max_model_len = min(wanted, kv_tokens)
@@ -97,7 +97,7 @@ class ProcessEngineClient(EngineClient):
         self._failure: str | None = None
         self._failed_at: float | None = None
         self._reaped = False
-        self.heartbeat_timeout_s = self.options.step_timeout_s + HEARTBEAT_GRACE_S
+        self.heartbeat_timeout_s = self.config.scheduler.step_timeout_s + HEARTBEAT_GRACE_S
         self._stopping = False
         self._pump: threading.Thread | None = None
         self.ready = False
@@ -223,7 +223,7 @@ class ProcessEngineClient(EngineClient):
             if silent > self.heartbeat_timeout_s:
                 self._set_failure(
                     f"the head rank has sent nothing for {silent:.0f} s (step timeout "
-                    f"{self.options.step_timeout_s:g} s): it is hung or unreachable"
+                    f"{self.config.scheduler.step_timeout_s:g} s): it is hung or unreachable"
                 )
             if self._failed_at is not None and not self._reaped and time.monotonic() - self._failed_at > FAILURE_GRACE_S:
                 self._reaped = True

@@ -43,21 +43,14 @@ from tandem.serving.rank_messages import (
 
 @dataclass
 class ServeOptions:
-    max_num_seqs: int = 64
-    overlap_schedule: bool = True
+    """How a serving process runs (its engine settings are the EngineConfig's `scheduler`)."""
+
     #: Longest wait of an idle head for the front end before it reports stats again.
     idle_wait_s: float = 0.02
     stats_interval_s: float = 0.25
     warmup: bool = True
     collective_timeout_s: float = 600.0
     gil_switch_interval_s: float = 0.0002
-    #: A loop iteration (one step, with its control collectives) taking longer than this
-    #: means the rank is stuck: it reports it and exits. Keep it well above the slowest
-    #: normal step.
-    step_timeout_s: float = 300.0
-    #: Longest context (prompt + max_tokens) a request may use; None: the model's. The
-    #: front end also caps it at one rank's KV cache.
-    max_model_len: int | None = None
 
 
 class Watchdog:
@@ -169,7 +162,7 @@ def serve_rank(
             outbox.put(message)
 
     distributed = world_size > 1
-    if options.overlap_schedule:
+    if config.scheduler.overlap_schedule:
         # The scheduler thread and the forward worker share the GIL. With the default 5 ms
         # switch interval, every time the forward drops the GIL around a native op it can
         # wait up to 5 ms to get it back from the scheduler (a convoy); a short interval
@@ -190,14 +183,7 @@ def serve_rank(
             # The model's collectives run on the device group; its step decisions on the CPU group
             # (not `control`: the scheduler thread uses that while the forward worker steps).
             runner = build_runner(config, group=dist.group.WORLD if distributed else None, cpu_group=cpu_group())
-            engine = Engine(
-                runner,
-                max_num_seqs=options.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                overlap_schedule=options.overlap_schedule,
-                lockstep=distributed,
-                step_timeout_s=options.step_timeout_s,
-            )
+            engine = Engine.from_config(runner, config, lockstep=distributed)
             if config.parallel.enable_dynamic_chunking:
                 from tandem.runner.chunking import fit_chunker
 
@@ -212,14 +198,14 @@ def serve_rank(
 
         def stuck(stalled_s: float) -> None:
             message = (
-                f"rank {rank}: no progress for {stalled_s:.0f} s (step timeout {options.step_timeout_s:g} s): a step "
+                f"rank {rank}: no progress for {stalled_s:.0f} s (step timeout {config.scheduler.step_timeout_s:g} s): a step "
                 "is stuck (a hung collective, or a dead or hung peer rank)"
             )
             print(f"[tandem] {message}; exiting", file=sys.stderr, flush=True)
             report(Fatal(message))
             hard_exit(3, outbox if rank == 0 else None)
 
-        watchdog = Watchdog(options.step_timeout_s, stuck).start()
+        watchdog = Watchdog(config.scheduler.step_timeout_s, stuck).start()
         try:
             _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive, watchdog)
             watchdog.beat()
@@ -261,18 +247,18 @@ def _pipeline_stage(rank: int, config, options: ServeOptions):
 
     runner, groups = build_pipeline_stage(config, timeout_s=options.collective_timeout_s)
     if groups.stage == 0:
-        return pipeline_engine(runner, groups, config, max_num_seqs=options.max_num_seqs, step_timeout_s=options.step_timeout_s)
+        return pipeline_engine(runner, groups, config)
     where = groups.topology.describe(rank)
 
     def stuck(stalled_s: float) -> None:
         print(f"[tandem] {where}: no micro-batch or heartbeat for {stalled_s:.0f} s (step timeout "
-              f"{options.step_timeout_s:g} s): the pipeline is stuck; exiting", file=sys.stderr, flush=True)
+              f"{config.scheduler.step_timeout_s:g} s): the pipeline is stuck; exiting", file=sys.stderr, flush=True)
         hard_exit(3)
 
-    watchdog = Watchdog(options.step_timeout_s, stuck).start()
+    watchdog = Watchdog(config.scheduler.step_timeout_s, stuck).start()
     try:
         run_stage(runner, groups, num_micro_batches=config.parallel.num_micro_batches,
-                  step_timeout_s=options.step_timeout_s, on_message=watchdog.beat)
+                  step_timeout_s=config.scheduler.step_timeout_s, on_message=watchdog.beat)
     finally:
         watchdog.stop()
     return None

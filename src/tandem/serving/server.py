@@ -14,21 +14,10 @@ import ipaddress
 import os
 import signal
 import sys
-from dataclasses import dataclass
 
+from tandem.config import HttpOptions
+from tandem.runner.torchrun import under_torchrun
 from tandem.serving.rank import ServeOptions
-
-
-@dataclass
-class HttpOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_queue_len: int | None = None
-    log_requests: bool = False
-    max_request_bytes: int = 1_000_000
-    max_streams_per_key: int | None = None
 
 
 def _log(message: str) -> None:
@@ -36,7 +25,7 @@ def _log(message: str) -> None:
 
 
 def describe(config, options: ServeOptions, http: HttpOptions, world_size: int) -> str:
-    o, p = config.overlap, config.parallel
+    o, p, s = config.overlap, config.parallel, config.scheduler
     dbo = (
         f"on (ubatches={o.num_ubatches}, executor={o.executor}, policy={o.overlap_policy}, split={o.ubatch_split}, "
         f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold})"
@@ -46,10 +35,10 @@ def describe(config, options: ServeOptions, http: HttpOptions, world_size: int) 
     return (
         f"serving {config.model} on http://{http.host}:{http.port} | ranks={world_size} "
         f"all2all={p.all2all_backend} moe={p.moe_backend} dbo={dbo} sbo={p.sbo_mode if p.enable_sbo else 'off'} "
-        f"graph={o.graph_mode} schedule={'overlap' if options.overlap_schedule else 'normal'} "
-        f"max_num_seqs={options.max_num_seqs} max_num_batched_tokens={config.max_num_batched_tokens} "
+        f"graph={o.graph_mode} schedule={'overlap' if s.overlap_schedule else 'normal'} "
+        f"max_num_seqs={s.max_num_seqs} max_num_batched_tokens={config.max_num_batched_tokens} "
         f"kv_cache={(config.cache.num_kv_blocks - 1) * config.cache.block_size} tokens/rank "
-        f"auth={'on' if http.api_key else 'off'} step_timeout={options.step_timeout_s:g}s"
+        f"auth={'on' if http.api_key else 'off'} step_timeout={s.step_timeout_s:g}s"
     )
 
 
@@ -166,12 +155,6 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
             hard_exit(1)  # a forward stuck in a collective would block a normal exit
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def under_torchrun() -> bool:
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and (
-        "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    )
 
 
 __all__ = ["HttpOptions", "describe", "run_server", "run_torchrun_rank", "under_torchrun"]
