@@ -166,7 +166,7 @@ class Engine:
             return self.runner.execute(
                 [entry.chunk for entry in step.scheduled],
                 [entry.request.params for entry in step.scheduled],
-                [entry.request.generator for entry in step.scheduled],
+                [entry.request.sampler for entry in step.scheduled],
                 finishes_prompt=[entry.slot is not None for entry in step.scheduled],
                 future_slots=[entry.slot for entry in step.scheduled],
             )

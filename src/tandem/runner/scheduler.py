@@ -26,7 +26,7 @@ import torch
 from tandem.runner.batch import ScheduledChunk
 from tandem.runner.future_map import FutureMap, placeholder
 from tandem.runner.kv_cache import BlockAllocator, blocks_needed
-from tandem.runner.sampling import SamplingParams
+from tandem.runner.sampling import RequestSampler, SamplingParams
 from tandem.serving.outputs import RequestOutput
 
 
@@ -53,7 +53,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    sampler: RequestSampler | None = None
     text: str = ""
     #: Incremental detokenization: text is final up to token `detok_read`; the next
     #: decode starts at `detok_prefix` so tokenizers that look back see context.
@@ -142,8 +142,8 @@ class Scheduler:
                 f"request {request.request_id!r} needs {total} tokens of KV cache, more than the whole cache "
                 f"({self.allocator.num_blocks * self.block_size} tokens)"
             )
-        if request.generator is None:
-            request.generator = request.params.make_generator(self.generator_device)
+        if request.sampler is None:
+            request.sampler = request.params.make_sampler(self.generator_device, request.prompt_ids, sorted(self.eos_token_ids))
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -292,7 +292,7 @@ class Scheduler:
         )
         before = len(request.text)
         self._detokenize(request, final=reason is not None or at_limit)
-        for stop in params.stop:
+        for stop in params.stop if len(request.output_ids) >= params.min_tokens else ():
             at = request.text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0:
                 request.text = request.text[:at]
