@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 #: How long closing a request's engine generators may take before we log and move on.
 ABORT_TIMEOUT_S = 10.0
+#: `Retry-After` of every 429 (seconds).
+RETRY_AFTER_S = "1"
 
 
 class _ClientGone(Exception):
@@ -174,6 +177,8 @@ class _Job:
     params: list[SamplingParams]
     include_usage: bool
     start: float
+    #: vLLM's `continuous_usage_stats`: usage so far in every chunk.
+    continuous_usage: bool = False
     prompt_text: str | None = None  # only kept when logging requests
     # Progress
     first_token_at: float | None = None
@@ -275,13 +280,13 @@ class _Server:
         try:
             return await handler(request)
         except P.APIError as err:
-            return _error_response(err)
+            return _error_response(err, headers={"Retry-After": RETRY_AFTER_S} if err.status == 429 else None)
         except ChatTemplateError as exc:
             return _error_response(P.invalid_request(str(exc), param="messages"))
         except EngineOverloadedError as exc:
             err = P.APIError(429, f"the engine is overloaded: {exc}" if str(exc) else "the engine is overloaded",
                              type="rate_limit_error", code="engine_overloaded")
-            return _error_response(err, headers={"Retry-After": "1"})
+            return _error_response(err, headers={"Retry-After": RETRY_AFTER_S})
         except EngineUnavailableError as exc:
             err = P.APIError(503, f"the engine is unavailable: {exc}" if str(exc) else "the engine is unavailable",
                              type="server_error", code="engine_unavailable")
@@ -306,18 +311,22 @@ class _Server:
             except ValueError:
                 raise P.invalid_request("invalid Content-Length header") from None
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            raise _ClientGone() from None  # gone while sending its body: a 499, not a 500
         return P.decode_json(bytes(body))
 
-    def check_model(self, model: str) -> None:
-        if model != self.served:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served:
             raise P.APIError(404, f"The model '{model}' does not exist; this server serves '{self.served}'",
                              param="model", code="model_not_found")
 
-    def sampling_params(self, req: P._SamplingRequest, max_tokens: int, max_tokens_param: str) -> list[SamplingParams]:
+    def sampling_params(self, req: P._SamplingRequest, max_tokens: int, max_tokens_param: str,
+                        logprobs: int | None = None) -> list[SamplingParams]:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= P.MAX_N:
             raise P.invalid_request(f"'n' must be between 1 and {P.MAX_N}, got {n}", param="n")
@@ -331,6 +340,12 @@ class _Server:
             raise P.invalid_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
         if req.seed is not None and not P.MIN_SEED <= req.seed <= P.MAX_SEED:
             raise P.invalid_request(f"'seed' must be a 64-bit integer in [{P.MIN_SEED}, {P.MAX_SEED}]", param="seed")
+        best_of = getattr(req, "best_of", None)
+        if best_of is not None and best_of != n:
+            # best_of > n ranks candidates by cumulative log-probability; vLLM's V1 engine refuses it too.
+            raise P.invalid_request(f"'best_of' must equal 'n' ({n}) on this server, got {best_of}", param="best_of")
+        if req.logit_bias:
+            raise P.invalid_request("'logit_bias' is not supported by this server", param="logit_bias")
         top_k = 0 if req.top_k in (None, -1) else req.top_k
         params = []
         for i in range(n):
@@ -341,10 +356,16 @@ class _Server:
                         temperature=1.0 if req.temperature is None else req.temperature,
                         top_p=1.0 if req.top_p is None else req.top_p,
                         top_k=top_k,
+                        min_p=req.min_p or 0.0,
                         seed=None if req.seed is None else req.seed + i,
                         stop=list(stop),
                         stop_token_ids=list(stop_token_ids),
                         ignore_eos=bool(req.ignore_eos),
+                        min_tokens=req.min_tokens or 0,
+                        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                        frequency_penalty=req.frequency_penalty or 0.0,
+                        presence_penalty=req.presence_penalty or 0.0,
+                        logprobs=logprobs,
                     )
                 )
             except ValueError as exc:
@@ -387,11 +408,21 @@ class _Server:
 
     # ------------------------------------------------------------------ endpoints
 
+    def parse(self, model: type[P._SamplingRequest], data: Any) -> Any:
+        req = P.parse_request(model, data)
+        ignored = P.ignored_fields(req)
+        if ignored:
+            logger.warning("ignoring unknown request field(s): %s", ", ".join(ignored))
+        self.check_model(req.model)
+        return req
+
     async def completions(self, request: Request) -> Response:
         start = time.perf_counter()
-        req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await self.read_json(request))
-        self.check_model(req.model)
+        req: P.CompletionRequest = self.parse(P.CompletionRequest, await self.read_json(request))
         req.check_unsupported()
+        if req.logprobs is not None or req.echo:
+            name = "logprobs" if req.logprobs is not None else "echo"
+            raise P.invalid_request(f"'{name}' is not supported by this server yet", param=name)
         prompt_ids, prompt_text = self.completion_prompt_ids(req.prompt)
         max_tokens = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, max_tokens, "max_tokens")
@@ -401,13 +432,15 @@ class _Server:
 
     async def chat_completions(self, request: Request) -> Response:
         start = time.perf_counter()
-        req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest, await self.read_json(request))
-        self.check_model(req.model)
+        req: P.ChatCompletionRequest = self.parse(P.ChatCompletionRequest, await self.read_json(request))
         req.check_unsupported()
+        if req.logprobs or req.top_logprobs:
+            name = "logprobs" if req.logprobs else "top_logprobs"
+            raise P.invalid_request(f"'{name}' is not supported by this server yet", param=name)
         if not req.messages:
             raise P.invalid_request("'messages' must contain at least one message", param="messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        text = render_chat(messages, self.chat_template, **self.template_context)
+        text = self.render(messages, req)
         # A model's template writes its special tokens itself; the default format does not.
         prompt_ids = self.encode(text, add_special_tokens=self.chat_template is None)
         if not prompt_ids:
@@ -425,6 +458,19 @@ class _Server:
         job = self.new_job(True, req, prompt_ids, params, start, text)
         return await self.run(request, job, bool(req.stream))
 
+    def render(self, messages: list[dict[str, Any]], req: P.ChatCompletionRequest) -> str:
+        context: dict[str, Any] = dict(self.template_context)
+        if req.tools is not None:
+            context["tools"] = req.tools
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted({"messages", "template"} & set(kwargs))
+        if reserved:
+            raise P.invalid_request(f"'chat_template_kwargs' may not set {reserved[0]!r}", param="chat_template_kwargs")
+        context.update(kwargs)
+        if req.add_generation_prompt is not None:
+            context["add_generation_prompt"] = req.add_generation_prompt
+        return render_chat(messages, self.chat_template, **context)
+
     def new_job(self, chat: bool, req: P._SamplingRequest, prompt_ids: list[int], params: list[SamplingParams],
                 start: float, prompt_text: str | None) -> _Job:
         job = _Job(
@@ -435,6 +481,8 @@ class _Server:
             prompt_ids=prompt_ids,
             params=params,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=bool(req.stream_options and req.stream_options.include_usage
+                                  and req.stream_options.continuous_usage_stats),
             start=start,
             prompt_text=prompt_text if self.log_requests else None,
             output_tokens=[0] * len(params),
@@ -547,7 +595,9 @@ class _Server:
         build = P.chat_chunk if job.chat else P.completion_chunk
         with_usage = job.include_usage
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            if usage is None and job.continuous_usage and choices:
+                usage = P.usage(len(job.prompt_ids), sum(job.output_tokens))
             return P.sse(build(job.request_id, job.created, job.model, choices, usage, with_usage_field=with_usage))
 
         reasons: list[str | None] = [None] * job.n
@@ -699,9 +749,12 @@ _DOCUMENTED_LIMITS: dict[str, dict[str, Any]] = {
     "top_k": {"minimum": -1},
     "n": {"minimum": 1, "maximum": P.MAX_N},
     "seed": {"minimum": P.MIN_SEED, "maximum": P.MAX_SEED},
-    "presence_penalty": {"minimum": 0, "maximum": 0},
-    "frequency_penalty": {"minimum": 0, "maximum": 0},
-    "best_of": {"minimum": 1, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "min_tokens": {"minimum": 0},
+    "best_of": {"minimum": 1, "maximum": P.MAX_N},
     "logit_bias": {"maxProperties": 0},
     "stop_token_ids": {"items": {"type": "integer", "minimum": 0}},
     "messages": {"minItems": 1},
