@@ -600,3 +600,47 @@ def test_request_content_is_logged_only_when_asked(caplog):
                 assert client.post("/v1/completions", json=body).status_code == 200
         assert "cmpl-" in caplog.text  # requests are logged either way...
         assert ("PRIVATE-words" in caplog.text) == log_requests  # ...their content only when asked
+
+
+# ------------------------------------------------------------------ vLLM's operational endpoints
+
+
+def test_tokenize_detokenize_and_tokenizer_info(http):
+    r = http.post("/tokenize", json={"prompt": "hello", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == ids("hello") and body["count"] == len(ids("hello"))
+    assert body["max_model_len"] == MAX_MODEL_LEN and len(body["token_strs"]) == body["count"]
+    r = http.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["tokens"] == build_tokenizer().encode("<|user|>\nhi\n<|assistant|>\n", add_special_tokens=False).ids
+    assert http.post("/detokenize", json={"tokens": ids("hello")}).json() == {"prompt": "hello"}
+    assert_openai_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, param="tokens")
+    assert_openai_error(http.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, param="model")
+    info = http.get("/tokenizer_info").json()
+    assert info["model_max_length"] == MAX_MODEL_LEN and info["eos_token_ids"] == [EOS_ID]
+
+
+def test_version_ping_and_head_health(server, engine):
+    with httpx.Client(base_url=server.url, timeout=10) as anonymous:  # open without the API key
+        assert anonymous.get("/version").json()["version"]
+        assert anonymous.get("/ping").status_code == 200 and anonymous.post("/ping").status_code == 200
+        head = anonymous.head("/health")
+        assert head.status_code == 200 and head.content == b""
+        engine.healthy = (False, "rank 1 died")
+        assert anonymous.head("/health").status_code == 503 and anonymous.get("/ping").status_code == 503
+
+
+def test_client_gone_mid_upload_is_499_not_500(server, http):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\": \"")
+        time.sleep(0.2)
+    def statuses() -> dict[str, float]:
+        found = {}
+        for line in http.get("/metrics").text.splitlines():
+            if line.startswith('tandem_http_requests_total{endpoint="/v1/completions"'):
+                found[line.split('status="')[1].split('"')[0]] = float(line.split()[-1])
+        return found
+    wait_until(lambda: "499" in statuses(), 10, "the 499 to be counted")
+    assert "500" not in statuses()

@@ -125,6 +125,7 @@ def test_streams_per_key_are_capped():
                 third = http.post("/v1/completions", json=body, headers=key_a)
                 error = assert_openai_error(third, 429, contains="at most 2")
                 assert error["code"] == "too_many_streams" and error["type"] == "rate_limit_error"
+                assert third.headers["retry-after"] == "1"
                 # Another key, a request without a key, and non-streamed requests are not held back.
                 with http.stream("POST", "/v1/completions", json=body, headers=key_b) as other:
                     assert other.status_code == 200

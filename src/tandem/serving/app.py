@@ -4,8 +4,9 @@
 
   POST /v1/completions, POST /v1/chat/completions   (JSON or `stream: true` Server-Sent Events)
   GET  /v1/models, GET /v1/models/{id}
-  GET  /health                                      (open even with an API key)
+  GET|HEAD /health, GET|POST /ping                  (open even with an API key)
   GET  /metrics                                     (Prometheus text; open)
+  POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /version   (vLLM's; open)
 
 Request bodies are read and validated here rather than by FastAPI, so that every problem is
 an OpenAI-shaped error (`protocol.APIError`): 400 for malformed/invalid requests, 401 for a
@@ -458,7 +459,7 @@ class _Server:
         job = self.new_job(True, req, prompt_ids, params, start, text)
         return await self.run(request, job, bool(req.stream))
 
-    def render(self, messages: list[dict[str, Any]], req: P.ChatCompletionRequest) -> str:
+    def render(self, messages: list[dict[str, Any]], req: P.ChatCompletionRequest | P.TokenizeChatRequest) -> str:
         context: dict[str, Any] = dict(self.template_context)
         if req.tools is not None:
             context["tools"] = req.tools
@@ -668,6 +669,39 @@ class _Server:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
+    async def tokenize(self, request: Request) -> Response:
+        data = await self.read_json(request)
+        chat = isinstance(data, dict) and "messages" in data
+        req = self.parse(P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest, data)
+        if chat:
+            if not req.messages:
+                raise P.invalid_request("'messages' must contain at least one message", param="messages")
+            text = self.render([m.model_dump(exclude_none=True) for m in req.messages], req)
+        else:
+            text = req.prompt
+        ids = self.encode(text, add_special_tokens=req.add_special_tokens)
+        strs = [self.client.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        req = self.parse(P.DetokenizeRequest, await self.read_json(request))
+        bad = [t for t in req.tokens if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise P.invalid_request(f"token id {bad[0]} is out of range [0, {self.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": self.client.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse({
+            "tokenizer_class": type(self.client.tokenizer).__name__,
+            "vocab_size": self.vocab_size,
+            "model_max_length": self.client.max_model_len,
+            "bos_token": self.template_context["bos_token"] or None,
+            "eos_token": self.template_context["eos_token"] or None,
+            "eos_token_ids": sorted(self.client.eos_token_ids),
+            "chat_template": self.chat_template,
+        })
+
     async def metrics_endpoint(self, request: Request) -> Response:
         content, content_type = self.metrics.render()
         return Response(content, headers={"Content-Type": content_type})
@@ -829,6 +863,8 @@ def create_app(
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if max_streams_per_key is not None and max_streams_per_key < 1:
         raise ValueError(f"max_streams_per_key must be >= 1, got {max_streams_per_key}")
+    from tandem import __version__ as tandem_version
+
     metrics = ServingMetrics(client)
     server = _Server(
         client,
@@ -875,9 +911,31 @@ def create_app(
     async def model(request: Request) -> Response:
         return await server.guard(request, server.model)
 
-    @app.get("/health", responses={503: {"description": "The engine is unavailable (the reason is in the body)"}})
+    unavailable = {503: {"description": "The engine is unavailable (the reason is in the body)"}}
+
+    @app.api_route("/health", methods=["GET", "HEAD"], responses=unavailable)
     async def health(request: Request) -> Response:
         return await server.health(request)
+
+    @app.api_route("/ping", methods=["GET", "POST"], responses=unavailable)
+    async def ping(request: Request) -> Response:
+        return await server.health(request)
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": tandem_version})
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(request: Request) -> Response:
+        return await server.guard(request, server.tokenize)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(request: Request) -> Response:
+        return await server.guard(request, server.detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        return await server.guard(request, server.tokenizer_info)
 
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:

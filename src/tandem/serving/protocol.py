@@ -268,6 +268,32 @@ class ChatCompletionRequest(_SamplingRequest):
                                   "(no constrained decoding)", param="response_format")
 
 
+class TokenizeCompletionRequest(_Lenient):
+    """vLLM's `/tokenize` with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """vLLM's `/tokenize` with chat messages (rendered by the chat template first)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[Int]
+
+
 # --------------------------------------------------------------------------- responses
 
 

@@ -83,9 +83,18 @@ def _serve_http(client, http: HttpOptions) -> None:
     server.run()
 
 
+def _sigterm_like_sigint() -> None:
+    """systemd, Docker and Kubernetes stop a service with SIGTERM: make it Ctrl-C (drain,
+    write the trace, stop the ranks). Left at its default, the SIGTERM uvicorn re-raises once
+    the HTTP server has stopped would kill the process before any of that."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
     """Local mode: start the ranks, serve until interrupted, stop everything."""
     from tandem.serving.process_client import ProcessEngineClient
+
+    _sigterm_like_sigint()
 
     client = ProcessEngineClient(config, options, max_queue_len=http.max_queue_len, log=_log)
     _log(describe(config, options, http, client.world_size))
@@ -103,6 +112,7 @@ def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, wor
     from tandem.serving.rank import _die_with_parent
 
     _die_with_parent()  # a head rank that dies (even by os._exit) takes its front end along
+    _sigterm_like_sigint()
 
     client = ProcessEngineClient(
         config, options, max_queue_len=http.max_queue_len, log=_log, queues=queues, world_size=world_size
