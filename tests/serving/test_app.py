@@ -631,16 +631,52 @@ def test_version_ping_and_head_health(server, engine):
 
 
 def test_client_gone_mid_upload_is_499_not_500(server, http):
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\": \"")
-        time.sleep(0.2)
     def statuses() -> dict[str, float]:
         found = {}
         for line in http.get("/metrics").text.splitlines():
             if line.startswith('tandem_http_requests_total{endpoint="/v1/completions"'):
                 found[line.split('status="')[1].split('"')[0]] = float(line.split()[-1])
         return found
-    wait_until(lambda: "499" in statuses(), 10, "the 499 to be counted")
-    assert "500" not in statuses()
+
+    before = statuses()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\": \"")
+        time.sleep(0.2)
+    wait_until(lambda: statuses().get("499", 0) == before.get("499", 0) + 1, 10, "the 499 to be counted")
+    assert statuses().get("500", 0) == before.get("500", 0)
+
+
+# ------------------------------------------------------------------ batched prompts
+
+
+def test_batched_prompts_with_n_are_indexed_prompt_major(oai, engine):
+    prompts = ["alpha", "beta gamma", "d"]
+    r = oai.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=3, seed=5)
+    assert [c.index for c in r.choices] == list(range(6))
+    for c in r.choices:
+        prompt, k = prompts[c.index // 2], c.index % 2
+        assert c.text == FakeEngine.reference_text(ids(prompt), 5 + k, 3)
+    assert r.usage.prompt_tokens == sum(len(ids(p)) for p in prompts)  # each prompt once, not per choice
+    assert r.usage.completion_tokens == 18
+    tokens = oai.completions.create(model=MODEL, prompt=[ids("ab"), ids("c")], max_tokens=2)
+    assert [c.text for c in tokens.choices] == [FakeEngine.reference_text(ids(p), None, 2) for p in ("ab", "c")]
+
+
+def test_batched_prompts_stream_with_their_indices(oai):
+    texts: dict[int, str] = {}
+    for chunk in oai.completions.create(model=MODEL, prompt=["x", "yy"], max_tokens=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: FakeEngine.reference_text(ids("x"), None, 3), 1: FakeEngine.reference_text(ids("yy"), None, 3)}
+
+
+def test_a_bad_prompt_in_a_batch_is_named(http, engine):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["ok", ""]})
+    assert_openai_error(r, 400, param="prompt[1]", contains="empty")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [[1, 2], [10**9]]})
+    assert_openai_error(r, 400, param="prompt[1]", contains="out of range")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["ok", "y" * 200]})
+    assert_openai_error(r, 400, param="prompt[1]", contains="context length")
+    assert engine.started == []

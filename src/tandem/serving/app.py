@@ -109,14 +109,14 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
 class _Fanout:
     """The `n` engine requests of one HTTP request, merged into one stream of (index, output)."""
 
-    def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], params: list[SamplingParams]):
+    def __init__(self, client: EngineClient, request_id: str, prompts: list[list[int]], params: list[SamplingParams]):
         self.n = len(params)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
         self._buffer: list[tuple[int, RequestOutput]] = []
         self._finished = 0
         self._tasks = [
             asyncio.ensure_future(self._pump(client, i, f"{request_id}-{i}", prompt_ids, p))
-            for i, p in enumerate(params)
+            for i, (prompt_ids, p) in enumerate(zip(prompts, params))
         ]
 
     async def _pump(self, client: EngineClient, i: int, rid: str, prompt_ids: list[int], params: SamplingParams):
@@ -174,13 +174,15 @@ class _Job:
     request_id: str
     created: int
     model: str
-    prompt_ids: list[int]
+    #: The prompt of each choice (a batch of prompts times `n`: choice i is prompt i // n).
+    prompts: list[list[int]]
     params: list[SamplingParams]
     include_usage: bool
     start: float
+    num_prompts: int = 1
     #: vLLM's `continuous_usage_stats`: usage so far in every chunk.
     continuous_usage: bool = False
-    prompt_text: str | None = None  # only kept when logging requests
+    prompt_text: str | list[str | None] | None = None  # only kept when logging requests
     # Progress
     first_token_at: float | None = None
     output_tokens: list[int] = field(default_factory=list)
@@ -193,6 +195,12 @@ class _Job:
     @property
     def n(self) -> int:
         return len(self.params)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Each distinct prompt counted once, as OpenAI's usage does (not once per choice)."""
+        per_prompt = self.n // self.num_prompts
+        return sum(len(self.prompts[i * per_prompt]) for i in range(self.num_prompts))
 
 
 class _SSEResponse(StreamingResponse):
@@ -388,23 +396,25 @@ class _Server:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.client.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def completion_prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            raise P.invalid_request("batched prompts are not supported; send one prompt per request", param="prompt")
+    def completion_prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
+        """A prompt, or a batch of them (a list of strings or of token lists), as (ids, text)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return [self.completion_prompt_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [self.completion_prompt_ids(prompt, "prompt")]
+
+    def completion_prompt_ids(self, prompt: Any, param: str) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
-                raise P.invalid_request("the prompt is empty", param="prompt")
+                raise P.invalid_request("the prompt is empty", param=param)
             ids = self.encode(prompt)
             text = prompt
         else:
             ids, text = list(prompt), None
             bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
             if bad:
-                raise P.invalid_request(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt")
+                raise P.invalid_request(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", param=param)
         if not ids:
-            raise P.invalid_request("the prompt is empty", param="prompt")
+            raise P.invalid_request("the prompt is empty", param=param)
         return ids, text
 
     # ------------------------------------------------------------------ endpoints
@@ -424,11 +434,16 @@ class _Server:
         if req.logprobs is not None or req.echo:
             name = "logprobs" if req.logprobs is not None else "echo"
             raise P.invalid_request(f"'{name}' is not supported by this server yet", param=name)
-        prompt_ids, prompt_text = self.completion_prompt_ids(req.prompt)
+        prompts = self.completion_prompts(req.prompt)
         max_tokens = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, max_tokens, "max_tokens")
-        self.check_context(len(prompt_ids), max_tokens, "prompt", "max_tokens")
-        job = self.new_job(False, req, prompt_ids, params, start, prompt_text)
+        if len(prompts) * len(params) > P.MAX_CHOICES:
+            raise P.invalid_request(f"{len(prompts)} prompts x n={len(params)} is more than {P.MAX_CHOICES} choices "
+                                    "in one request", param="prompt")
+        for i, (prompt_ids, _) in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            self.check_context(len(prompt_ids), max_tokens, where, "max_tokens")
+        job = self.new_job(False, req, [ids for ids, _ in prompts], params, start, [text for _, text in prompts])
         return await self.run(request, job, bool(req.stream))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -456,7 +471,7 @@ class _Server:
                 self.check_context(len(prompt_ids), 1, "messages", name)
         params = self.sampling_params(req, max_tokens, name)
         self.check_context(len(prompt_ids), max_tokens, "messages", name)
-        job = self.new_job(True, req, prompt_ids, params, start, text)
+        job = self.new_job(True, req, [prompt_ids], params, start, text)
         return await self.run(request, job, bool(req.stream))
 
     def render(self, messages: list[dict[str, Any]], req: P.ChatCompletionRequest | P.TokenizeChatRequest) -> str:
@@ -472,15 +487,19 @@ class _Server:
             context["add_generation_prompt"] = req.add_generation_prompt
         return render_chat(messages, self.chat_template, **context)
 
-    def new_job(self, chat: bool, req: P._SamplingRequest, prompt_ids: list[int], params: list[SamplingParams],
-                start: float, prompt_text: str | None) -> _Job:
+    def new_job(self, chat: bool, req: P._SamplingRequest, prompts: list[list[int]], params: list[SamplingParams],
+                start: float, prompt_text: str | list[str | None] | None) -> _Job:
+        """`prompts`: one or more (a batch), each to be answered with `params` (its n choices)."""
+        n = len(params)
+        params = [p for _ in prompts for p in params]
         job = _Job(
             chat=chat,
             request_id=P.new_id("chatcmpl" if chat else "cmpl"),
             created=P.now(),
             model=self.served,
-            prompt_ids=prompt_ids,
+            prompts=[prompt for prompt in prompts for _ in range(n)],
             params=params,
+            num_prompts=len(prompts),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             continuous_usage=bool(req.stream_options and req.stream_options.include_usage
                                   and req.stream_options.continuous_usage_stats),
@@ -490,16 +509,16 @@ class _Server:
         )
         if self.log_requests:
             logger.info("request %s: prompt=%r (%d tokens), params=%s", job.request_id, prompt_text,
-                        len(prompt_ids), params[0])
+                        job.num_prompt_tokens, params[0])
         else:
-            logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d", job.request_id, len(prompt_ids),
+            logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d", job.request_id, job.num_prompt_tokens,
                          len(params), params[0].max_tokens)
         return job
 
     def account(self, job: _Job, i: int, out: RequestOutput) -> None:
         if i not in job.admitted:
             job.admitted.add(i)
-            self.metrics.add_prompt_tokens(len(job.prompt_ids))
+            self.metrics.add_prompt_tokens(len(job.prompts[i]))
         n = len(out.new_token_ids)
         if n:
             if job.first_token_at is None:
@@ -555,7 +574,7 @@ class _Server:
 
     async def run(self, request: Request, job: _Job, stream: bool) -> Response:
         release = self.open_stream(request) if stream else (lambda: None)
-        fanout = _Fanout(self.client, job.request_id, job.prompt_ids, job.params)
+        fanout = _Fanout(self.client, job.request_id, job.prompts, job.params)
         if not stream:
             try:
                 body = await _until_disconnect(request.receive, self.collect(job, fanout))
@@ -587,7 +606,7 @@ class _Server:
                                      code="generation_error")
                 reasons[i] = out.finish_reason
         self.log_done(job, reasons, texts)
-        usage = P.usage(len(job.prompt_ids), sum(job.output_tokens))
+        usage = P.usage(job.num_prompt_tokens, sum(job.output_tokens))
         choices = list(zip(texts, reasons))
         build = P.chat_response if job.chat else P.completion_response
         return build(job.request_id, job.created, job.model, choices, usage)
@@ -598,7 +617,7 @@ class _Server:
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             if usage is None and job.continuous_usage and choices:
-                usage = P.usage(len(job.prompt_ids), sum(job.output_tokens))
+                usage = P.usage(job.num_prompt_tokens, sum(job.output_tokens))
             return P.sse(build(job.request_id, job.created, job.model, choices, usage, with_usage_field=with_usage))
 
         reasons: list[str | None] = [None] * job.n
@@ -628,7 +647,7 @@ class _Server:
                     yield chunk([{"index": i, "text": out.new_text, "finish_reason": reason}])
             self.log_done(job, reasons, texts)
             if with_usage:
-                yield chunk([], P.usage(len(job.prompt_ids), sum(job.output_tokens)))
+                yield chunk([], P.usage(job.num_prompt_tokens, sum(job.output_tokens)))
             yield P.sse("[DONE]")
         except EngineOverloadedError as exc:
             yield P.sse(P.error_body(f"the engine is overloaded: {exc}", type="rate_limit_error",
@@ -823,7 +842,7 @@ def _document_limits(body: dict[str, Any], vocab_size: int | None) -> None:
                 if items.get("type") == "integer":
                     member["minItems"] = 1
                 else:
-                    member.update(minItems=1, maxItems=1)  # a batch of one prompt
+                    member.update(minItems=1)  # a batch of prompts
                     if items.get("type") == "array":
                         items["minItems"] = 1
 
@@ -843,6 +862,13 @@ def _openapi_schema(app: FastAPI, served_model_name: str, vocab_size: int | None
         body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
         _document_limits(body, vocab_size)
         components[model.__name__] = body
+    for model in (P.TokenizeCompletionRequest, P.TokenizeChatRequest, P.DetokenizeRequest):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
+        components[model.__name__] = body
+    components["TokenizeRequest"] = {"anyOf": [{"$ref": "#/components/schemas/TokenizeCompletionRequest"},
+                                               {"$ref": "#/components/schemas/TokenizeChatRequest"}]}
     app.openapi_schema = schema
     return schema
 
@@ -925,11 +951,11 @@ def create_app(
     async def version(request: Request) -> Response:
         return JSONResponse({"version": tandem_version})
 
-    @app.post("/tokenize", responses=_ERRORS)
+    @app.post("/tokenize", responses=_ERRORS, openapi_extra=_body("TokenizeRequest"))
     async def tokenize(request: Request) -> Response:
         return await server.guard(request, server.tokenize)
 
-    @app.post("/detokenize", responses=_ERRORS)
+    @app.post("/detokenize", responses=_ERRORS, openapi_extra=_body("DetokenizeRequest"))
     async def detokenize(request: Request) -> Response:
         return await server.guard(request, server.detokenize)
 

@@ -25,6 +25,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 #: Most choices one request may fan out to (`n`).
 MAX_N = 16
+#: Most choices of one request over a batch of prompts (prompts x n).
+MAX_CHOICES = 256
 #: `max_tokens` default of `/v1/completions` (as in the OpenAI API).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Seeds are 64-bit signed integers (room left for the `seed + i` of `n > 1`).
