@@ -187,7 +187,7 @@ class Engine:
     def _apply(self, step: SchedulerStep, result: StepResult | BaseException) -> list[RequestOutput]:
         if isinstance(result, BaseException):
             return self._fail(step, result)
-        outputs = self.scheduler.apply(step, result.tokens)
+        outputs = self.scheduler.apply(step, result.tokens, result.logprobs)
         self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 

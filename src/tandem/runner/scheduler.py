@@ -61,6 +61,8 @@ class Request:
     detok_read: int = 0
     sent_text: int = 0
     sent_tokens: int = 0
+    #: With `params.logprobs`: per sampled token, [(id, logprob)] of it and its top ones.
+    output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def known_ids(self) -> list[int]:
@@ -264,10 +266,11 @@ class Scheduler:
 
     # -- results --------------------------------------------------------------------------
 
-    def apply(self, step: SchedulerStep, tokens: list[int | None]) -> list[RequestOutput]:
-        """Apply a finished step's sampled tokens (in step order); return output deltas."""
+    def apply(self, step: SchedulerStep, tokens: list[int | None], logprobs: list | None = None) -> list[RequestOutput]:
+        """Apply a finished step's sampled tokens (in step order), and their log-probabilities
+        where requests asked; return output deltas."""
         outputs = []
-        for entry, token in zip(step.scheduled, tokens):
+        for k, (entry, token) in enumerate(zip(step.scheduled, tokens)):
             request = entry.request
             if entry.slot is not None:
                 request.in_flight -= 1
@@ -276,6 +279,8 @@ class Scheduler:
             if entry.slot is None or token is None:
                 continue
             request.output_ids.append(int(token))
+            if logprobs is not None and logprobs[k] is not None:
+                request.output_logprobs.append(logprobs[k])
             self._check_stop(request, int(token))
             outputs.append(self._output(request))
         return outputs
@@ -337,6 +342,7 @@ class Scheduler:
         new_text = text[request.sent_text :]
         request.sent_text = len(text)
         new_tokens = request.output_ids[request.sent_tokens :]
+        new_logprobs = request.output_logprobs[request.sent_tokens : len(request.output_ids)]
         request.sent_tokens = len(request.output_ids)
         return RequestOutput(
             request_id=request.request_id,
@@ -346,6 +352,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
+            new_logprobs=new_logprobs if request.params.logprobs is not None else None,
         )
 
 
