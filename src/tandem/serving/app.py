@@ -186,6 +186,10 @@ class _Job:
     # Progress
     first_token_at: float | None = None
     output_tokens: list[int] = field(default_factory=list)
+    #: `echo`: each choice's prompt text, sent before its completion.
+    echo: list[str] | None = None
+    #: Per choice, the `text_offset` of its next token (completions logprobs).
+    text_offsets: list[int] = field(default_factory=list)
     admitted: set[int] = field(default_factory=set)
 
     @property
@@ -431,12 +435,12 @@ class _Server:
         start = time.perf_counter()
         req: P.CompletionRequest = self.parse(P.CompletionRequest, await self.read_json(request))
         req.check_unsupported()
-        if req.logprobs is not None or req.echo:
-            name = "logprobs" if req.logprobs is not None else "echo"
-            raise P.invalid_request(f"'{name}' is not supported by this server yet", param=name)
+        if req.echo and req.logprobs is not None:
+            raise P.invalid_request("'echo' with 'logprobs' needs the prompt's log-probabilities, which this server "
+                                    "does not compute yet; send one or the other", param="echo")
         prompts = self.completion_prompts(req.prompt)
         max_tokens = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, "max_tokens")
+        params = self.sampling_params(req, max_tokens, "max_tokens", logprobs=req.logprobs)
         if len(prompts) * len(params) > P.MAX_CHOICES:
             raise P.invalid_request(f"{len(prompts)} prompts x n={len(params)} is more than {P.MAX_CHOICES} choices "
                                     "in one request", param="prompt")
@@ -444,15 +448,17 @@ class _Server:
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             self.check_context(len(prompt_ids), max_tokens, where, "max_tokens")
         job = self.new_job(False, req, [ids for ids, _ in prompts], params, start, [text for _, text in prompts])
+        if req.echo:
+            texts = [text if text is not None else self.client.tokenizer.decode(ids) for ids, text in prompts]
+            job.echo = [text for text in texts for _ in range(len(params))]
         return await self.run(request, job, bool(req.stream))
 
     async def chat_completions(self, request: Request) -> Response:
         start = time.perf_counter()
         req: P.ChatCompletionRequest = self.parse(P.ChatCompletionRequest, await self.read_json(request))
         req.check_unsupported()
-        if req.logprobs or req.top_logprobs:
-            name = "logprobs" if req.logprobs else "top_logprobs"
-            raise P.invalid_request(f"'{name}' is not supported by this server yet", param=name)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise P.invalid_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if not req.messages:
             raise P.invalid_request("'messages' must contain at least one message", param="messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -469,7 +475,7 @@ class _Server:
             max_tokens, name = self.client.max_model_len - len(prompt_ids), "max_tokens"
             if max_tokens < 1:
                 self.check_context(len(prompt_ids), 1, "messages", name)
-        params = self.sampling_params(req, max_tokens, name)
+        params = self.sampling_params(req, max_tokens, name, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         self.check_context(len(prompt_ids), max_tokens, "messages", name)
         job = self.new_job(True, req, [prompt_ids], params, start, text)
         return await self.run(request, job, bool(req.stream))
@@ -514,6 +520,22 @@ class _Server:
             logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d", job.request_id, job.num_prompt_tokens,
                          len(params), params[0].max_tokens)
         return job
+
+    def token_text(self, token: int) -> str:
+        return self.client.tokenizer.decode([token], skip_special_tokens=False)
+
+    def logprobs_object(self, job: _Job, i: int, entries: P.TokenLogprobs | None) -> dict[str, Any] | None:
+        """The logprobs of choice i's new tokens, in the endpoint's shape (None: not asked)."""
+        if job.params[i].logprobs is None:
+            return None
+        entries = entries or []
+        if job.chat:
+            return P.chat_logprobs(entries, self.token_text)
+        if not job.text_offsets:
+            job.text_offsets = [len(job.echo[c]) if job.echo else 0 for c in range(job.n)]
+        body = P.completion_logprobs(entries, self.token_text, job.text_offsets[i])
+        job.text_offsets[i] += sum(len(t) for t in body["tokens"])
+        return body
 
     def account(self, job: _Job, i: int, out: RequestOutput) -> None:
         if i not in job.admitted:
@@ -595,11 +617,13 @@ class _Server:
         return _SSEResponse(self.stream_events(job, fanout), on_close=on_close)
 
     async def collect(self, job: _Job, fanout: _Fanout) -> dict[str, Any]:
-        texts = [""] * job.n
+        texts = list(job.echo) if job.echo else [""] * job.n
         reasons: list[str | None] = [None] * job.n
+        logprobs: list[P.TokenLogprobs] = [[] for _ in range(job.n)]
         async for i, out in fanout.events():
             self.account(job, i, out)
             texts[i] += out.new_text
+            logprobs[i] += out.new_logprobs or []
             if out.finished:
                 if out.finish_reason == "error":
                     raise P.APIError(500, f"generation failed: {out.error or 'engine error'}", type="server_error",
@@ -609,7 +633,8 @@ class _Server:
         usage = P.usage(job.num_prompt_tokens, sum(job.output_tokens))
         choices = list(zip(texts, reasons))
         build = P.chat_response if job.chat else P.completion_response
-        return build(job.request_id, job.created, job.model, choices, usage)
+        objects = [self.logprobs_object(job, i, logprobs[i]) for i in range(job.n)]
+        return build(job.request_id, job.created, job.model, choices, usage, objects)
 
     async def stream_events(self, job: _Job, fanout: _Fanout) -> AsyncIterator[bytes]:
         build = P.chat_chunk if job.chat else P.completion_chunk
@@ -622,6 +647,7 @@ class _Server:
 
         reasons: list[str | None] = [None] * job.n
         texts = [""] * job.n if self.log_requests else None
+        echo_pending = set(range(job.n)) if job.echo else None
         try:
             if job.chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -638,13 +664,20 @@ class _Server:
                 reason = out.finish_reason if out.finished else None
                 if out.finished:
                     reasons[i] = reason
+                logprobs = self.logprobs_object(job, i, out.new_logprobs) if out.new_logprobs else None
                 if job.chat:
-                    if out.new_text:
-                        yield chunk([{"index": i, "delta": {"content": out.new_text}, "finish_reason": None}])
+                    if out.new_text or logprobs:
+                        yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": logprobs,
+                                      "finish_reason": None}])
                     if out.finished:
                         yield chunk([{"index": i, "delta": {}, "finish_reason": reason}])
-                elif out.new_text or out.finished:
-                    yield chunk([{"index": i, "text": out.new_text, "finish_reason": reason}])
+                    continue
+                text = out.new_text
+                if echo_pending and i in echo_pending:
+                    echo_pending.discard(i)
+                    text = job.echo[i] + text
+                if text or logprobs or out.finished:
+                    yield chunk([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}])
             self.log_done(job, reasons, texts)
             if with_usage:
                 yield chunk([], P.usage(job.num_prompt_tokens, sum(job.output_tokens)))

@@ -19,7 +19,7 @@ import functools
 import json
 import secrets
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -317,17 +317,52 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+#: Per generated token: [(id, logprob)] of the sampled token, then of the most likely ones.
+TokenLogprobs = list[list[tuple[int, float]]]
+
+
+def completion_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str], offset: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object; `offset` is the first token's `text_offset`.
+    As vLLM does, each `top_logprobs` dict holds the sampled token too."""
+    tokens, offsets = [], []
+    for entry in entries:
+        text = token_text(entry[0][0])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry[0][1] for entry in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in [*entry[1:], entry[0]]} for entry in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str]) -> dict[str, Any]:
+    """The chat `logprobs` object: `content` per token, `top_logprobs` the requested alternatives."""
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [{**item(*entry[0]), "top_logprobs": [item(*alt) for alt in entry[1:]]} for entry in entries],
+        "refusal": None,
+    }
+
+
 def completion_response(
-    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int]
+    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int],
+    logprobs: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
-    """`choices`: (text, finish_reason) per index."""
+    """`choices`: (text, finish_reason) per index; `logprobs`: each choice's logprobs object."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            {"index": i, "text": text, "logprobs": logprobs[i] if logprobs else None, "finish_reason": reason}
             for i, (text, reason) in enumerate(choices)
         ],
         "usage": usage_,
@@ -336,7 +371,8 @@ def completion_response(
 
 
 def chat_response(
-    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int]
+    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int],
+    logprobs: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -347,7 +383,7 @@ def chat_response(
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs[i] if logprobs else None,
                 "finish_reason": reason,
             }
             for i, (text, reason) in enumerate(choices)
