@@ -102,7 +102,7 @@ def test_engine_future_map_and_generators_follow_the_runner_device(monkeypatch):
     try:
         assert engine.future_map.buffer.device == runner.device
         engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, temperature=1.0, seed=3, ignore_eos=True))
-        assert engine.scheduler.requests["a"].generator.device == runner.device
+        assert engine.scheduler.requests["a"].sampler.generator.device == runner.device
         outputs = []
         while engine.has_work:
             outputs += engine.step()

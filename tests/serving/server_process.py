@@ -89,9 +89,9 @@ class Server:
         self.log.seek(0)
         return self.log.read()
 
-    def stop(self, timeout_s: float = 45.0) -> int:
+    def stop(self, timeout_s: float = 45.0, sig: signal.Signals = signal.SIGINT) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -319,24 +319,69 @@ def test_malformed_json_and_wrong_types_are_400(http):
     assert_openai_error(r, 400, param="max_tokens")
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": 12.5})
     assert_openai_error(r, 400, param="prompt", contains="list of token ids")
-    assert_openai_error(http.post("/v1/completions", json={"prompt": "hi"}), 400, param="model", contains="missing")
 
 
-def test_unknown_field_is_400_but_common_sdk_fields_are_tolerated(http):
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "frobnicate": True})
-    assert_openai_error(r, 400, param="frobnicate", contains="unknown field 'frobnicate'")
+def test_unknown_fields_are_ignored_with_a_warning_except_in_messages(http, caplog):
+    with caplog.at_level(logging.WARNING, logger="tandem.serving.app"):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "frobnicate": True,
+                                               "stream_options": {"include_usage": True, "extra": 1}})
+    assert r.status_code == 200, r.text
+    assert "frobnicate" in caplog.text and "stream_options.extra" in caplog.text
+    # In a message, a misspelt key would silently change the prompt: still a 400.
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x", "mood": 1}]})
     assert_openai_error(r, 400, param="messages[0].mood", contains="unknown field")
-    tolerated = {"user": "u1", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False,
-                 "suffix": None, "best_of": 1, "max_tokens": 2}
-    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **tolerated}).status_code == 200
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "presence_penalty": 0.5})
-    assert_openai_error(r, 400, param="presence_penalty", contains="not supported")
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 2})
-    assert_openai_error(r, 400, param="logprobs", contains="not supported")
-    r = http.post("/v1/chat/completions",
-                  json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True})
-    assert_openai_error(r, 400, param="logprobs", contains="not supported")
+
+
+def test_model_is_optional_and_integral_floats_are_integers(http, engine):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3.0, "n": 2.0, "seed": 7.0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == MODEL and len(body["choices"]) == 2 and body["usage"]["completion_tokens"] == 6
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_vllm_sampling_extensions_reach_the_engine(oai, engine):
+    oai.completions.create(model=MODEL, prompt="hi", max_tokens=5, presence_penalty=0.5, frequency_penalty=-0.25,
+                           best_of=1, extra_body={"min_tokens": 3, "repetition_penalty": 1.3, "top_k": 4,
+                                                  "min_p": 0.1, "ignore_eos": True})
+    params = engine.requests[engine.started[-1]][1]
+    assert (params.min_tokens, params.repetition_penalty, params.presence_penalty, params.frequency_penalty,
+            params.top_k, params.min_p, params.ignore_eos) == (3, 1.3, 0.5, -0.25, 4, 0.1, True)
+
+
+def test_chat_template_kwargs_and_tools_reach_the_template():
+    engine = FakeEngine()
+    engine.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                            "{% if tools %}[tools:{{ tools | length }}]{% endif %}"
+                            "{% if enable_thinking %}<think>{% endif %}{% if add_generation_prompt %}>{% endif %}")
+    with TestClient(create_app(engine)) as client:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Q"}], "max_tokens": 1, "tools": tools, "tool_choice": "none",
+            "chat_template_kwargs": {"enable_thinking": True}})
+        assert r.status_code == 200, r.text
+        prompt = engine.tokenizer.decode(engine.requests[engine.started[-1]][0])
+        assert prompt == "Q[tools:1]<think>>"
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Q"}], "max_tokens": 1, "add_generation_prompt": False})
+        assert engine.tokenizer.decode(engine.requests[engine.started[-1]][0]) == "Q"
+        for fields, param in (({"tools": tools, "tool_choice": "auto"}, "tool_choice"),
+                              ({"response_format": {"type": "json_object"}}, "response_format"),
+                              ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Q"}], **fields})
+            assert_openai_error(r, 400, param=param)
+
+
+def test_stream_continuous_usage_stats(oai):
+    stream = oai.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True,
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    with_text = [c for c in chunks if c.choices]
+    assert with_text and all(c.usage is not None for c in with_text)
+    assert [c.usage.completion_tokens for c in with_text] == sorted(c.usage.completion_tokens for c in with_text)
+    assert chunks[-1].usage.completion_tokens == 4 and not chunks[-1].choices
 
 
 def test_bad_values_are_400(oai, http, engine):
@@ -555,3 +600,83 @@ def test_request_content_is_logged_only_when_asked(caplog):
                 assert client.post("/v1/completions", json=body).status_code == 200
         assert "cmpl-" in caplog.text  # requests are logged either way...
         assert ("PRIVATE-words" in caplog.text) == log_requests  # ...their content only when asked
+
+
+# ------------------------------------------------------------------ vLLM's operational endpoints
+
+
+def test_tokenize_detokenize_and_tokenizer_info(http):
+    r = http.post("/tokenize", json={"prompt": "hello", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == ids("hello") and body["count"] == len(ids("hello"))
+    assert body["max_model_len"] == MAX_MODEL_LEN and len(body["token_strs"]) == body["count"]
+    r = http.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["tokens"] == build_tokenizer().encode("<|user|>\nhi\n<|assistant|>\n", add_special_tokens=False).ids
+    assert http.post("/detokenize", json={"tokens": ids("hello")}).json() == {"prompt": "hello"}
+    assert_openai_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, param="tokens")
+    assert_openai_error(http.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, param="model")
+    info = http.get("/tokenizer_info").json()
+    assert info["model_max_length"] == MAX_MODEL_LEN and info["eos_token_ids"] == [EOS_ID]
+
+
+def test_version_ping_and_head_health(server, engine):
+    with httpx.Client(base_url=server.url, timeout=10) as anonymous:  # open without the API key
+        assert anonymous.get("/version").json()["version"]
+        assert anonymous.get("/ping").status_code == 200 and anonymous.post("/ping").status_code == 200
+        head = anonymous.head("/health")
+        assert head.status_code == 200 and head.content == b""
+        engine.healthy = (False, "rank 1 died")
+        assert anonymous.head("/health").status_code == 503 and anonymous.get("/ping").status_code == 503
+
+
+def test_client_gone_mid_upload_is_499_not_500(server, http):
+    def statuses() -> dict[str, float]:
+        found = {}
+        for line in http.get("/metrics").text.splitlines():
+            if line.startswith('tandem_http_requests_total{endpoint="/v1/completions"'):
+                found[line.split('status="')[1].split('"')[0]] = float(line.split()[-1])
+        return found
+
+    before = statuses()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\": \"")
+        time.sleep(0.2)
+    wait_until(lambda: statuses().get("499", 0) == before.get("499", 0) + 1, 10, "the 499 to be counted")
+    assert statuses().get("500", 0) == before.get("500", 0)
+
+
+# ------------------------------------------------------------------ batched prompts
+
+
+def test_batched_prompts_with_n_are_indexed_prompt_major(oai, engine):
+    prompts = ["alpha", "beta gamma", "d"]
+    r = oai.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=3, seed=5)
+    assert [c.index for c in r.choices] == list(range(6))
+    for c in r.choices:
+        prompt, k = prompts[c.index // 2], c.index % 2
+        assert c.text == FakeEngine.reference_text(ids(prompt), 5 + k, 3)
+    assert r.usage.prompt_tokens == sum(len(ids(p)) for p in prompts)  # each prompt once, not per choice
+    assert r.usage.completion_tokens == 18
+    tokens = oai.completions.create(model=MODEL, prompt=[ids("ab"), ids("c")], max_tokens=2)
+    assert [c.text for c in tokens.choices] == [FakeEngine.reference_text(ids(p), None, 2) for p in ("ab", "c")]
+
+
+def test_batched_prompts_stream_with_their_indices(oai):
+    texts: dict[int, str] = {}
+    for chunk in oai.completions.create(model=MODEL, prompt=["x", "yy"], max_tokens=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: FakeEngine.reference_text(ids("x"), None, 3), 1: FakeEngine.reference_text(ids("yy"), None, 3)}
+
+
+def test_a_bad_prompt_in_a_batch_is_named(http, engine):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["ok", ""]})
+    assert_openai_error(r, 400, param="prompt[1]", contains="empty")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [[1, 2], [10**9]]})
+    assert_openai_error(r, 400, param="prompt[1]", contains="out of range")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["ok", "y" * 200]})
+    assert_openai_error(r, 400, param="prompt[1]", contains="context length")
+    assert engine.started == []

@@ -210,7 +210,7 @@ class Engine:
             return self.runner.execute(
                 [entry.chunk for entry in step.scheduled],
                 [entry.request.params for entry in step.scheduled],
-                [entry.request.generator for entry in step.scheduled],
+                [entry.request.sampler for entry in step.scheduled],
                 finishes_prompt=[entry.slot is not None for entry in step.scheduled],
                 future_slots=[entry.slot for entry in step.scheduled],
             )
@@ -231,7 +231,7 @@ class Engine:
     def _apply(self, step: SchedulerStep, result: StepResult | BaseException) -> list[RequestOutput]:
         if isinstance(result, BaseException):
             return self._fail(step, result)
-        outputs = self.scheduler.apply(step, result.tokens)
+        outputs = self.scheduler.apply(step, result.tokens, result.logprobs)
         self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 

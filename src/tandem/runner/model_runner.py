@@ -23,7 +23,7 @@ from tandem.runner.future_map import FutureMap
 from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
-from tandem.runner.sampling import SamplingParams, sample_tokens
+from tandem.runner.sampling import SampleOutput, SamplingParams, sample_step
 from tandem.runner.ubatch_wrapper import TBO_DECODE, UBatchWrapper
 from tandem.ubatch import (
     attention_work,
@@ -82,6 +82,9 @@ class StepResult:
     num_tokens: int
     num_tokens_padded: int
     ubatched: bool
+    #: Per request that asked for them: (token id, log-probability) of the sampled token, then
+    #: of its `logprobs` most likely ones; None elsewhere (and when no request asked).
+    logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class ModelRunner:
@@ -302,33 +305,46 @@ class ModelRunner:
         if self.future_map is not None and future_slots is not None:
             published = [(i, future_slots[r]) for i, r in enumerate(rows) if future_slots[r] is not None]
             if published:
-                picked = sampled[to_device_async(torch.tensor([i for i, _ in published]), self.device)]
+                picked = sampled.tokens[to_device_async(torch.tensor([i for i, _ in published]), self.device)]
                 self.future_map.store([slot for _, slot in published], picked)
-        tokens = _scatter_rows(len(chunks), rows, self._read_tokens(sampled))
-        return StepResult(tokens, inputs.num_tokens, inputs.input_ids.shape[0], slices is not None)
+        read, logprobs = self._read_samples(sampled, [sampling[r] for r in rows])
+        tokens = _scatter_rows(len(chunks), rows, read)
+        step_logprobs = _scatter_rows(len(chunks), rows, logprobs) if logprobs is not None else None
+        return StepResult(tokens, inputs.num_tokens, inputs.input_ids.shape[0], slices is not None, step_logprobs)
 
     def sample_tokens(self, hidden, inputs: StepInputs, sampling, generators, wanted: Sequence[bool]) -> list[int | None]:
         """The next token of every request whose `wanted` is set (None elsewhere), from the
         final hidden state of its last scheduled token."""
         rows = [r for r, w in enumerate(wanted) if w]
-        return _scatter_rows(len(wanted), rows, self._read_tokens(self._sample_rows(hidden, inputs, sampling, generators, rows)))
+        sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
+        return _scatter_rows(len(wanted), rows, self._read_samples(sampled, [sampling[r] for r in rows])[0])
 
-    def _sample_rows(self, hidden, inputs: StepInputs, sampling, generators, rows: list[int]) -> torch.Tensor:
-        """The sampled ids of requests `rows`, on the device."""
+    def _sample_rows(self, hidden, inputs: StepInputs, sampling, generators, rows: list[int]) -> SampleOutput:
+        """The samples of requests `rows`, on the device."""
         # The last row of each sampling request, found on the host: no device read.
         ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
-        return sample_tokens(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
+        return sample_step(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
 
-    def _read_tokens(self, sampled: torch.Tensor) -> list[int]:
-        """The step's one host read: the sampled ids, copied without blocking into page-locked
-        memory behind an event (the overlapped loop's scheduler thread runs meanwhile)."""
-        host = host_buffer(sampled)
-        host.copy_(sampled, non_blocking=True)
+    def _read_samples(self, sampled: SampleOutput, params: Sequence[SamplingParams]):
+        """The step's one host read: the sampled ids (and the log-probabilities some request
+        asked for), copied without blocking into page-locked memory behind one event (the
+        overlapped loop's scheduler thread runs meanwhile). Returns (ids, per-row
+        [(id, logprob), ...] trimmed to each request's `logprobs`, or None)."""
+        tensors = [sampled.tokens]
+        if sampled.logprobs is not None:
+            tensors += [sampled.logprobs, sampled.logprob_ids]
+        hosts = [host_buffer(t) for t in tensors]
+        for host, tensor in zip(hosts, tensors):
+            host.copy_(tensor, non_blocking=True)
         copied = self.platform.new_event()
         copied.record()
         copied.synchronize()
-        return host.tolist()
+        tokens = hosts[0].tolist()
+        if len(hosts) == 1:
+            return tokens, None
+        rows = zip(hosts[2].tolist(), hosts[1].tolist(), params)
+        return tokens, [None if p.logprobs is None else list(zip(ids, lps))[: 1 + p.logprobs] for ids, lps, p in rows]
 
 
 def _scatter_rows(num_requests: int, rows: list[int], values: list[int]) -> list[int | None]:

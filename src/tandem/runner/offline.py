@@ -67,7 +67,7 @@ def generate(
                 f"model's context length {max_len}"
             )
         sequences.append(_Sequence(index, list(ids), params))
-    generators = {s.index: s.params.make_generator(runner.device) for s in sequences}
+    generators = {s.index: s.params.make_sampler(runner.device, s.tokens, sorted(info.eos_token_ids)) for s in sequences}
     while True:
         active = [s for s in sequences if s.finish_reason is None]
         chunks = []

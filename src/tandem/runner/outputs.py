@@ -21,6 +21,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    #: With `SamplingParams.logprobs`: per new token, [(id, logprob)] of it, then of its most
+    #: likely alternatives (raw model log-probabilities).
+    new_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

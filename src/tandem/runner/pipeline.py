@@ -401,7 +401,7 @@ def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, generator
         return torch.empty(0, dtype=torch.int64)
     for request_id, params in zip(plan.request_ids, plan.sampling):
         if request_id not in generators:
-            generators[request_id] = params.make_generator(worker.runner.device)
+            generators[request_id] = params.make_sampler(worker.runner.device)
     tokens = worker.runner.sample_tokens(
         hidden, inputs, plan.sampling, [generators[r] for r in plan.request_ids], plan.samples
     )

@@ -27,8 +27,8 @@ from tandem.config import EngineConfig, SchedulerConfig
 from tandem.runner.batch import ScheduledChunk
 from tandem.runner.future_map import FutureMap, placeholder
 from tandem.runner.kv_cache import BlockAllocator, blocks_needed
-from tandem.runner.sampling import SamplingParams
 from tandem.runner.outputs import RequestOutput
+from tandem.runner.sampling import RequestSampler, SamplingParams
 
 
 class RequestStatus(Enum):
@@ -54,7 +54,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    sampler: RequestSampler | None = None
     text: str = ""
     #: Incremental detokenization: text is final up to token `detok_read`; the next
     #: decode starts at `detok_prefix` so tokenizers that look back see context.
@@ -62,6 +62,8 @@ class Request:
     detok_read: int = 0
     sent_text: int = 0
     sent_tokens: int = 0
+    #: With `params.logprobs`: per sampled token, [(id, logprob)] of it and its top ones.
+    output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def known_ids(self) -> list[int]:
@@ -143,8 +145,8 @@ class Scheduler:
                 f"request {request.request_id!r} needs {total} tokens of KV cache, more than the whole cache "
                 f"({self.allocator.num_blocks * self.block_size} tokens)"
             )
-        if request.generator is None:
-            request.generator = request.params.make_generator(self.generator_device)
+        if request.sampler is None:
+            request.sampler = request.params.make_sampler(self.generator_device, request.prompt_ids, sorted(self.eos_token_ids))
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -265,10 +267,11 @@ class Scheduler:
 
     # -- results --------------------------------------------------------------------------
 
-    def apply(self, step: SchedulerStep, tokens: list[int | None]) -> list[RequestOutput]:
-        """Apply a finished step's sampled tokens (in step order); return output deltas."""
+    def apply(self, step: SchedulerStep, tokens: list[int | None], logprobs: list | None = None) -> list[RequestOutput]:
+        """Apply a finished step's sampled tokens (in step order), and their log-probabilities
+        where requests asked; return output deltas."""
         outputs = []
-        for entry, token in zip(step.scheduled, tokens):
+        for k, (entry, token) in enumerate(zip(step.scheduled, tokens)):
             request = entry.request
             if entry.slot is not None:
                 request.in_flight -= 1
@@ -277,6 +280,8 @@ class Scheduler:
             if entry.slot is None or token is None:
                 continue
             request.output_ids.append(int(token))
+            if logprobs is not None and logprobs[k] is not None:
+                request.output_logprobs.append(logprobs[k])
             self._check_stop(request, int(token))
             outputs.append(self._output(request))
         return outputs
@@ -293,7 +298,7 @@ class Scheduler:
         )
         before = len(request.text)
         self._detokenize(request, final=reason is not None or at_limit)
-        for stop in params.stop:
+        for stop in params.stop if len(request.output_ids) >= params.min_tokens else ():
             at = request.text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0:
                 request.text = request.text[:at]
@@ -338,6 +343,7 @@ class Scheduler:
         new_text = text[request.sent_text :]
         request.sent_text = len(text)
         new_tokens = request.output_ids[request.sent_tokens :]
+        new_logprobs = request.output_logprobs[request.sent_tokens : len(request.output_ids)]
         request.sent_tokens = len(request.output_ids)
         return RequestOutput(
             request_id=request.request_id,
@@ -347,6 +353,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
+            new_logprobs=new_logprobs if request.params.logprobs is not None else None,
         )
 
 

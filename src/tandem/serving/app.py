@@ -4,8 +4,9 @@
 
   POST /v1/completions, POST /v1/chat/completions   (JSON or `stream: true` Server-Sent Events)
   GET  /v1/models, GET /v1/models/{id}
-  GET  /health                                      (open even with an API key)
+  GET|HEAD /health, GET|POST /ping                  (open even with an API key)
   GET  /metrics                                     (Prometheus text; open)
+  POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /version   (vLLM's; open)
 
 Request bodies are read and validated here rather than by FastAPI, so that every problem is
 an OpenAI-shaped error (`protocol.APIError`): 400 for malformed/invalid requests, 401 for a
@@ -40,6 +41,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -54,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 #: How long closing a request's engine generators may take before we log and move on.
 ABORT_TIMEOUT_S = 10.0
+#: `Retry-After` of every 429 (seconds).
+RETRY_AFTER_S = "1"
 
 
 class _ClientGone(Exception):
@@ -105,14 +109,14 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
 class _Fanout:
     """The `n` engine requests of one HTTP request, merged into one stream of (index, output)."""
 
-    def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], params: list[SamplingParams]):
+    def __init__(self, client: EngineClient, request_id: str, prompts: list[list[int]], params: list[SamplingParams]):
         self.n = len(params)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
         self._buffer: list[tuple[int, RequestOutput]] = []
         self._finished = 0
         self._tasks = [
             asyncio.ensure_future(self._pump(client, i, f"{request_id}-{i}", prompt_ids, p))
-            for i, p in enumerate(params)
+            for i, (prompt_ids, p) in enumerate(zip(prompts, params))
         ]
 
     async def _pump(self, client: EngineClient, i: int, rid: str, prompt_ids: list[int], params: SamplingParams):
@@ -170,14 +174,22 @@ class _Job:
     request_id: str
     created: int
     model: str
-    prompt_ids: list[int]
+    #: The prompt of each choice (a batch of prompts times `n`: choice i is prompt i // n).
+    prompts: list[list[int]]
     params: list[SamplingParams]
     include_usage: bool
     start: float
-    prompt_text: str | None = None  # only kept when logging requests
+    num_prompts: int = 1
+    #: vLLM's `continuous_usage_stats`: usage so far in every chunk.
+    continuous_usage: bool = False
+    prompt_text: str | list[str | None] | None = None  # only kept when logging requests
     # Progress
     first_token_at: float | None = None
     output_tokens: list[int] = field(default_factory=list)
+    #: `echo`: each choice's prompt text, sent before its completion.
+    echo: list[str] | None = None
+    #: Per choice, the `text_offset` of its next token (completions logprobs).
+    text_offsets: list[int] = field(default_factory=list)
     admitted: set[int] = field(default_factory=set)
 
     @property
@@ -187,6 +199,12 @@ class _Job:
     @property
     def n(self) -> int:
         return len(self.params)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Each distinct prompt counted once, as OpenAI's usage does (not once per choice)."""
+        per_prompt = self.n // self.num_prompts
+        return sum(len(self.prompts[i * per_prompt]) for i in range(self.num_prompts))
 
 
 class _SSEResponse(StreamingResponse):
@@ -275,13 +293,13 @@ class _Server:
         try:
             return await handler(request)
         except P.APIError as err:
-            return _error_response(err)
+            return _error_response(err, headers={"Retry-After": RETRY_AFTER_S} if err.status == 429 else None)
         except ChatTemplateError as exc:
             return _error_response(P.invalid_request(str(exc), param="messages"))
         except EngineOverloadedError as exc:
             err = P.APIError(429, f"the engine is overloaded: {exc}" if str(exc) else "the engine is overloaded",
                              type="rate_limit_error", code="engine_overloaded")
-            return _error_response(err, headers={"Retry-After": "1"})
+            return _error_response(err, headers={"Retry-After": RETRY_AFTER_S})
         except EngineUnavailableError as exc:
             err = P.APIError(503, f"the engine is unavailable: {exc}" if str(exc) else "the engine is unavailable",
                              type="server_error", code="engine_unavailable")
@@ -306,18 +324,22 @@ class _Server:
             except ValueError:
                 raise P.invalid_request("invalid Content-Length header") from None
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            raise _ClientGone() from None  # gone while sending its body: a 499, not a 500
         return P.decode_json(bytes(body))
 
-    def check_model(self, model: str) -> None:
-        if model != self.served:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served:
             raise P.APIError(404, f"The model '{model}' does not exist; this server serves '{self.served}'",
                              param="model", code="model_not_found")
 
-    def sampling_params(self, req: P._SamplingRequest, max_tokens: int, max_tokens_param: str) -> list[SamplingParams]:
+    def sampling_params(self, req: P._SamplingRequest, max_tokens: int, max_tokens_param: str,
+                        logprobs: int | None = None) -> list[SamplingParams]:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= P.MAX_N:
             raise P.invalid_request(f"'n' must be between 1 and {P.MAX_N}, got {n}", param="n")
@@ -331,6 +353,12 @@ class _Server:
             raise P.invalid_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
         if req.seed is not None and not P.MIN_SEED <= req.seed <= P.MAX_SEED:
             raise P.invalid_request(f"'seed' must be a 64-bit integer in [{P.MIN_SEED}, {P.MAX_SEED}]", param="seed")
+        best_of = getattr(req, "best_of", None)
+        if best_of is not None and best_of != n:
+            # best_of > n ranks candidates by cumulative log-probability; vLLM's V1 engine refuses it too.
+            raise P.invalid_request(f"'best_of' must equal 'n' ({n}) on this server, got {best_of}", param="best_of")
+        if req.logit_bias:
+            raise P.invalid_request("'logit_bias' is not supported by this server", param="logit_bias")
         top_k = 0 if req.top_k in (None, -1) else req.top_k
         params = []
         for i in range(n):
@@ -341,10 +369,16 @@ class _Server:
                         temperature=1.0 if req.temperature is None else req.temperature,
                         top_p=1.0 if req.top_p is None else req.top_p,
                         top_k=top_k,
+                        min_p=req.min_p or 0.0,
                         seed=None if req.seed is None else req.seed + i,
                         stop=list(stop),
                         stop_token_ids=list(stop_token_ids),
                         ignore_eos=bool(req.ignore_eos),
+                        min_tokens=req.min_tokens or 0,
+                        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                        frequency_penalty=req.frequency_penalty or 0.0,
+                        presence_penalty=req.presence_penalty or 0.0,
+                        logprobs=logprobs,
                     )
                 )
             except ValueError as exc:
@@ -366,48 +400,69 @@ class _Server:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.client.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def completion_prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            raise P.invalid_request("batched prompts are not supported; send one prompt per request", param="prompt")
+    def completion_prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
+        """A prompt, or a batch of them (a list of strings or of token lists), as (ids, text)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return [self.completion_prompt_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [self.completion_prompt_ids(prompt, "prompt")]
+
+    def completion_prompt_ids(self, prompt: Any, param: str) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
-                raise P.invalid_request("the prompt is empty", param="prompt")
+                raise P.invalid_request("the prompt is empty", param=param)
             ids = self.encode(prompt)
             text = prompt
         else:
             ids, text = list(prompt), None
             bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
             if bad:
-                raise P.invalid_request(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt")
+                raise P.invalid_request(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", param=param)
         if not ids:
-            raise P.invalid_request("the prompt is empty", param="prompt")
+            raise P.invalid_request("the prompt is empty", param=param)
         return ids, text
 
     # ------------------------------------------------------------------ endpoints
 
+    def parse(self, model: type[P._SamplingRequest], data: Any) -> Any:
+        req = P.parse_request(model, data)
+        ignored = P.ignored_fields(req)
+        if ignored:
+            logger.warning("ignoring unknown request field(s): %s", ", ".join(ignored))
+        self.check_model(req.model)
+        return req
+
     async def completions(self, request: Request) -> Response:
         start = time.perf_counter()
-        req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await self.read_json(request))
-        self.check_model(req.model)
+        req: P.CompletionRequest = self.parse(P.CompletionRequest, await self.read_json(request))
         req.check_unsupported()
-        prompt_ids, prompt_text = self.completion_prompt_ids(req.prompt)
+        if req.echo and req.logprobs is not None:
+            raise P.invalid_request("'echo' with 'logprobs' needs the prompt's log-probabilities, which this server "
+                                    "does not compute yet; send one or the other", param="echo")
+        prompts = self.completion_prompts(req.prompt)
         max_tokens = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, "max_tokens")
-        self.check_context(len(prompt_ids), max_tokens, "prompt", "max_tokens")
-        job = self.new_job(False, req, prompt_ids, params, start, prompt_text)
+        params = self.sampling_params(req, max_tokens, "max_tokens", logprobs=req.logprobs)
+        if len(prompts) * len(params) > P.MAX_CHOICES:
+            raise P.invalid_request(f"{len(prompts)} prompts x n={len(params)} is more than {P.MAX_CHOICES} choices "
+                                    "in one request", param="prompt")
+        for i, (prompt_ids, _) in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            self.check_context(len(prompt_ids), max_tokens, where, "max_tokens")
+        job = self.new_job(False, req, [ids for ids, _ in prompts], params, start, [text for _, text in prompts])
+        if req.echo:
+            texts = [text if text is not None else self.client.tokenizer.decode(ids) for ids, text in prompts]
+            job.echo = [text for text in texts for _ in range(len(params))]
         return await self.run(request, job, bool(req.stream))
 
     async def chat_completions(self, request: Request) -> Response:
         start = time.perf_counter()
-        req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest, await self.read_json(request))
-        self.check_model(req.model)
+        req: P.ChatCompletionRequest = self.parse(P.ChatCompletionRequest, await self.read_json(request))
         req.check_unsupported()
+        if req.top_logprobs is not None and not req.logprobs:
+            raise P.invalid_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if not req.messages:
             raise P.invalid_request("'messages' must contain at least one message", param="messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        text = render_chat(messages, self.chat_template, **self.template_context)
+        text = self.render(messages, req)
         # A model's template writes its special tokens itself; the default format does not.
         prompt_ids = self.encode(text, add_special_tokens=self.chat_template is None)
         if not prompt_ids:
@@ -420,37 +475,72 @@ class _Server:
             max_tokens, name = self.client.max_model_len - len(prompt_ids), "max_tokens"
             if max_tokens < 1:
                 self.check_context(len(prompt_ids), 1, "messages", name)
-        params = self.sampling_params(req, max_tokens, name)
+        params = self.sampling_params(req, max_tokens, name, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         self.check_context(len(prompt_ids), max_tokens, "messages", name)
-        job = self.new_job(True, req, prompt_ids, params, start, text)
+        job = self.new_job(True, req, [prompt_ids], params, start, text)
         return await self.run(request, job, bool(req.stream))
 
-    def new_job(self, chat: bool, req: P._SamplingRequest, prompt_ids: list[int], params: list[SamplingParams],
-                start: float, prompt_text: str | None) -> _Job:
+    def render(self, messages: list[dict[str, Any]], req: P.ChatCompletionRequest | P.TokenizeChatRequest) -> str:
+        context: dict[str, Any] = dict(self.template_context)
+        if req.tools is not None:
+            context["tools"] = req.tools
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted({"messages", "template"} & set(kwargs))
+        if reserved:
+            raise P.invalid_request(f"'chat_template_kwargs' may not set {reserved[0]!r}", param="chat_template_kwargs")
+        context.update(kwargs)
+        if req.add_generation_prompt is not None:
+            context["add_generation_prompt"] = req.add_generation_prompt
+        return render_chat(messages, self.chat_template, **context)
+
+    def new_job(self, chat: bool, req: P._SamplingRequest, prompts: list[list[int]], params: list[SamplingParams],
+                start: float, prompt_text: str | list[str | None] | None) -> _Job:
+        """`prompts`: one or more (a batch), each to be answered with `params` (its n choices)."""
+        n = len(params)
+        params = [p for _ in prompts for p in params]
         job = _Job(
             chat=chat,
             request_id=P.new_id("chatcmpl" if chat else "cmpl"),
             created=P.now(),
             model=self.served,
-            prompt_ids=prompt_ids,
+            prompts=[prompt for prompt in prompts for _ in range(n)],
             params=params,
+            num_prompts=len(prompts),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=bool(req.stream_options and req.stream_options.include_usage
+                                  and req.stream_options.continuous_usage_stats),
             start=start,
             prompt_text=prompt_text if self.log_requests else None,
             output_tokens=[0] * len(params),
         )
         if self.log_requests:
             logger.info("request %s: prompt=%r (%d tokens), params=%s", job.request_id, prompt_text,
-                        len(prompt_ids), params[0])
+                        job.num_prompt_tokens, params[0])
         else:
-            logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d", job.request_id, len(prompt_ids),
+            logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d", job.request_id, job.num_prompt_tokens,
                          len(params), params[0].max_tokens)
         return job
+
+    def token_text(self, token: int) -> str:
+        return self.client.tokenizer.decode([token], skip_special_tokens=False)
+
+    def logprobs_object(self, job: _Job, i: int, entries: P.TokenLogprobs | None) -> dict[str, Any] | None:
+        """The logprobs of choice i's new tokens, in the endpoint's shape (None: not asked)."""
+        if job.params[i].logprobs is None:
+            return None
+        entries = entries or []
+        if job.chat:
+            return P.chat_logprobs(entries, self.token_text)
+        if not job.text_offsets:
+            job.text_offsets = [len(job.echo[c]) if job.echo else 0 for c in range(job.n)]
+        body = P.completion_logprobs(entries, self.token_text, job.text_offsets[i])
+        job.text_offsets[i] += sum(len(t) for t in body["tokens"])
+        return body
 
     def account(self, job: _Job, i: int, out: RequestOutput) -> None:
         if i not in job.admitted:
             job.admitted.add(i)
-            self.metrics.add_prompt_tokens(len(job.prompt_ids))
+            self.metrics.add_prompt_tokens(len(job.prompts[i]))
         n = len(out.new_token_ids)
         if n:
             if job.first_token_at is None:
@@ -506,7 +596,7 @@ class _Server:
 
     async def run(self, request: Request, job: _Job, stream: bool) -> Response:
         release = self.open_stream(request) if stream else (lambda: None)
-        fanout = _Fanout(self.client, job.request_id, job.prompt_ids, job.params)
+        fanout = _Fanout(self.client, job.request_id, job.prompts, job.params)
         if not stream:
             try:
                 body = await _until_disconnect(request.receive, self.collect(job, fanout))
@@ -527,31 +617,37 @@ class _Server:
         return _SSEResponse(self.stream_events(job, fanout), on_close=on_close)
 
     async def collect(self, job: _Job, fanout: _Fanout) -> dict[str, Any]:
-        texts = [""] * job.n
+        texts = list(job.echo) if job.echo else [""] * job.n
         reasons: list[str | None] = [None] * job.n
+        logprobs: list[P.TokenLogprobs] = [[] for _ in range(job.n)]
         async for i, out in fanout.events():
             self.account(job, i, out)
             texts[i] += out.new_text
+            logprobs[i] += out.new_logprobs or []
             if out.finished:
                 if out.finish_reason == "error":
                     raise P.APIError(500, f"generation failed: {out.error or 'engine error'}", type="server_error",
                                      code="generation_error")
                 reasons[i] = out.finish_reason
         self.log_done(job, reasons, texts)
-        usage = P.usage(len(job.prompt_ids), sum(job.output_tokens))
+        usage = P.usage(job.num_prompt_tokens, sum(job.output_tokens))
         choices = list(zip(texts, reasons))
         build = P.chat_response if job.chat else P.completion_response
-        return build(job.request_id, job.created, job.model, choices, usage)
+        objects = [self.logprobs_object(job, i, logprobs[i]) for i in range(job.n)]
+        return build(job.request_id, job.created, job.model, choices, usage, objects)
 
     async def stream_events(self, job: _Job, fanout: _Fanout) -> AsyncIterator[bytes]:
         build = P.chat_chunk if job.chat else P.completion_chunk
         with_usage = job.include_usage
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            if usage is None and job.continuous_usage and choices:
+                usage = P.usage(job.num_prompt_tokens, sum(job.output_tokens))
             return P.sse(build(job.request_id, job.created, job.model, choices, usage, with_usage_field=with_usage))
 
         reasons: list[str | None] = [None] * job.n
         texts = [""] * job.n if self.log_requests else None
+        echo_pending = set(range(job.n)) if job.echo else None
         try:
             if job.chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -568,16 +664,23 @@ class _Server:
                 reason = out.finish_reason if out.finished else None
                 if out.finished:
                     reasons[i] = reason
+                logprobs = self.logprobs_object(job, i, out.new_logprobs) if out.new_logprobs else None
                 if job.chat:
-                    if out.new_text:
-                        yield chunk([{"index": i, "delta": {"content": out.new_text}, "finish_reason": None}])
+                    if out.new_text or logprobs:
+                        yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": logprobs,
+                                      "finish_reason": None}])
                     if out.finished:
                         yield chunk([{"index": i, "delta": {}, "finish_reason": reason}])
-                elif out.new_text or out.finished:
-                    yield chunk([{"index": i, "text": out.new_text, "finish_reason": reason}])
+                    continue
+                text = out.new_text
+                if echo_pending and i in echo_pending:
+                    echo_pending.discard(i)
+                    text = job.echo[i] + text
+                if text or logprobs or out.finished:
+                    yield chunk([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}])
             self.log_done(job, reasons, texts)
             if with_usage:
-                yield chunk([], P.usage(len(job.prompt_ids), sum(job.output_tokens)))
+                yield chunk([], P.usage(job.num_prompt_tokens, sum(job.output_tokens)))
             yield P.sse("[DONE]")
         except EngineOverloadedError as exc:
             yield P.sse(P.error_body(f"the engine is overloaded: {exc}", type="rate_limit_error",
@@ -617,6 +720,39 @@ class _Server:
         if ok:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    async def tokenize(self, request: Request) -> Response:
+        data = await self.read_json(request)
+        chat = isinstance(data, dict) and "messages" in data
+        req = self.parse(P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest, data)
+        if chat:
+            if not req.messages:
+                raise P.invalid_request("'messages' must contain at least one message", param="messages")
+            text = self.render([m.model_dump(exclude_none=True) for m in req.messages], req)
+        else:
+            text = req.prompt
+        ids = self.encode(text, add_special_tokens=req.add_special_tokens)
+        strs = [self.client.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        req = self.parse(P.DetokenizeRequest, await self.read_json(request))
+        bad = [t for t in req.tokens if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise P.invalid_request(f"token id {bad[0]} is out of range [0, {self.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": self.client.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse({
+            "tokenizer_class": type(self.client.tokenizer).__name__,
+            "vocab_size": self.vocab_size,
+            "model_max_length": self.client.max_model_len,
+            "bos_token": self.template_context["bos_token"] or None,
+            "eos_token": self.template_context["eos_token"] or None,
+            "eos_token_ids": sorted(self.client.eos_token_ids),
+            "chat_template": self.chat_template,
+        })
 
     async def metrics_endpoint(self, request: Request) -> Response:
         content, content_type = self.metrics.render()
@@ -699,9 +835,12 @@ _DOCUMENTED_LIMITS: dict[str, dict[str, Any]] = {
     "top_k": {"minimum": -1},
     "n": {"minimum": 1, "maximum": P.MAX_N},
     "seed": {"minimum": P.MIN_SEED, "maximum": P.MAX_SEED},
-    "presence_penalty": {"minimum": 0, "maximum": 0},
-    "frequency_penalty": {"minimum": 0, "maximum": 0},
-    "best_of": {"minimum": 1, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "min_tokens": {"minimum": 0},
+    "best_of": {"minimum": 1, "maximum": P.MAX_N},
     "logit_bias": {"maxProperties": 0},
     "stop_token_ids": {"items": {"type": "integer", "minimum": 0}},
     "messages": {"minItems": 1},
@@ -736,7 +875,7 @@ def _document_limits(body: dict[str, Any], vocab_size: int | None) -> None:
                 if items.get("type") == "integer":
                     member["minItems"] = 1
                 else:
-                    member.update(minItems=1, maxItems=1)  # a batch of one prompt
+                    member.update(minItems=1)  # a batch of prompts
                     if items.get("type") == "array":
                         items["minItems"] = 1
 
@@ -756,6 +895,13 @@ def _openapi_schema(app: FastAPI, served_model_name: str, vocab_size: int | None
         body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
         _document_limits(body, vocab_size)
         components[model.__name__] = body
+    for model in (P.TokenizeCompletionRequest, P.TokenizeChatRequest, P.DetokenizeRequest):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
+        components[model.__name__] = body
+    components["TokenizeRequest"] = {"anyOf": [{"$ref": "#/components/schemas/TokenizeCompletionRequest"},
+                                               {"$ref": "#/components/schemas/TokenizeChatRequest"}]}
     app.openapi_schema = schema
     return schema
 
@@ -776,6 +922,8 @@ def create_app(
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if max_streams_per_key is not None and max_streams_per_key < 1:
         raise ValueError(f"max_streams_per_key must be >= 1, got {max_streams_per_key}")
+    from tandem import __version__ as tandem_version
+
     metrics = ServingMetrics(client)
     server = _Server(
         client,
@@ -822,9 +970,31 @@ def create_app(
     async def model(request: Request) -> Response:
         return await server.guard(request, server.model)
 
-    @app.get("/health", responses={503: {"description": "The engine is unavailable (the reason is in the body)"}})
+    unavailable = {503: {"description": "The engine is unavailable (the reason is in the body)"}}
+
+    @app.api_route("/health", methods=["GET", "HEAD"], responses=unavailable)
     async def health(request: Request) -> Response:
         return await server.health(request)
+
+    @app.api_route("/ping", methods=["GET", "POST"], responses=unavailable)
+    async def ping(request: Request) -> Response:
+        return await server.health(request)
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": tandem_version})
+
+    @app.post("/tokenize", responses=_ERRORS, openapi_extra=_body("TokenizeRequest"))
+    async def tokenize(request: Request) -> Response:
+        return await server.guard(request, server.tokenize)
+
+    @app.post("/detokenize", responses=_ERRORS, openapi_extra=_body("DetokenizeRequest"))
+    async def detokenize(request: Request) -> Response:
+        return await server.guard(request, server.detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        return await server.guard(request, server.tokenizer_info)
 
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:

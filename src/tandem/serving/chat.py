@@ -105,19 +105,21 @@ def compile_template(template: str):
 
 
 def render_chat(messages: Sequence[Mapping[str, Any]], template: str | None, **context: Any) -> str:
-    """The prompt for `messages`: `template` (Jinja) rendered with `add_generation_prompt=True`
-    and `context` (e.g. `bos_token`, `eos_token`), or the default format when `template` is
-    None. Raises `ChatTemplateError` for content it cannot render."""
+    """The prompt for `messages`: `template` (Jinja) rendered with `add_generation_prompt`
+    (default True) and `context` (e.g. `bos_token`, `eos_token`, `tools`, a request's
+    `chat_template_kwargs`), or the default format when `template` is None. Raises `ChatTemplateError` for content it cannot render."""
     if not messages:
         raise ChatTemplateError("'messages' must contain at least one message")
     normalized = normalize_messages(messages)
+    add_generation_prompt = bool(context.pop("add_generation_prompt", True))
     if template is None:
-        return default_chat_prompt(normalized)
+        prompt = default_chat_prompt(normalized)
+        return prompt if add_generation_prompt else prompt.removesuffix("<|assistant|>\n")
     from jinja2 import TemplateError
 
     compiled = compile_template(template)
     try:
-        return compiled.render(messages=normalized, add_generation_prompt=True, **context)
+        return compiled.render(messages=normalized, add_generation_prompt=add_generation_prompt, **context)
     except ChatTemplateError:
         raise
     except TemplateError as exc:

@@ -19,12 +19,14 @@ import functools
 import json
 import secrets
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 #: Most choices one request may fan out to (`n`).
 MAX_N = 16
+#: Most choices of one request over a batch of prompts (prompts x n).
+MAX_CHOICES = 256
 #: `max_tokens` default of `/v1/completions` (as in the OpenAI API).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Seeds are 64-bit signed integers (room left for the `seed + i` of `n > 1`).
@@ -151,59 +153,84 @@ def decode_json(body: bytes) -> Any:
 # --------------------------------------------------------------------------- requests
 
 
+def _integral_float_to_int(value: Any) -> Any:
+    # vLLM (lax pydantic) takes `max_tokens: 16.0`; a fractional value stays an error.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: An integer field that also takes an integral float (`16.0`), as vLLM does.
+Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
+
+
 class _Strict(BaseModel):
+    """Unknown fields are a 400: used where a misspelt key would silently change the prompt."""
+
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class _Lenient(BaseModel):
+    """Unknown fields are accepted and ignored, as vLLM does; `ignored_fields` names them so
+    the server can log a warning."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the unknown fields a `_Lenient` request (and its nested models) carried."""
+    names = [prefix + name for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            names += ignored_fields(value, f"{prefix}{name}.")
+    return names
+
+
+class StreamOptions(_Lenient):
     include_usage: bool | None = None
+    #: vLLM: usage (so far) in every chunk, not only in the last one.
+    continuous_usage_stats: bool | None = None
 
 
-class _SamplingRequest(_Strict):
-    model: str
-    max_tokens: int | None = None
+class _SamplingRequest(_Lenient):
+    #: Optional: this server serves one model (vLLM's default).
+    model: str | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # extension
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
-    ignore_eos: bool | None = None  # extension
-    n: int | None = None
+    n: Int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    # Accepted only when asking for the default behaviour (see `check_unsupported`).
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: Int | None = None  # 0 or -1: no cut
+    min_p: float | None = None
+    min_tokens: Int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: bool | None = None
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise invalid_request(f"'{name}' is not supported by this server (only 0)", param=name)
-        if self.logit_bias:
-            raise invalid_request("'logit_bias' is not supported by this server", param="logit_bias")
+        pass
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = None
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs is not None:
-            raise invalid_request("'logprobs' is not supported by this server", param="logprobs")
-        if self.echo:
-            raise invalid_request("'echo' is not supported by this server", param="echo")
         if self.suffix is not None:
-            raise invalid_request("'suffix' is not supported by this server", param="suffix")
-        if self.best_of not in (None, 1):
-            raise invalid_request("'best_of' is not supported by this server (only 1)", param="best_of")
+            raise invalid_request("'suffix' is not supported by this server (no fill-in-the-middle)", param="suffix")
 
 
 class ChatMessage(_Strict):
@@ -211,20 +238,62 @@ class ChatMessage(_Strict):
     # A string or a list of {"type": "text", "text": ...} parts (checked by `render_chat`).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # Passed to the chat template, which renders them (a tool-calling conversation's history).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(default_factory=list)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
+    # vLLM's extensions: extra variables for the chat template (e.g. `enable_thinking`).
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    # Tools: rendered into the prompt by the chat template; no tool-call parsing (so only
+    # `tool_choice: "none"`), and no constrained decoding (so only `response_format: text`).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs:
-            raise invalid_request("'logprobs' is not supported by this server", param="logprobs")
-        if self.top_logprobs:
-            raise invalid_request("'top_logprobs' is not supported by this server", param="top_logprobs")
+        if self.tool_choice not in (None, "none"):
+            raise invalid_request(
+                "'tool_choice' other than \"none\" is not supported by this server (no tool-call parser); the "
+                "tools are still shown to the model through its chat template", param="tool_choice")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise invalid_request(f"'response_format' of type {kind!r} is not supported by this server "
+                                  "(no constrained decoding)", param="response_format")
+
+
+class TokenizeCompletionRequest(_Lenient):
+    """vLLM's `/tokenize` with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """vLLM's `/tokenize` with chat messages (rendered by the chat template first)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[Int]
 
 
 # --------------------------------------------------------------------------- responses
@@ -238,25 +307,62 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # No prefix cache yet: no prompt token is ever served from the cache.
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+#: Per generated token: [(id, logprob)] of the sampled token, then of the most likely ones.
+TokenLogprobs = list[list[tuple[int, float]]]
+
+
+def completion_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str], offset: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object; `offset` is the first token's `text_offset`.
+    As vLLM does, each `top_logprobs` dict holds the sampled token too."""
+    tokens, offsets = [], []
+    for entry in entries:
+        text = token_text(entry[0][0])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry[0][1] for entry in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in [*entry[1:], entry[0]]} for entry in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str]) -> dict[str, Any]:
+    """The chat `logprobs` object: `content` per token, `top_logprobs` the requested alternatives."""
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [{**item(*entry[0]), "top_logprobs": [item(*alt) for alt in entry[1:]]} for entry in entries],
+        "refusal": None,
     }
 
 
 def completion_response(
-    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int]
+    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int],
+    logprobs: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
-    """`choices`: (text, finish_reason) per index."""
+    """`choices`: (text, finish_reason) per index; `logprobs`: each choice's logprobs object."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            {"index": i, "text": text, "logprobs": logprobs[i] if logprobs else None, "finish_reason": reason}
             for i, (text, reason) in enumerate(choices)
         ],
         "usage": usage_,
@@ -265,7 +371,8 @@ def completion_response(
 
 
 def chat_response(
-    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int]
+    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int],
+    logprobs: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -276,7 +383,7 @@ def chat_response(
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs[i] if logprobs else None,
                 "finish_reason": reason,
             }
             for i, (text, reason) in enumerate(choices)

@@ -72,9 +72,18 @@ def _serve_http(client, http: HttpOptions) -> None:
     server.run()
 
 
+def _sigterm_like_sigint() -> None:
+    """systemd, Docker and Kubernetes stop a service with SIGTERM: make it Ctrl-C (drain,
+    write the trace, stop the ranks). Left at its default, the SIGTERM uvicorn re-raises once
+    the HTTP server has stopped would kill the process before any of that."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
     """Local mode: start the ranks, serve until interrupted, stop everything."""
     from tandem.serving.process_client import ProcessEngineClient
+
+    _sigterm_like_sigint()
 
     client = ProcessEngineClient(config, options, max_queue_len=http.max_queue_len, log=_log)
     _log(describe(config, options, http, client.world_size))
@@ -89,6 +98,7 @@ def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
 
 def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, world_size: int) -> None:
     from tandem.serving.process_client import ProcessEngineClient
+    _sigterm_like_sigint()
 
     # No death signal from the head: a head that dies (even by os._exit) is noticed by the
     # client, which answers 503 with the reason for a while and then stops this process.

@@ -1,0 +1,99 @@
+"""A real `tandem serve` (tiny-moe) and the official `openai` client: log-probabilities,
+echo, batched prompts and vLLM's sampling extensions end to end (two DP ranks, so requests
+land on both and the outputs cross the rank -> front-end queues)."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.server_process import Server
+
+MODEL = "tiny-moe"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server(MODEL, "--data-parallel-size", "2", "--kv-cache-tokens", "4096") as live:
+        yield live
+
+
+@pytest.fixture
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_completion_logprobs_streamed_and_not(oai):
+    r = oai.completions.create(model=MODEL, prompt="The quick brown", max_tokens=6, temperature=0, logprobs=3,
+                               extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and math.isclose(logprob, max(top.values()), abs_tol=1e-6)  # greedy: the most likely
+        assert token in top and 3 <= len(top) <= 4
+    streamed = {"tokens": [], "token_logprobs": []}
+    for chunk in oai.completions.create(model=MODEL, prompt="The quick brown", max_tokens=6, temperature=0,
+                                        logprobs=3, stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            if c.logprobs:
+                streamed["tokens"] += c.logprobs.tokens
+                streamed["token_logprobs"] += c.logprobs.token_logprobs
+    assert streamed["tokens"] == lp.tokens
+    assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(streamed["token_logprobs"], lp.token_logprobs))
+
+
+def test_chat_logprobs_and_top_logprobs(oai):
+    messages = [{"role": "user", "content": "hi"}]
+    r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                    top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.bytes == list(item.token.encode())
+        assert math.isclose(item.logprob, item.top_logprobs[0].logprob, abs_tol=1e-6)
+    streamed = []
+    for chunk in oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                             logprobs=True, stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.content:
+                streamed += c.logprobs.content
+    assert [i.token for i in streamed] == [i.token for i in content]
+    assert all(i.top_logprobs == [] for i in streamed)  # top_logprobs not asked: none
+
+
+def test_echo_and_batched_prompts(oai):
+    r = oai.completions.create(model=MODEL, prompt=["alpha", "beta"], n=2, max_tokens=3, echo=True, seed=1)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.text.startswith("alpha" if c.index < 2 else "beta") for c in r.choices)
+    streamed = "".join(c.text for chunk in oai.completions.create(model=MODEL, prompt="gamma", max_tokens=2,
+                                                                  echo=True, stream=True) for c in chunk.choices)
+    assert streamed.startswith("gamma")
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1)
+    assert "prompt's log-probabilities" in str(info.value)
+
+
+def test_penalties_and_min_tokens_change_what_is_generated(oai):
+    base = dict(model=MODEL, prompt="aaaa", max_tokens=24, temperature=0)
+    plain = oai.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    penalized = oai.completions.create(**base, frequency_penalty=2.0, presence_penalty=2.0,
+                                       extra_body={"ignore_eos": True, "repetition_penalty": 1.5}).choices[0].text
+    assert penalized != plain
+    # Greedy with penalties is deterministic.
+    again = oai.completions.create(**base, frequency_penalty=2.0, presence_penalty=2.0,
+                                   extra_body={"ignore_eos": True, "repetition_penalty": 1.5}).choices[0].text
+    assert again == penalized
+    # min_tokens holds off the eos: at least that many tokens come back whatever the model prefers.
+    r = oai.completions.create(model=MODEL, prompt="x", max_tokens=12, temperature=0, extra_body={"min_tokens": 12})
+    assert r.usage.completion_tokens == 12
+
+
+def test_vllm_extras_endpoints(server):
+    tokens = httpx.post(f"{server.base}/tokenize", json={"prompt": "hello"}, timeout=10).json()["tokens"]
+    assert httpx.post(f"{server.base}/detokenize", json={"tokens": tokens}, timeout=10).json()["prompt"].endswith("hello")
+    assert httpx.head(f"{server.base}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.base}/version", timeout=10).json()["version"]
