@@ -30,6 +30,8 @@ LAYERS: tuple[str, ...] = (
     "runner",
     "serving",
     "bench",
+    # Typer options generated from the config tree's fields, for the command line only.
+    "cli_options",
     "cli",
     # The package's face: `tandem/__init__.py` re-exports the public API, `__main__` runs the CLI.
     "api",
