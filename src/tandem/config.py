@@ -346,7 +346,7 @@ class HttpOptions:
 
 @dataclass
 class EngineConfig:
-    model: str = option("tiny-moe", "A Hugging Face model directory, or the built-in 'tiny-moe'.")
+    model: str = option("tiny-moe", "A Hugging Face model directory, or a built-in preset: tiny-moe, small-moe, deepseek-v2-lite-random.")
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
