@@ -192,7 +192,7 @@ def serve_rank(
             report(Progress("warming up"))
             _warm_up(engine)
         if config.parallel.pipeline_parallel_size > 1:
-            report(Progress(_pipeline_verdict(engine, options.max_num_seqs)))
+            report(Progress(_pipeline_verdict(engine, config.scheduler.max_num_seqs)))
         info = runner.info
         report(Ready(info.name, info.max_model_len, world_size))
 
