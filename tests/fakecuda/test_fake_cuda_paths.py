@@ -82,7 +82,8 @@ def _model(all2all: str, moe_backend: str, group, dtype=torch.bfloat16):
 
     options = MoEOptions(
         all2all_backend=all2all, moe_backend=moe_backend, group=None if all2all == "local" else group,
-        max_tokens_per_rank=16, deepep_ll_max_tokens_per_rank=16,
+        # The one dispatch budget; a backend without a fixed buffer (local) refuses one.
+        dispatch_max_tokens_per_rank=None if all2all == "local" else 16,
     )
     with torch.device("cuda"):
         model = DeepseekV3ForCausalLM(dict(CONFIG, **SIZES), moe=options, dtype=dtype)
