@@ -106,13 +106,13 @@ def _serve_node(cluster: NetnsCluster, node: int) -> list[str]:
     )
 
 
-def _start(cluster: NetnsCluster, client_script: Path) -> list[subprocess.Popen]:
+def _start(cluster: NetnsCluster) -> list[subprocess.Popen]:
     env = lambda i: {**cluster.env(i), "OMP_NUM_THREADS": "1"}  # noqa: E731
     return [cluster.popen(i, _serve_node(cluster, i), env=env(i), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL) for i in range(2)]
 
 
-def _client(cluster: NetnsCluster, tmp_path: Path) -> Path:
+def _client(tmp_path: Path) -> Path:
     path = tmp_path / "client.py"
     path.write_text(CLIENT % (HTTP_PORT, MAX_TOKENS))
     return path
@@ -150,7 +150,11 @@ def one_host_texts():
                                           extra_body={"ignore_eos": True}).choices[0].text for prompt in PROMPTS]
 
 
-def _fault(cluster: NetnsCluster, client_script: Path, nodes: list[subprocess.Popen], inject) -> dict:
+def _fault_is_reported_and_everything_ends(cluster: NetnsCluster, client_script: Path,
+                                            nodes: list[subprocess.Popen], inject) -> None:
+    """While a stream is in flight, `inject` a fault: /health turns 503 within the step timeout
+    (the watchdog) plus the front end's notice, the stream ends with an error, both torchrun
+    nodes end by themselves and no process stays behind on either host."""
     probe = cluster.popen(0, [sys.executable, str(client_script), "fault"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = probe.stdout.readline().strip()
@@ -160,44 +164,36 @@ def _fault(cluster: NetnsCluster, client_script: Path, nodes: list[subprocess.Po
     probe.stdin.flush()
     out, err = probe.communicate(timeout=240)
     assert probe.returncode == 0, err[-2000:]
-    return json.loads(out.strip().splitlines()[-1])
+    outcome = json.loads(out.strip().splitlines()[-1])
+    assert outcome["health"] == 503, outcome
+    assert outcome["health_after_s"] < STEP_TIMEOUT_S + 30, outcome
+    assert outcome["stream"].startswith("error"), outcome
+    codes = _wait_all_exit(nodes, 6 * STEP_TIMEOUT_S + 60)
+    assert None not in codes, f"a node still runs after the fault: {codes}"
+    assert _wait_no_pids(cluster, 30) == [], "a process outlived its node"
 
 
 @pytest.mark.timeout(900)
 def test_dbo_serve_across_two_hosts_matches_one_host_and_a_cut_link_is_a_503(tmp_path, one_host_texts):
     with NetnsCluster(2, rate_mbit=200) as cluster:
-        client_script = _client(cluster, tmp_path)
-        nodes = _start(cluster, client_script)
+        client_script = _client(tmp_path)
+        nodes = _start(cluster)
         reply = cluster.run(0, [sys.executable, str(client_script), "complete", json.dumps(PROMPTS)], timeout=400)
         assert reply.returncode == 0, reply.stderr[-3000:]
         assert json.loads(reply.stdout.strip().splitlines()[-1]) == one_host_texts
 
-        outcome = _fault(cluster, client_script, nodes, lambda: cluster.set_link_up(1, False))
-        # Bounded by the step timeout (the watchdog) plus the front end's notice of the dead head.
-        assert outcome["health"] == 503, outcome
-        assert outcome["health_after_s"] < STEP_TIMEOUT_S + 30, outcome
-        assert outcome["stream"].startswith("error"), outcome
-        # Nothing hangs: both torchrun nodes end by themselves, and no process stays behind.
-        codes = _wait_all_exit(nodes, 6 * STEP_TIMEOUT_S + 60)
-        assert None not in codes, f"a node still runs after the link cut: {codes}"
-        assert _wait_no_pids(cluster, 30) == [], "a process outlived its node"
+        _fault_is_reported_and_everything_ends(cluster, client_script, nodes, lambda: cluster.set_link_up(1, False))
 
 
 @pytest.mark.timeout(600)
 def test_a_killed_node_is_a_503_and_the_other_node_ends(tmp_path):
     with NetnsCluster(2, rate_mbit=200) as cluster:
-        client_script = _client(cluster, tmp_path)
-        nodes = _start(cluster, client_script)
+        client_script = _client(tmp_path)
+        nodes = _start(cluster)
 
         def kill_node_1():
             for pid in subprocess.run(["ip", "netns", "pids", cluster.hosts[1].name], capture_output=True,
                                       text=True).stdout.split():
                 subprocess.run(["kill", "-9", pid])
 
-        outcome = _fault(cluster, client_script, nodes, kill_node_1)
-        assert outcome["health"] == 503, outcome
-        assert outcome["health_after_s"] < STEP_TIMEOUT_S + 30, outcome
-        assert outcome["stream"].startswith("error"), outcome
-        codes = _wait_all_exit(nodes, 6 * STEP_TIMEOUT_S + 60)
-        assert None not in codes, f"a node still runs after its peer died: {codes}"
-        assert _wait_no_pids(cluster, 30) == [], "a process outlived its node"
+        _fault_is_reported_and_everything_ends(cluster, client_script, nodes, kill_node_1)
