@@ -46,15 +46,15 @@ def test_runner_tensors_live_on_the_model_device_and_cpu_never_calls_cuda(monkey
     assert all(t.device == device for layer in runner.model.model.layers for t in layer.self_attn.kv_cache.values())
 
     seen = {}
-    original_prepare = runner.prepare
+    original_step_inputs = runner.step_inputs
 
-    def spying_prepare(chunks):
-        inputs, slices = original_prepare(chunks)
+    def spying_step_inputs(chunks, plan):
+        inputs = original_step_inputs(chunks, plan)
         m = inputs.attn_metadata
         seen["step"] = [inputs.input_ids, inputs.positions, m.query_start_loc, m.seq_lens, m.slot_mapping, m.block_table]
-        return inputs, slices
+        return inputs
 
-    runner.prepare = spying_prepare
+    runner.step_inputs = spying_step_inputs
     tok = runner.info.tokenizer
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     prompts = [(i, tok.encode(p).ids, params) for i, p in enumerate(["Hello there", "MoE", "ab", "device"])]

@@ -16,7 +16,6 @@ def _overlap(**kw):
 
 def test_balanced_cost_split_moves_the_cut_and_keeps_the_logits(monkeypatch):
     import tandem.runner.model_runner as model_runner
-    from tandem.contexts import ForwardContext, set_forward_context
     from tandem.runner.batch import ScheduledChunk
     from tandem.runner.offline import build_runner
     from tandem.ubatch import split_by_tokens
@@ -37,16 +36,17 @@ def test_balanced_cost_split_moves_the_cut_and_keeps_the_logits(monkeypatch):
         "balanced-cost": _overlap(ubatch_split="balanced-cost"),
     }.items():
         runner.overlap = overlap
-        inputs, slices = runner.prepare(chunks)
+        plan = runner.plan_step(chunks)
+        inputs, slices = runner.step_inputs(chunks, plan), plan.ubatch_slices
         if name == "off":
             assert slices is None
         elif name == "tokens":
-            assert slices == split_by_tokens([40, 1, 1, 1], 2)
+            assert list(slices) == split_by_tokens([40, 1, 1, 1], 2)
         else:
             # Most of the attention is in the prefill's late tokens: the first ubatch gets more tokens.
             assert slices[0].token_slice.stop > 22 and slices[0].request_slice == slice(0, 1)
-        with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices)):
-            hidden[name] = runner.wrapper(inputs.input_ids, inputs.positions)
+        with torch.no_grad():
+            hidden[name] = runner.forward(inputs.input_ids, inputs, plan)
     torch.testing.assert_close(hidden["tokens"], hidden["off"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(hidden["balanced-cost"], hidden["off"], rtol=1e-4, atol=1e-4)
 

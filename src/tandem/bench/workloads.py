@@ -41,7 +41,7 @@ from tandem.modular_kernels import (
 from tandem.config import OverlapConfig
 from tandem.modular_kernels.factory import DISPATCH_OPTIONS
 from tandem.runner.model_runner import StepTimes
-from tandem.ubatch import coordinate_ubatching
+from tandem.runner.step_plan import decide_overlap
 from tandem.ubatch.planner import OverlapPlanner, StepMeasurement, StepShape, TunePrior, overlap_choices
 
 #: SGLang's SBO modes, each as its own bench mode (`sbo` and `dbo+sbo` run `auto`).
@@ -198,8 +198,9 @@ class ModelStepWorkload:
         _, _, sbo = _mode_flags(mode)
         if self.runner.tracer is not None:
             self.runner.tracer.tags = {"mode": mode}
+        # The mode's SBO is the runner's per-step choice; its SBO variant is the kernels' setting.
+        self.runner.sbo = sbo is not None
         for k in self.kernels:
-            k.enable_sbo = sbo is not None
             k.sbo_mode = sbo or "auto"
         return self.run_step(mode_overlap(self.base_overlap, mode), self._chunks(tokens))
 
@@ -362,26 +363,21 @@ class MoEStack:
         return self._planners[key]
 
     def step_overlap(self, overlap: OverlapConfig, tokens: int, fabric: FabricModel | None) -> StepTimes:
-        """One step decided as the runtime decides it: the DP all-reduce of
-        `coordinate_ubatching` (with the planner's predictions under `auto`), then no
+        """One step decided as the runtime decides it (`decide_overlap`: the DP all-reduce
+        of `coordinate_ubatching`, with the planner's predictions under `auto`), then no
         split or DBO with the agreed ubatch count. The stack has no KV attention and is
         costed as a decode step (the decode threshold applies)."""
-        wants = overlap.enable_dbo and tokens >= overlap.dbo_decode_token_threshold
-        auto = overlap.overlap_policy == "auto"
-        planner, shape = (self._planner(overlap), StepShape(tokens)) if auto else (None, None)
-        predicted = planner.predict(shape) if planner else None
+        planner = self._planner(overlap) if overlap.overlap_policy == "auto" else None
+        shape = StepShape(tokens)
         start = time.perf_counter()
         group = dist.group.WORLD if self.world > 1 else None
-        decision = coordinate_ubatching(tokens, wants, group=group, num_ubatches=overlap.num_ubatches, predicted_s=predicted)
+        decision, planned = decide_overlap(overlap, planner, shape, group=group)
         agree_s = time.perf_counter() - start
-        k = overlap.num_ubatches if decision.should_ubatch else 1
-        if planner is not None:
-            planned = planner.decide(decision, k, predicted)
-            k = planned.choice.num_ubatches
+        k = planned.choice.num_ubatches if planned is not None else overlap.num_ubatches if decision.should_ubatch else 1
         times = self.step("none" if k == 1 else "dbo", tokens, fabric, num_ubatches=k)
         # The agreement is part of the step (a synchronous collective: exposed communication).
         times = StepTimes(times.step_s + agree_s, times.compute_s, times.recv_wait_s + agree_s, times.comm_s + agree_s, times.switch_s)
-        if planner is not None:
+        if planned is not None:
             planner.observe(planned, shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s))
         return times
 

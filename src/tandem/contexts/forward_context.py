@@ -16,6 +16,12 @@ class ForwardContext:
     attn_metadata: Any = None
     #: `UBatchSlice`s when this step runs as ubatches, else None.
     ubatch_slices: list | None = None
+    #: TBO only: every DP rank runs SGLang's decode strategy (True) or prefill strategy
+    #: (False) this step; None lets a ubatch's own attention metadata decide.
+    tbo_decode: bool | None = None
+    #: The step's single-batch overlap choice for every MoE kernel; None leaves each kernel
+    #: its own `enable_sbo`.
+    sbo: bool | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 

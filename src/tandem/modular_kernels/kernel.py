@@ -9,7 +9,13 @@ from typing import Callable
 
 import torch
 
-from tandem.contexts import dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
+from tandem.contexts import (
+    dbo_enabled,
+    dbo_maybe_run_recv_hook,
+    dbo_register_recv_hook,
+    dbo_yield,
+    get_forward_context,
+)
 from tandem.modular_kernels.interfaces import BlockCombine, Experts, ExpertTokens, PrepareAndFinalize, RecvHook
 from tandem.modular_kernels.sbo import (
     COMBINE_DOWN_GEMM,
@@ -106,11 +112,16 @@ class FusedMoEModularKernel:
         )
 
     def active_sbo_mode(self, device: torch.device) -> str | None:
-        """The SBO mode a call on `device` runs: None when SBO is off, or when the backend's
-        transfers complete before they return (nothing to overlap) outside DBO."""
-        if not self.enable_sbo or not (self.prepare_finalize.supports_async() or dbo_enabled()):
+        """The SBO mode a call on `device` runs: None when SBO is off (the step's choice in
+        the forward context, else `enable_sbo`), or when the backend's transfers complete
+        before they return (nothing to overlap) outside DBO."""
+        if not self.sbo_enabled() or not (self.prepare_finalize.supports_async() or dbo_enabled()):
             return None
         return resolve_sbo_mode(self.sbo_mode, self.prepare_finalize, self.experts, device)
+
+    def sbo_enabled(self) -> bool:
+        step = get_forward_context()
+        return self.enable_sbo if step is None or step.sbo is None else step.sbo
 
     def shared_experts_placement(self, sbo_mode: str | None) -> str | None:
         """Where `forward` runs the shared experts: "dispatch" (between the dispatch send

@@ -1,6 +1,7 @@
-"""`ModelRunner`: one step of one rank — build the batch, decide (with the other DP ranks)
-whether and how to split it into ubatches, run the model through the `UBatchWrapper`,
-and sample.
+"""`ModelRunner`: one step of one rank — plan it (agree with the other DP ranks on the
+padding and the overlap, cut the ubatches: a `StepPlan`), build the batch, run the model
+through the `UBatchWrapper` as the plan says, sample, and feed the measured step back to the
+planner.
 
 Every DP rank calls `execute` the same number of times in the same order: the MoE layers'
 all-to-alls span all ranks, so a rank with nothing scheduled still runs a dummy batch (all
@@ -16,7 +17,7 @@ from typing import Sequence
 import torch
 
 from tandem.config import OverlapConfig
-from tandem.contexts import CommCounters, ForwardContext, set_forward_context, time_model, timed_blocking
+from tandem.contexts import CommCounters, set_forward_context, time_model
 from tandem.models.base import ModelInfo
 from tandem.runner.batch import ScheduledChunk, StepInputs, build_step_inputs
 from tandem.runner.future_map import FutureMap
@@ -24,24 +25,11 @@ from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
 from tandem.runner.sampling import SampleOutput, SamplingParams, sample_step
-from tandem.runner.ubatch_wrapper import TBO_DECODE, UBatchWrapper
-from tandem.ubatch import (
-    attention_work,
-    balanced_split,
-    check_ubatch_thresholds,
-    coordinate_ubatching,
-    split_by_cost,
-    split_by_tokens,
-)
+from tandem.runner.step_plan import StepPlan, decide_overlap
+from tandem.runner.ubatch_wrapper import UBatchWrapper
+from tandem.ubatch import attention_work, balanced_split, split_by_cost, split_by_tokens
 from tandem.ubatch.cost_split import DEFAULT_ATTENTION_WEIGHT
-from tandem.ubatch.planner import (
-    OverlapPlanner,
-    PlannedStep,
-    StepMeasurement,
-    StepShape,
-    TunePrior,
-    overlap_choices,
-)
+from tandem.ubatch.planner import OverlapPlanner, StepMeasurement, StepShape, TunePrior, overlap_choices
 
 
 @dataclass
@@ -125,7 +113,7 @@ class ModelRunner:
         self.tracer = tracer
         self.steps = 0
         self.ubatched_steps = 0
-        #: Wall time spent inside `execute`, over the runner's life.
+        #: Wall time spent in the model's forward, over the runner's life.
         self.step_time_s = 0.0
         #: The time model: the last step's and the running totals.
         self.last_step_times = StepTimes()
@@ -134,13 +122,12 @@ class ModelRunner:
         from tandem.runner.faults import install_from_env
 
         self.fault_hooks = install_from_env(self)
+        #: Whether the MoE kernels run single-batch overlap: each step's SBO choice unless the
+        #: planner picks per step (a benchmark mode swaps it, as it swaps `overlap`).
+        self.sbo = any(k.enable_sbo for k in self._moe_kernels())
         #: Overlap planners by the settings they plan for: whoever swaps `overlap` (bench
         #: modes) gets back the planner, and what it learnt, of each setting.
         self._planners: dict[tuple, OverlapPlanner] = {}
-        self._planned: tuple[OverlapPlanner, PlannedStep, StepShape] | None = None
-        #: The forward-context extras of the step `prepare` planned last (TBO's strategy, which
-        #: the DP ranks agreed on in the same all-reduce as the split).
-        self.step_extras: dict = {}
 
     def _moe_kernels(self) -> list:
         return [m.kernel for m in self.model.modules() if hasattr(getattr(m, "kernel", None), "enable_sbo")]
@@ -153,11 +140,10 @@ class ModelRunner:
         if o.overlap_policy != "auto" and o.ubatch_split != "balanced-cost":
             return None
         auto = o.overlap_policy == "auto"
-        key = (auto, o.num_ubatches, o.enable_dbo, o.thresholds_file, o.planner_explore_share)
+        key = (auto, o.num_ubatches, o.enable_dbo, self.sbo, o.thresholds_file, o.planner_explore_share)
         if key not in self._planners:
-            sbo = any(k.enable_sbo for k in self._moe_kernels())
             self._planners[key] = OverlapPlanner(
-                overlap_choices(o.num_ubatches, dbo=o.enable_dbo, sbo=sbo),
+                overlap_choices(o.num_ubatches, dbo=o.enable_dbo, sbo=self.sbo),
                 explore_share=o.planner_explore_share if auto else 0.0,
                 prior=TunePrior.from_file(o.thresholds_file) if auto and o.thresholds_file else None,
             )
@@ -167,37 +153,46 @@ class ModelRunner:
     def ubatch_yields(self) -> int:
         return self.wrapper.executor.switches
 
-    def _plan(self, counts: list[int], contexts: list[int]):
-        """Agree with the other DP ranks on the step's padded size and its ubatch count."""
+    # -- one step: plan, inputs, forward, observe ------------------------------------------
+
+    def plan_step(self, chunks: Sequence[ScheduledChunk]) -> StepPlan:
+        """Agree with the other DP ranks on the step's padded size and overlap choice, and
+        cut its ubatches. Collective: every DP rank calls it once per step."""
+        counts = [len(c.token_ids) for c in chunks]
+        contexts = [c.num_computed for c in chunks]
         num_tokens = sum(counts)
-        uniform_decode = bool(counts) and all(n == 1 for n in counts)
         o = self.overlap
-        wants = o.enable_dbo and check_ubatch_thresholds(
-            num_tokens, uniform_decode, o.dbo_decode_token_threshold, o.dbo_prefill_token_threshold
-        )
         planner = self.planner
-        shape = StepShape(num_tokens, attention_work(counts, contexts), uniform_decode) if planner else None
-        predicted = planner.predict(shape) if planner is not None and o.overlap_policy == "auto" else None
-        with timed_blocking():
-            decision = coordinate_ubatching(
-                num_tokens, wants, group=self.dp_group, num_ubatches=o.num_ubatches, predicted_s=predicted,
-                prefills=any(n != 1 for n in counts),
-            )
-        if planner is None:
-            self._planned = None
-            return decision, o.num_ubatches if decision.should_ubatch else 1
-        static_num_ubatches = o.num_ubatches if decision.should_ubatch else 1
-        if predicted is None:  # static policy, balanced-cost split: the planner only learns
-            static = planner.static_choice(static_num_ubatches)
-            planned = PlannedStep(static, planner.predict(shape)[planner.choices.index(static)], False)
+        uniform_decode = bool(counts) and all(n == 1 for n in counts)
+        shape = StepShape(num_tokens, attention_work(counts, contexts) if planner else 0, uniform_decode)
+        decision, planned = decide_overlap(o, planner, shape, group=self.dp_group, prefills=any(n != 1 for n in counts))
+        if planned is not None:
+            num_ubatches = planned.choice.num_ubatches
         else:
-            planned = planner.decide(decision, static_num_ubatches, predicted)
-            if any(c.sbo for c in planner.choices):
-                for kernel in self._moe_kernels():
-                    kernel.enable_sbo = planned.choice.sbo
-        # An idle rank's step is all waiting for the others: nothing to learn from it.
-        self._planned = (planner, planned, shape) if num_tokens else None
-        return decision, planned.choice.num_ubatches
+            num_ubatches = o.num_ubatches if decision.should_ubatch else 1
+        if num_ubatches > 1 or o.graph_mode == "full":
+            # Same shape on every rank: one graph per size, and ubatches cut at the same points.
+            padded = decision.num_tokens_padded
+        elif decision.num_tokens_padded == 0:
+            padded = 0  # every rank is idle
+        else:
+            # Own tokens only; an idle rank runs one padding token to join the collectives.
+            padded = max(num_tokens, 1)
+        slices = tuple(self._split(counts, contexts, num_ubatches, padded)) if num_ubatches > 1 else None
+        # TBO's decode strategy (delta 2) and prefill strategy (delta 0) issue their all-to-alls
+        # in different orders: decode only if no rank prefills (an idle rank follows the others,
+        # as in SGLang).
+        tbo_decode = not decision.any_rank_prefills if slices is not None and o.executor == "stages" else None
+        learns = planned is not None and num_tokens > 0  # an idle rank's step is all waiting for the others
+        return StepPlan(
+            num_tokens=num_tokens,
+            num_tokens_padded=padded,
+            ubatch_slices=slices,
+            tbo_decode=tbo_decode,
+            sbo=planned.choice.sbo if planned is not None else self.sbo,
+            planned=planned if learns else None,
+            shape=shape if learns else None,
+        )
 
     def _split(self, counts: list[int], contexts: list[int], num_ubatches: int, padded: int):
         if self.overlap.ubatch_split == "tokens":
@@ -210,28 +205,6 @@ class ModelRunner:
             attention_weight=DEFAULT_ATTENTION_WEIGHT if weight is None else weight,
         )
 
-    def prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[StepInputs, list | None]:
-        counts = [len(c.token_ids) for c in chunks]
-        contexts = [c.num_computed for c in chunks]
-        decision, num_ubatches = self._plan(counts, contexts)
-        slices = None
-        if num_ubatches > 1 or self.overlap.graph_mode == "full":
-            # Same shape on every rank: one graph per size, and ubatches cut at the same points.
-            padded = decision.num_tokens_padded
-        elif decision.num_tokens_padded == 0:
-            padded = 0  # every rank is idle
-        else:
-            # Own tokens only; an idle rank runs one padding token to join the collectives.
-            padded = max(sum(counts), 1)
-        if num_ubatches > 1:
-            slices = self._split(counts, contexts, num_ubatches, padded)
-        # TBO's decode strategy (delta 2) and prefill strategy (delta 0) issue their all-to-alls
-        # in different orders: decode only if no rank prefills (an idle rank follows the others,
-        # as in SGLang).
-        stages = slices is not None and self.overlap.executor == "stages"
-        self.step_extras = {TBO_DECODE: not decision.any_rank_prefills} if stages else {}
-        return build_step_inputs(chunks, self.block_size, padded, device=self.device), slices
-
     def _tbo_split_point(self, counts: list[int], num_ubatches: int) -> int | None:
         """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split
         by sequences, or inside one sequence when no boundary is balanced enough; None (cut
@@ -242,6 +215,32 @@ class ModelRunner:
         split = balanced_split(counts, self.overlap.tbo_token_distribution_threshold)
         return split.token_index if 0 < split.token_index < num_tokens else None
 
+    def step_inputs(self, chunks: Sequence[ScheduledChunk], plan: StepPlan) -> StepInputs:
+        """The step's input ids, positions and attention metadata, padded as `plan` says."""
+        return build_step_inputs(chunks, self.block_size, plan.num_tokens_padded, device=self.device)
+
+    def forward(self, x: torch.Tensor, inputs: StepInputs, plan: StepPlan, *, count: bool = True) -> torch.Tensor:
+        """Run the model on `x` (the step's input ids, or a pipeline stage's incoming hidden
+        states) as `plan` says. `count`: a serving step, which the step counters and the fault
+        injection's step index see; False for a start-up measurement."""
+        start = time.perf_counter()
+        if count:
+            self.steps += 1
+            self.ubatched_steps += plan.ubatched
+        try:
+            with set_forward_context(plan.forward_context(inputs.attn_metadata)):
+                return self.wrapper(x, inputs.positions)
+        finally:
+            if count:
+                self.step_time_s += time.perf_counter() - start
+
+    def observe(self, plan: StepPlan, times: StepTimes) -> None:
+        """Feed a completed step's time model back to the planner that chose its overlap."""
+        if plan.planned is not None:
+            self.planner.observe(
+                plan.planned, plan.shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s)
+            )
+
     @torch.no_grad()
     def execute(
         self,
@@ -251,24 +250,28 @@ class ModelRunner:
         finishes_prompt: Sequence[bool] | None = None,
         future_slots: Sequence[int | None] | None = None,
     ) -> StepResult:
-        """Run one step. `finishes_prompt[r]` says whether request r's chunk ends at the
-        last known token (so a new token is sampled); default: every request samples.
-        Negative input ids are `FutureMap` placeholders, resolved here; `future_slots[r]`
-        is where request r's sampled token is published for the next step's placeholders."""
+        """Run one step: plan, forward, sample, observe. `finishes_prompt[r]` says whether
+        request r's chunk ends at the last known token (so a new token is sampled); default:
+        every request samples. Negative input ids are `FutureMap` placeholders, resolved here;
+        `future_slots[r]` is where request r's sampled token is published for the next step's
+        placeholders."""
+        if self.future_map is None and any(t < 0 for c in chunks for t in c.token_ids):
+            raise ValueError("input ids hold FutureMap placeholders but this ModelRunner has no future_map")
         counters = CommCounters(tracer=self.tracer)
         switch_before = self.wrapper.executor.switch_time_s
         start = time.perf_counter()
+        plan: StepPlan | None = None
         completed = False
         try:
             with time_model(counters), self.platform.use_device(self.device):
-                result = self._execute(chunks, sampling, generators, finishes_prompt, future_slots)
+                plan = self.plan_step(chunks)
+                result = self._run(plan, chunks, sampling, generators, finishes_prompt, future_slots)
             completed = True
             return result
         finally:
             elapsed = time.perf_counter() - start
             if self.tracer is not None:
                 self.tracer.step(start, start + elapsed, tokens=sum(len(c.token_ids) for c in chunks))
-            self.step_time_s += elapsed
             switch = self.wrapper.executor.switch_time_s - switch_before
             times = StepTimes(
                 step_s=elapsed,
@@ -279,26 +282,19 @@ class ModelRunner:
             )
             self.last_step_times = times
             self.total_step_times = self.total_step_times + times
-            planned, self._planned = self._planned, None
-            if planned is not None and completed:
-                planner, step, shape = planned
-                planner.observe(step, shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s))
+            if completed:
+                self.observe(plan, times)
 
-    def _execute(self, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
-        if self.future_map is None and any(t < 0 for c in chunks for t in c.token_ids):
-            raise ValueError("input ids hold FutureMap placeholders but this ModelRunner has no future_map")
-        inputs, slices = self.prepare(chunks)
+    def _run(self, plan: StepPlan, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
+        inputs = self.step_inputs(chunks, plan)
         if self.future_map is not None:
             inputs.input_ids = self.future_map.resolve(inputs.input_ids)
-        self.steps += 1
-        if inputs.input_ids.shape[0] == 0:  # every DP rank is idle
+        if plan.num_tokens_padded == 0:  # every DP rank is idle
+            self.steps += 1
             return StepResult([], 0, 0, False)
-        self.ubatched_steps += slices is not None
-        context = ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=self.step_extras)
-        with set_forward_context(context):
-            hidden = self.wrapper(inputs.input_ids, inputs.positions)
+        hidden = self.forward(inputs.input_ids, inputs, plan)
         if not chunks:
-            return StepResult([], 0, inputs.input_ids.shape[0], slices is not None)
+            return StepResult([], 0, plan.num_tokens_padded, plan.ubatched)
         wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
         rows = [r for r, w in enumerate(wanted) if w]
         sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
@@ -310,7 +306,7 @@ class ModelRunner:
         read, logprobs = self._read_samples(sampled, [sampling[r] for r in rows])
         tokens = _scatter_rows(len(chunks), rows, read)
         step_logprobs = _scatter_rows(len(chunks), rows, logprobs) if logprobs is not None else None
-        return StepResult(tokens, inputs.num_tokens, inputs.input_ids.shape[0], slices is not None, step_logprobs)
+        return StepResult(tokens, inputs.num_tokens, plan.num_tokens_padded, plan.ubatched, step_logprobs)
 
     def sample_tokens(self, hidden, inputs: StepInputs, sampling, generators, wanted: Sequence[bool]) -> list[int | None]:
         """The next token of every request whose `wanted` is set (None elsewhere), from the

@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.contexts import ForwardContext, set_forward_context
 from tandem.distributed import StageGroups, StageLink, StageLinkError
-from tandem.runner.batch import ScheduledChunk, build_step_inputs
+from tandem.runner.batch import ScheduledChunk
 from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, RankCounters
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import SchedulerStep
+from tandem.runner.step_plan import StepPlan
 from tandem.runner.outputs import RequestOutput
 
 #: How often an idle first stage tells the others it is alive.
@@ -67,11 +67,9 @@ class MicroBatchPlan:
     request_ids: list[str] = field(default_factory=list)
     sampling: list[SamplingParams] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
-    num_tokens_padded: int = 0
-    #: The first stage's ubatch cut and forward-context extras (TBO's strategy), agreed by its
-    #: DP ranks: every later stage splits the same way rather than deciding again.
-    ubatch_slices: list | None = None
-    forward_extras: dict = field(default_factory=dict)
+    #: The step as the first stage's DP ranks planned it (padding, ubatch cut, TBO strategy,
+    #: SBO): every later stage runs it the same way rather than deciding again.
+    step: StepPlan = field(default_factory=lambda: StepPlan(num_tokens=0, num_tokens_padded=0))
     #: Requests finished since the previous micro-batch (the last stage drops their generators).
     finished_ids: list[str] = field(default_factory=list)
     #: A start-up measurement (`choose_micro_batches`), not serving work: no stage counts it
@@ -153,39 +151,25 @@ class StageWorker:
 
     # -- compute --------------------------------------------------------------------------
 
-    def _run(self, x: torch.Tensor, inputs, slices, extras: dict, probe: bool = False) -> torch.Tensor:
-        runner = self.runner
-        start = time.perf_counter()
-        if not probe:
-            runner.steps += 1
-            runner.ubatched_steps += slices is not None
-        try:
-            with set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata, ubatch_slices=slices, extras=extras)):
-                return runner.wrapper(x, inputs.positions)
-        finally:
-            if not probe:
-                runner.step_time_s += time.perf_counter() - start
-
     @torch.no_grad()
-    def forward_first(self, chunks: list[ScheduledChunk], probe: bool = False) -> tuple[torch.Tensor, int, list | None, dict]:
-        """Embed and run the first stage's layers; the padding, the ubatch split and the
-        forward-context extras are agreed with the stage's other DP ranks here and forwarded
-        to the later stages."""
-        inputs, slices = self.runner.prepare(chunks)
-        extras = self.runner.step_extras
-        padded = inputs.input_ids.shape[0]
-        if padded == 0:
-            return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0, None, {}
-        return self._run(inputs.input_ids, inputs, slices, extras, probe), padded, slices, extras
+    def forward_first(self, chunks: list[ScheduledChunk], probe: bool = False) -> tuple[torch.Tensor, StepPlan]:
+        """Embed and run the first stage's layers. The step is planned here, with the stage's
+        other DP ranks, and its `StepPlan` is forwarded to the later stages."""
+        runner = self.runner
+        step = runner.plan_step(chunks)
+        if step.num_tokens_padded == 0:
+            return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), step
+        inputs = runner.step_inputs(chunks, step)
+        return runner.forward(inputs.input_ids, inputs, step, count=not probe), step
 
     @torch.no_grad()
     def forward_later(self, plan: MicroBatchPlan, hidden: torch.Tensor):
-        """Run this stage's layers on the previous stage's hidden states; returns the hidden
-        states and the step inputs (the last stage samples from both)."""
-        inputs = build_step_inputs(plan.chunks, self.runner.block_size, plan.num_tokens_padded, device=self.device)
-        if plan.num_tokens_padded == 0:
+        """Run this stage's layers on the previous stage's hidden states as the first stage
+        planned; returns the hidden states and the step inputs (the last stage samples from both)."""
+        inputs = self.runner.step_inputs(plan.chunks, plan.step)
+        if plan.step.num_tokens_padded == 0:
             return hidden, inputs
-        return self._run(hidden, inputs, plan.ubatch_slices, plan.forward_extras, plan.probe), inputs
+        return self.runner.forward(hidden, inputs, plan.step, count=not plan.probe), inputs
 
 
 class PipelineEngine(Engine):
@@ -273,7 +257,7 @@ class PipelineEngine(Engine):
         self._finished = []
         start = time.perf_counter()
         try:
-            hidden, plan.num_tokens_padded, plan.ubatch_slices, plan.forward_extras = worker.forward_first(chunks, self.probing)
+            hidden, plan.step = worker.forward_first(chunks, self.probing)
         except Exception as exc:  # noqa: BLE001 - the micro-batch's requests fail, the pipeline goes on
             plan.error = f"stage 0: {type(exc).__name__}: {exc}"
             hidden = torch.empty(0, dtype=worker.dtype, device=worker.device)
@@ -307,7 +291,7 @@ class PipelineEngine(Engine):
         if result.error is not None:
             return self._fail(planned, RuntimeError(result.error))
         tokens = [int(t) if t >= 0 else None for t in message["tokens"].tolist()]
-        return self._apply(planned, StepResult(tokens, 0, plan.num_tokens_padded, plan.ubatch_slices is not None))
+        return self._apply(planned, StepResult(tokens, 0, plan.step.num_tokens_padded, plan.step.ubatched))
 
     def idle(self) -> None:
         if self._in_flight or time.monotonic() - self._last_send < HEARTBEAT_INTERVAL_S:

@@ -14,7 +14,7 @@ MoE layers use `FusedMoEModularKernel`. It reads the forward context:
   each stage under its ubatch's forward context, and `operations_output` finishes the
   concatenated result.
 
-`graph_mode="full"` captures one graph per (padded token count, ubatch count, TBO strategy) for
+`graph_mode="full"` captures one graph per (padded token count, ubatch count, TBO strategy, SBO choice) for
 decode-only batches (`AttentionMetadata.decode_only`) of up to `max_graph_tokens` tokens,
 as vLLM's full decode graphs do; other batches run eagerly. A capture runs the step once
 with the ubatch workers live (their ops join the capture, see `tandem.platform.graph`); a
@@ -51,11 +51,6 @@ from tandem.modular_kernels.capturable import check_graph_capturable
 from tandem.modular_kernels.sm_partition import comm_sm_partition
 from tandem.platform import Graph, Platform, get_platform, graph_capture_active
 from tandem.ubatch import UBatchSlice, split_by_tokens
-
-#: Forward-context extra: True when every DP rank runs TBO's decode strategy this step
-#: (the runner agrees on it); without it a ubatch's own metadata decides.
-TBO_DECODE = "tbo_decode"
-
 
 def merge_outputs(outputs: Sequence[Any]) -> Any:
     """Concatenate per-ubatch outputs along dim 0, element by element for tuples/lists."""
@@ -131,7 +126,7 @@ class UBatchWrapper:
         #: One comm stream for every run of this wrapper (as vLLM keeps one), made on first use:
         #: streams are not free to create, and a graph's captured work refers to it.
         self._comm_stream: Any = None
-        self.graphs: dict[tuple[int, int, bool | None], _StepGraph] = {}
+        self.graphs: dict[tuple[int, int, bool | None, bool | None], _StepGraph] = {}
         #: Forwards run, by how: plain eager, eager as ubatches, graph captures, graph replays.
         self.eager_runs = 0
         self.ubatched_runs = 0
@@ -166,7 +161,7 @@ class UBatchWrapper:
         else:
             raise TypeError(f"UBatchWrapper cannot split attention metadata of type {type(metadata).__name__}")
         sub_contexts = [
-            ForwardContext(attn_metadata=m, ubatch_slices=None, extras={**ctx.extras, "ubatch_index": i})
+            replace(ctx, attn_metadata=m, ubatch_slices=None, extras={**ctx.extras, "ubatch_index": i})
             for i, m in enumerate(per_ubatch)
         ]
         if isinstance(self.executor, StageExecutor):
@@ -216,7 +211,9 @@ class UBatchWrapper:
         whole = model.operations_inputs(*inputs, **kwargs)
         per_ubatch = [{name: value[ub.token_slice] for name, value in whole.items()} for ub in slices]
         metadata = ctx.attn_metadata
-        decode = ctx.extras.get(TBO_DECODE, isinstance(metadata, AttentionMetadata) and metadata.decode_only)
+        decode = ctx.tbo_decode
+        if decode is None:
+            decode = isinstance(metadata, AttentionMetadata) and metadata.decode_only
         strategy = model.operations_strategy(decode=decode)
         outputs = self.executor.run(
             per_ubatch,
@@ -238,7 +235,8 @@ class UBatchWrapper:
         metadata: AttentionMetadata = ctx.attn_metadata
         num_tokens = inputs[0].shape[0]
         num_ubatches = len(ctx.ubatch_slices) if ctx.ubatch_slices else 0
-        key = (num_tokens, num_ubatches, ctx.extras.get(TBO_DECODE))
+        # The SBO choice and TBO's strategy change the recorded work: each gets its own graph.
+        key = (num_tokens, num_ubatches, ctx.tbo_decode, ctx.sbo)
         step = self.graphs.get(key)
         if step is not None and step.metadata.block_table.shape[1] < metadata.block_table.shape[1]:
             step.graph.reset()  # sequences outgrew the captured block table: capture wider
@@ -278,7 +276,7 @@ class UBatchWrapper:
         self._fill(step, inputs, metadata)
         # Inside the graph every row is a request, so the ubatch split depends on the size only.
         slices = split_by_tokens([1] * num_tokens, num_ubatches) if num_ubatches else None
-        static_context = ForwardContext(attn_metadata=static_metadata, ubatch_slices=slices, extras=dict(ctx.extras))
+        static_context = replace(ctx, attn_metadata=static_metadata, ubatch_slices=slices, extras=dict(ctx.extras))
 
         def forward() -> Any:
             # The graph's warm-up run (outside the capture) prepares the workers' streams.
@@ -314,4 +312,4 @@ class UBatchWrapper:
         static.slot_mapping.copy_(metadata.slot_mapping)
 
 
-__all__ = ["GRAPH_MODES", "TBO_DECODE", "UBatchWrapper", "merge_outputs"]
+__all__ = ["GRAPH_MODES", "UBatchWrapper", "merge_outputs"]
