@@ -55,6 +55,7 @@ def build_runner(config, *, group=None, cpu_group=None, stage=None) -> ModelRunn
         block_size=config.cache.block_size,
         dp_group=cpu_group,
         tracer=tracer,
+        config=config,
     )
 
 

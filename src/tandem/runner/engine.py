@@ -23,13 +23,14 @@ import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from tandem.config import EngineConfig, SchedulerConfig
 from tandem.runner.future_map import FutureMap
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import Request, Scheduler, SchedulerStep
-from tandem.runner.outputs import RequestOutput
+from tandem.runner.outputs import Completion, RequestOutput
 
 #: How long the scheduler waits for a forward before declaring the engine stuck.
 DEFAULT_STEP_TIMEOUT_S = SchedulerConfig.step_timeout_s
@@ -120,6 +121,9 @@ class Engine:
         #: Set when a failed step left state that later steps cannot trust (DeepEP's
         #: low-latency buffers): every request is refused with this message from then on.
         self.stopped: str | None = None
+        #: The last applied step found every DP rank idle (its agreed padded size was 0): in
+        #: lockstep, the one signal all ranks see alike that the work is done everywhere.
+        self.idle_everywhere = False
 
     @classmethod
     def from_config(cls, runner: ModelRunner, config: EngineConfig, **kwargs) -> "Engine":
@@ -229,6 +233,7 @@ class Engine:
             ) from None
 
     def _apply(self, step: SchedulerStep, result: StepResult | BaseException) -> list[RequestOutput]:
+        self.idle_everywhere = not isinstance(result, BaseException) and result.num_tokens_padded == 0
         if isinstance(result, BaseException):
             return self._fail(step, result)
         outputs = self.scheduler.apply(step, result.tokens, result.logprobs)
@@ -316,4 +321,47 @@ class Engine:
             self._worker.shutdown(wait=True)
 
 
-__all__ = ["Engine", "RankCounters", "StepTimeoutError"]
+def run_to_completion(
+    engine: Engine,
+    prompts: Sequence[tuple[int, list[int], SamplingParams]],
+    *,
+    keep_going: Callable[[Engine], bool] | None = None,
+) -> list[Completion]:
+    """Offline generation through the serving loop: add `prompts` (`(index, prompt token
+    ids, params)`) to `engine`, step it until they finish, and return their completions in
+    input order. `keep_going(engine)` says whether to step again; by default while the
+    engine has work, or, in lockstep with other DP ranks, until a step finds every rank idle
+    (the signal every rank sees alike, so all leave the loop after the same step)."""
+    if keep_going is None:
+        keep_going = (lambda e: not e.idle_everywhere) if engine.lockstep else (lambda e: e.has_work)
+    completions: dict[str, Completion] = {}
+    for index, ids, params in prompts:
+        request_id = str(index)
+        rejected = engine.add_request(request_id, list(ids), params)
+        if rejected is not None:
+            raise ValueError(f"prompt {index}: {rejected.error}")
+        completions[request_id] = Completion(index, "", [], "")
+    try:
+        while keep_going(engine):
+            _collect(completions, engine.step())
+        _collect(completions, engine.drain())
+    finally:
+        engine.close()
+    unfinished = [c.index for c in completions.values() if not c.finish_reason]
+    if unfinished:
+        raise RuntimeError(f"prompts {unfinished} were left unfinished when every rank stopped stepping")
+    return sorted(completions.values(), key=lambda c: c.index)
+
+
+def _collect(completions: dict[str, Completion], outputs: list[RequestOutput]) -> None:
+    for output in outputs:
+        completion = completions[output.request_id]
+        completion.text += output.new_text
+        completion.token_ids += output.new_token_ids
+        if output.finished:
+            if output.finish_reason == "error":
+                raise RuntimeError(f"prompt {completion.index}: {output.error}")
+            completion.finish_reason = output.finish_reason
+
+
+__all__ = ["Engine", "RankCounters", "StepTimeoutError", "run_to_completion"]

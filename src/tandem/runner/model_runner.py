@@ -86,8 +86,12 @@ class ModelRunner:
         dp_group=None,
         future_map: FutureMap | None = None,
         tracer=None,
+        config=None,
     ):
         self.info = model_info
+        #: The `EngineConfig` it was built from (`build_runner`), which an `Engine` around it
+        #: reads by default; None for a runner built by hand.
+        self.config = config
         self.model = model_info.model
         self.overlap = overlap or OverlapConfig()
         self.block_size = block_size
@@ -113,6 +117,8 @@ class ModelRunner:
         self.tracer = tracer
         self.steps = 0
         self.ubatched_steps = 0
+        #: Steps that found every DP rank idle (counted in `steps`; nothing ran).
+        self.idle_steps = 0
         #: Wall time spent in the model's forward, over the runner's life.
         self.step_time_s = 0.0
         #: The time model: the last step's and the running totals.
@@ -291,6 +297,7 @@ class ModelRunner:
             inputs.input_ids = self.future_map.resolve(inputs.input_ids)
         if plan.num_tokens_padded == 0:  # every DP rank is idle
             self.steps += 1
+            self.idle_steps += 1
             return StepResult([], 0, 0, False)
         hidden = self.forward(inputs.input_ids, inputs, plan)
         if not chunks:

@@ -45,7 +45,7 @@ import torch
 
 from tandem.distributed import StageGroups, StageLink, StageLinkError
 from tandem.runner.batch import ScheduledChunk
-from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, RankCounters
+from tandem.runner.engine import DEFAULT_STEP_TIMEOUT_S, Engine, RankCounters, run_to_completion
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import SchedulerStep
@@ -509,26 +509,12 @@ def generate_pipeline_rank(
         return []
     engine = pipeline_engine(runner, groups, config)
     tokenizer = runner.info.tokenizer
-    mine = {str(i): i for i in range(len(prompts)) if i % groups.topology.data_parallel_size == groups.dp_rank}
-    done: dict[str, Completion] = {}
-    for request_id, index in mine.items():
-        rejected = engine.add_request(request_id, tokenizer.encode(prompts[index]).ids, params)
-        if rejected is not None:
-            raise ValueError(f"prompt {index}: {rejected.error}")
-        done[request_id] = Completion(index, "", [], "")
-    while any_first_stage_rank(groups, engine.has_work):
-        for output in engine.step():
-            completion = done[output.request_id]
-            completion.text += output.new_text
-            completion.token_ids += output.new_token_ids
-            if output.finished:
-                if output.finish_reason == "error":
-                    raise RuntimeError(f"prompt {completion.index}: {output.error}")
-                completion.finish_reason = output.finish_reason
-    engine.close()
+    mine = [(i, tokenizer.encode(p).ids, params) for i, p in enumerate(prompts)
+            if i % groups.topology.data_parallel_size == groups.dp_rank]
+    completions = run_to_completion(engine, mine, keep_going=lambda e: any_first_stage_rank(groups, e.has_work))
     if on_finish is not None:
         on_finish(runner)
-    return list(done.values())
+    return completions
 
 
 __all__ = [
