@@ -210,3 +210,28 @@ def test_preemptions_are_counted_where_the_scheduler_preempts():
         assert prefill + decode == pytest.approx(after.value("vllm:request_inference_time_seconds_sum", **labels),
                                                  rel=1e-6)
         assert after.value("vllm:request_generation_tokens_sum", **labels) == 160
+
+
+def test_each_data_parallel_rank_is_one_engine():
+    with Server("tiny-moe", "--data-parallel-size", "2", "--kv-cache-tokens", "4096") as dp2:
+        client = openai.AsyncOpenAI(base_url=dp2.url, api_key="unused", max_retries=0, timeout=120)
+
+        async def main():
+            try:
+                return await asyncio.wait_for(asyncio.gather(*(
+                    client.completions.create(model="tiny-moe", prompt=f"rank {i}", max_tokens=24,
+                                              extra_body={"ignore_eos": True}) for i in range(4)
+                )), timeout=240)
+            finally:
+                await client.close()
+
+        done = asyncio.run(main())
+        after = settled(dp2)
+        per_engine = {engine: after.value("vllm:e2e_request_latency_seconds_count", model_name="tiny-moe", engine=engine)
+                      for engine in ("0", "1")}
+        # Requests go to the rank with the fewest in flight, so concurrent ones spread; each is
+        # counted once, under the rank that ran it.
+        assert sum(per_engine.values()) == 4 and min(per_engine.values()) >= 1
+        assert after.value("vllm:generation_tokens_total") == sum(d.usage.completion_tokens for d in done) == 96
+        for name in GAUGES:
+            assert {s.labels["engine"] for s in after.family(name).samples} == {"0", "1"}, name
