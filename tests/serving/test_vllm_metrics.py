@@ -182,6 +182,30 @@ def test_values_agree_with_the_requests_served(server):
     assert after.value("vllm:kv_cache_usage_perc", **MODEL_LABELS) == 0
 
 
+def test_a_client_that_leaves_is_an_abort(server):
+    before = settled(server)
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.url}/completions",
+                         json={"model": SERVED, "prompt": "leave", "max_tokens": 1000, "stream": True,
+                               "ignore_eos": True}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass  # left after the first token
+    deadline = time.monotonic() + 30
+    while True:
+        after = settled(server)
+        aborted = (after.value("vllm:request_success_total", finished_reason="abort", **MODEL_LABELS)
+                   - before.value("vllm:request_success_total", finished_reason="abort", **MODEL_LABELS))
+        if aborted:
+            break
+        assert time.monotonic() < deadline, "the abort was not counted within 30 s"
+        time.sleep(0.1)
+    assert aborted == 1
+    for name in ("vllm:e2e_request_latency_seconds_count", "vllm:request_decode_time_seconds_count"):
+        assert after.value(name, **MODEL_LABELS) == before.value(name, **MODEL_LABELS), name
+
+
 def test_preemptions_are_counted_where_the_scheduler_preempts():
     # 8 blocks of 8 tokens, 4 requests growing to 45 tokens each: the scheduler must preempt.
     with Server("tiny-moe", "--kv-cache-tokens", "64", "--block-size", "8", "--max-num-seqs", "4") as small:

@@ -77,7 +77,7 @@ class VllmMetrics:
 
     def __init__(self, registry: CollectorRegistry, client: EngineClient, model_name: str) -> None:
         self.model_name = model_name
-        engines = [str(i) for i in range(max(1, getattr(client, "num_engines", 1)))]
+        engines = [str(i) for i in range(client.num_engines)]
         token_buckets = one_two_five_buckets(client.max_model_len)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
