@@ -7,7 +7,8 @@ streaming load with the official `openai` client (some requests end on a stop st
 rest on max_tokens); waits until Prometheus has scraped the final counts; then asks
 Prometheus' HTTP API (`/api/v1/query`) for request counts, finish reasons, token totals,
 mean phase times and histogram_quantile()s of TTFT, ITL and e2e, next to what the client
-measured itself. Both processes are stopped and the directory removed however the run ends.
+measured itself, and runs one query per panel of vLLM's example Grafana dashboard (how many
+series each returns). Both processes are stopped and the directory removed however the run ends.
 
     python benchmarks/prometheus_scrape.py
     python benchmarks/prometheus_scrape.py --requests 64 --concurrency 16 --max-tokens 48
@@ -187,6 +188,7 @@ def main() -> None:
                     raise SystemExit(f"Prometheus never saw {args.requests} requests ({prometheus.target_health()})")
                 time.sleep(SCRAPE_INTERVAL_S)
             rows = table(prometheus, results, model)
+            panels = {title: len(prometheus.query(promql)) for title, promql in dashboard_panels(model).items()}
             health = prometheus.target_health()
             version = subprocess.run([args.prometheus, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
         finally:
@@ -201,10 +203,37 @@ def main() -> None:
         prom = "-" if r["prometheus"] is None else f"{r['prometheus']:.4g}"
         client = "" if r["client"] is None else f"{r['client']:.4g}"
         print(f"{r['query']:<{width}}  {prom:>11}  {client:>9}")
+    print("vLLM's example Grafana dashboard, series per panel: "
+          + ", ".join(f"{title} {n}" for title, n in panels.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"prometheus": version, "requests": args.requests, "concurrency": args.concurrency,
-                                    "max_tokens": args.max_tokens, "wall_s": wall, "rows": rows}, indent=2) + "\n")
+                                    "max_tokens": args.max_tokens, "wall_s": wall, "rows": rows,
+                                    "dashboard_panel_series": panels}, indent=2) + "\n")
     print(f"wrote {args.out.relative_to(ROOT)}")
+
+
+def dashboard_panels(model: str) -> dict[str, str]:
+    """One query per panel of vLLM's example Grafana dashboard
+    (examples/online_serving/prometheus_grafana/grafana.json), its variables filled in."""
+    sel, window = f'{{model_name="{model}"}}', "[1m]"
+
+    def p99(metric: str) -> str:
+        return f"histogram_quantile(0.99, sum by (le) (rate(vllm:{metric}_bucket{sel}{window})))"
+
+    return {
+        "E2E Request Latency": p99("e2e_request_latency_seconds"),
+        "Token Throughput": f"rate(vllm:generation_tokens_total{sel}{window})",
+        "Time Per Output Token Latency": p99("time_per_output_token_seconds"),
+        "Scheduler State": f"vllm:num_requests_running{sel}",
+        "Time To First Token Latency": p99("time_to_first_token_seconds"),
+        "Cache Utilization": f"vllm:gpu_cache_usage_perc{sel}",
+        "Request Prompt Length": f"sum by (le) (increase(vllm:request_prompt_tokens_bucket{sel}{window}))",
+        "Request Generation Length": f"sum by (le) (increase(vllm:request_generation_tokens_bucket{sel}{window}))",
+        "Finish Reason": f"sum by (finished_reason) (increase(vllm:request_success_total{sel}{window}))",
+        "Queue Time": f"rate(vllm:request_queue_time_seconds_sum{sel}{window})",
+        "Requests Prefill and Decode Time": f"rate(vllm:request_prefill_time_seconds_sum{sel}{window})",
+        "Max Generation Token in Sequence Group": f"rate(vllm:request_max_num_generation_tokens_sum{sel}{window})",
+    }
 
 
 def table(prometheus: Prometheus, results: list[dict], model: str) -> list[dict]:

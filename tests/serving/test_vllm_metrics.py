@@ -29,6 +29,14 @@ TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0]
 N_BUCKETS = [1, 2, 5, 10, 20]
+#: Every metric the panels of vLLM's example Grafana dashboard
+#: (examples/online_serving/prometheus_grafana/grafana.json) query, all by `model_name`.
+DASHBOARD = ["vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens",
+             "vllm:time_per_output_token_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
+             "vllm:time_to_first_token_seconds", "vllm:gpu_cache_usage_perc", "vllm:request_prompt_tokens",
+             "vllm:request_generation_tokens", "vllm:request_success", "vllm:request_queue_time_seconds",
+             "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+             "vllm:request_max_num_generation_tokens"]
 
 TIME_HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
@@ -41,9 +49,11 @@ TIME_HISTOGRAMS = {
     "vllm:request_prefill_time_seconds": REQUEST_LATENCY_BUCKETS,
     "vllm:request_decode_time_seconds": REQUEST_LATENCY_BUCKETS,
 }
-TOKEN_HISTOGRAMS = ["vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_max_tokens"]
+TOKEN_HISTOGRAMS = ["vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_max_tokens",
+                    "vllm:request_max_num_generation_tokens"]
 COUNTERS = ["vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:num_preemptions"]
-GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
+GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "vllm:gpu_cache_usage_perc"]
 
 
 def one_two_five(limit: int) -> list[float]:
@@ -114,6 +124,8 @@ def test_vllm_names_types_buckets_and_labels(server):
     for name in [*TIME_HISTOGRAMS, *TOKEN_HISTOGRAMS, *COUNTERS, *GAUGES, "vllm:request_params_n"]:
         for sample in before.family(name).samples:
             assert {k: sample.labels[k] for k in MODEL_LABELS} == MODEL_LABELS, (name, sample)
+    for name in DASHBOARD:
+        assert any(s.labels.get("model_name") == SERVED for s in before.family(name).samples), name
     reasons = {s.labels["finished_reason"] for s in before.family("vllm:request_success").samples}
     assert reasons == {"stop", "length", "abort", "error"}
     # tandem's own metrics stay beside vLLM's.
@@ -156,9 +168,13 @@ def test_values_agree_with_the_requests_served(server):
     assert delta("vllm:request_success_total", finished_reason="abort") == 0
     assert delta("vllm:request_success_total", finished_reason="error") == 0
     for name in [*TIME_HISTOGRAMS, *TOKEN_HISTOGRAMS]:
-        if name not in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
+        if name not in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+                        "vllm:request_max_num_generation_tokens"):
             assert delta(f"{name}_count") == engine_requests, name
+    # Once per prompt, when all its choices finished: its n, and its longest choice.
     assert delta("vllm:request_params_n_count") == 4 and delta("vllm:request_params_n_sum") == 1 + 1 + 1 + 2
+    assert delta("vllm:request_max_num_generation_tokens_count") == 4
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 10 + by_stop.usage.completion_tokens + 6 + 4
     assert delta("vllm:request_params_max_tokens_sum") == 10 + 10 + 6 + 2 * 4
 
     assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens == delta("vllm:prompt_tokens_total")
@@ -180,6 +196,7 @@ def test_values_agree_with_the_requests_served(server):
     assert queue + prefill <= ttft <= e2e
     assert queue + inference <= e2e
     assert after.value("vllm:kv_cache_usage_perc", **MODEL_LABELS) == 0
+    assert after.value("vllm:gpu_cache_usage_perc", **MODEL_LABELS) == 0
 
 
 def test_a_client_that_leaves_is_an_abort(server):

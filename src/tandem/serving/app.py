@@ -603,8 +603,8 @@ class _Server:
     async def run(self, request: Request, job: _Job, stream: bool) -> Response:
         release = self.open_stream(request) if stream else (lambda: None)
         per_prompt = job.n // job.num_prompts
-        trackers = [self.metrics.vllm.track(job.start, p.max_tokens, per_prompt if i % per_prompt == 0 else None)
-                    for i, p in enumerate(job.params)]
+        trackers = [tracker for i in range(0, job.n, per_prompt)
+                    for tracker in self.metrics.vllm.track_prompt(job.start, job.params[i].max_tokens, per_prompt)]
         fanout = _Fanout(self.client, job.request_id, job.prompts, job.params, trackers)
         if not stream:
             try:

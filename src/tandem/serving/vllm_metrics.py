@@ -9,7 +9,8 @@ model name) and `engine` (the data-parallel rank that ran the request, as vLLM l
 engine cores); sum over `engine` for the server.
 
 Request state, from the ranks' counters (sent 4 times a second):
-  vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (gauges)
+  vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (gauges;
+  vllm:gpu_cache_usage_perc too, its name before 0.10, which vLLM's example dashboard reads)
   vllm:num_preemptions_total: counted by the scheduler where it preempts
 Per engine request (a choice: `n` choices are `n` requests, as in vLLM):
   vllm:prompt_tokens_total, vllm:generation_tokens_total
@@ -23,7 +24,9 @@ Per engine request (a choice: `n` choices are `n` requests, as in vLLM):
   vllm:request_inference_time_seconds            first scheduled -> last token
   vllm:request_time_per_output_token_seconds     decode time / (tokens - 1)
   vllm:request_prompt_tokens, vllm:request_generation_tokens, vllm:request_params_max_tokens
-  vllm:request_params_n                          once per prompt, with its `n`
+  vllm:request_params_n, vllm:request_max_num_generation_tokens
+                                                 once per prompt when all its choices finished:
+                                                 its `n`, the most tokens a choice generated
 
 Where each time is taken: arrival and the final output where the client sees them, on the
 front end's clock (as vLLM's front end does). Queued, scheduled and each token on the clock
@@ -106,6 +109,9 @@ class VllmMetrics:
         self.n_param = histogram("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
         self.max_tokens_param = histogram(
             "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets)
+        self.max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            token_buckets)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
         self.inter_token_latency = histogram(
@@ -129,20 +135,39 @@ class VllmMetrics:
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
         registry.register(EngineStateCollector(client, model_name, len(engines)))
 
-    def track(self, arrival: float, max_tokens: int, n: int | None = None) -> "RequestTracker":
-        """A tracker for one engine request that arrived at `arrival` (`time.perf_counter()`);
-        `n` is given for one request per prompt, to observe the prompt's `n` once."""
-        return RequestTracker(self, arrival, max_tokens, n)
+    def track_prompt(self, arrival: float, max_tokens: int, n: int) -> list["RequestTracker"]:
+        """Trackers for the `n` engine requests (choices) of one prompt that arrived at
+        `arrival` (`time.perf_counter()`)."""
+        prompt = PromptTracker(self, n)
+        return [RequestTracker(self, arrival, max_tokens, prompt) for _ in range(n)]
+
+
+class PromptTracker:
+    """The choices of one prompt (vLLM's parent request): once all have finished, its `n`
+    and the most tokens a choice generated are observed, as vLLM does."""
+
+    def __init__(self, metrics: VllmMetrics, n: int) -> None:
+        self.metrics = metrics
+        self.n = n
+        self.unfinished = n
+        self.most_tokens = 0
+
+    def choice_finished(self, labels: tuple[str, str], num_tokens: int) -> None:
+        self.unfinished -= 1
+        self.most_tokens = max(self.most_tokens, num_tokens)
+        if self.unfinished == 0:
+            self.metrics.n_param.labels(*labels).observe(self.n)
+            self.metrics.max_num_generation_tokens.labels(*labels).observe(self.most_tokens)
 
 
 class RequestTracker:
     """Turns one engine request's outputs, as they reach the front end, into observations."""
 
-    def __init__(self, metrics: VllmMetrics, arrival: float, max_tokens: int, n: int | None) -> None:
+    def __init__(self, metrics: VllmMetrics, arrival: float, max_tokens: int, prompt: PromptTracker) -> None:
         self.metrics = metrics
         self.arrival = arrival
         self.max_tokens = max_tokens
-        self.n = n
+        self.prompt = prompt
         self.seen_output = False
         self.finished = False
         #: The engine that runs it, known from its first output.
@@ -158,8 +183,6 @@ class RequestTracker:
         if not self.seen_output:
             self.seen_output = True
             m.prompt_tokens.labels(*labels).inc(out.num_prompt_tokens)
-            if self.n is not None:
-                m.n_param.labels(*labels).observe(self.n)
         if out.new_token_ids:
             m.generation_tokens.labels(*labels).inc(len(out.new_token_ids))
         for at in out.token_times:
@@ -183,6 +206,7 @@ class RequestTracker:
         m.prompt_tokens_per_request.labels(*labels).observe(out.num_prompt_tokens)
         m.generation_tokens_per_request.labels(*labels).observe(out.num_output_tokens)
         m.max_tokens_param.labels(*labels).observe(self.max_tokens)
+        self.prompt.choice_finished(labels, out.num_output_tokens)
         if out.queued_at is None or out.scheduled_at is None:
             return
         m.queue_time.labels(*labels).observe(out.scheduled_at - out.queued_at)
@@ -221,6 +245,9 @@ class EngineStateCollector(Collector):
              "running"),
             (GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", "waiting"),
             (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+            (GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
+             "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+             "kv_usage"),
             (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
              "preemptions"),
         ]
