@@ -130,3 +130,36 @@ def test_requests_that_cannot_fit_are_rejected_with_a_reason():
     over_context = engine.add_request("ctx", [1] * 2040, SamplingParams(max_tokens=16))
     assert over_context.finish_reason == "error" and "context length 2048" in over_context.error
     engine.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_request_event_times_for_the_metrics(overlap):
+    """The scheduler times each request's events on its rank's clock: queued, first scheduled
+    (kept through preemption), and one time per sampled token, in order."""
+    engine = _engine(overlap, num_kv_blocks=40)
+    outputs = _run(engine, _mixed_params)
+    assert engine.scheduler.num_preemptions > 0
+    for i, outs in enumerate(outputs.values()):
+        assert len({o.queued_at for o in outs}) == 1 and len({o.scheduled_at for o in outs}) == 1
+        times = [t for o in outs for t in o.token_times]
+        assert len(times) == _mixed_params(i).max_tokens  # ignore_eos: every sampled token is delivered
+        assert outs[0].queued_at <= outs[0].scheduled_at <= times[0]
+        assert times == sorted(times)
+
+
+def test_a_stop_token_is_timed_though_not_delivered():
+    engine = _engine(True)
+    ids = engine.runner.info.tokenizer.encode("Hi").ids
+    engine.add_request("probe", ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    probe = []
+    while engine.has_work:
+        probe += [t for o in engine.step() for t in o.new_token_ids]
+    stop_at = next(k for k in range(1, len(probe)) if probe[k] not in probe[:k])
+    engine.add_request("stopped", ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                       stop_token_ids=[probe[stop_at]]))
+    outs = []
+    while engine.has_work:
+        outs += engine.step()
+    assert outs[-1].finish_reason == "stop" and outs[-1].num_output_tokens == stop_at
+    assert len([t for o in outs for t in o.token_times]) == stop_at + 1
+    engine.close()

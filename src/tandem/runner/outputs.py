@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -24,6 +24,15 @@ class RequestOutput:
     #: With `SamplingParams.logprobs`: per new token, [(id, logprob)] of it, then of its most
     #: likely alternatives (raw model log-probabilities).
     new_logprobs: list[list[tuple[int, float]]] | None = None
+    #: The request's events on the clock (`time.monotonic()`) of the rank that runs it: queued,
+    #: first scheduled, and each token sampled since the previous output (a stop token that is
+    #: not part of the completion included). Only differences between them mean something: the
+    #: front end derives vLLM's queue/prefill/decode intervals from them, never mixing clocks.
+    queued_at: float | None = None
+    scheduled_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    #: The data-parallel rank (vLLM's "engine") that ran it, as the engine client routed it.
+    engine_index: int = 0
 
 
 @dataclass

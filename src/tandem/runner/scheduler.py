@@ -42,7 +42,6 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     #: Tokens whose K/V are in the cache or being written by a scheduled step.
@@ -64,6 +63,12 @@ class Request:
     sent_tokens: int = 0
     #: With `params.logprobs`: per sampled token, [(id, logprob)] of it and its top ones.
     output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    #: When (this rank's `time.monotonic()`) it entered the queue, was first scheduled (a
+    #: preempted request keeps its first), and sampled the tokens not yet in an output (a stop
+    #: token dropped from the completion included): the events of vLLM's interval metrics.
+    queued_at: float = 0.0
+    scheduled_at: float | None = None
+    unreported_token_times: list[float] = field(default_factory=list)
 
     @property
     def known_ids(self) -> list[int]:
@@ -147,6 +152,7 @@ class Scheduler:
             )
         if request.sampler is None:
             request.sampler = request.params.make_sampler(self.generator_device, request.prompt_ids, sorted(self.eos_token_ids))
+        request.queued_at = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -203,6 +209,8 @@ class Scheduler:
             if entry is None:
                 break  # no room in the cache: first come, first served
             self.waiting.pop(waiting_index)
+            if request.scheduled_at is None:
+                request.scheduled_at = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.scheduled.append(entry)
@@ -269,7 +277,9 @@ class Scheduler:
 
     def apply(self, step: SchedulerStep, tokens: list[int | None], logprobs: list | None = None) -> list[RequestOutput]:
         """Apply a finished step's sampled tokens (in step order), and their log-probabilities
-        where requests asked; return output deltas."""
+        where requests asked; return output deltas. The step's tokens are timed together, now
+        that their values are on the host."""
+        now = time.monotonic()
         outputs = []
         for k, (entry, token) in enumerate(zip(step.scheduled, tokens)):
             request = entry.request
@@ -280,6 +290,7 @@ class Scheduler:
             if entry.slot is None or token is None:
                 continue
             request.output_ids.append(int(token))
+            request.unreported_token_times.append(now)
             if logprobs is not None and logprobs[k] is not None:
                 request.output_logprobs.append(logprobs[k])
             self._check_stop(request, int(token))
@@ -345,6 +356,7 @@ class Scheduler:
         new_tokens = request.output_ids[request.sent_tokens :]
         new_logprobs = request.output_logprobs[request.sent_tokens : len(request.output_ids)]
         request.sent_tokens = len(request.output_ids)
+        token_times, request.unreported_token_times = request.unreported_token_times, []
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=list(new_tokens),
@@ -354,6 +366,9 @@ class Scheduler:
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
             new_logprobs=new_logprobs if request.params.logprobs is not None else None,
+            queued_at=request.queued_at,
+            scheduled_at=request.scheduled_at,
+            token_times=token_times,
         )
 
 

@@ -50,6 +50,7 @@ from tandem.serving import protocol as P
 from tandem.serving.chat import ChatTemplateError, compile_template, render_chat
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
 from tandem.serving.metrics import ServingMetrics, endpoint_label
+from tandem.serving.vllm_metrics import RequestTracker
 from tandem.runner.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -109,26 +110,31 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
 class _Fanout:
     """The `n` engine requests of one HTTP request, merged into one stream of (index, output)."""
 
-    def __init__(self, client: EngineClient, request_id: str, prompts: list[list[int]], params: list[SamplingParams]):
+    def __init__(self, client: EngineClient, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
+                 trackers: list[RequestTracker]):
         self.n = len(params)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
         self._buffer: list[tuple[int, RequestOutput]] = []
         self._finished = 0
         self._tasks = [
-            asyncio.ensure_future(self._pump(client, i, f"{request_id}-{i}", prompt_ids, p))
-            for i, (prompt_ids, p) in enumerate(zip(prompts, params))
+            asyncio.ensure_future(self._pump(client, i, f"{request_id}-{i}", prompt_ids, p, tracker))
+            for i, (prompt_ids, p, tracker) in enumerate(zip(prompts, params, trackers))
         ]
 
-    async def _pump(self, client: EngineClient, i: int, rid: str, prompt_ids: list[int], params: SamplingParams):
+    async def _pump(self, client: EngineClient, i: int, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    tracker: RequestTracker):
+        """Every output is observed here as it arrives, however fast the HTTP side consumes it."""
         gen = None
         try:
             gen = client.generate(rid, list(prompt_ids), params)
             async for out in gen:
+                tracker.observe(out)
                 self._queue.put_nowait((i, out, None))
                 if out.finished:
                     return
             self._queue.put_nowait((i, None, RuntimeError(f"the engine ended request {rid} without a final output")))
         except asyncio.CancelledError:
+            tracker.abandoned()
             raise
         except Exception as exc:
             self._queue.put_nowait((i, None, exc))
@@ -596,7 +602,10 @@ class _Server:
 
     async def run(self, request: Request, job: _Job, stream: bool) -> Response:
         release = self.open_stream(request) if stream else (lambda: None)
-        fanout = _Fanout(self.client, job.request_id, job.prompts, job.params)
+        per_prompt = job.n // job.num_prompts
+        trackers = [tracker for i in range(0, job.n, per_prompt)
+                    for tracker in self.metrics.vllm.track_prompt(job.start, job.params[i].max_tokens, per_prompt)]
+        fanout = _Fanout(self.client, job.request_id, job.prompts, job.params, trackers)
         if not stream:
             try:
                 body = await _until_disconnect(request.receive, self.collect(job, fanout))
@@ -924,10 +933,11 @@ def create_app(
         raise ValueError(f"max_streams_per_key must be >= 1, got {max_streams_per_key}")
     from tandem import __version__ as tandem_version
 
-    metrics = ServingMetrics(client)
+    served_model_name = served_model_name or client.model_name
+    metrics = ServingMetrics(client, model_name=served_model_name)
     server = _Server(
         client,
-        served_model_name=served_model_name or client.model_name,
+        served_model_name=served_model_name,
         max_request_bytes=max_request_bytes,
         log_requests=log_requests,
         metrics=metrics,

@@ -55,6 +55,9 @@ class EngineClient(ABC):
     eos_token_ids: set[int]
     #: The chat template from the model directory's tokenizer_config.json, if any.
     chat_template: str | None = None
+    #: Engines (data-parallel ranks) taking requests: `RequestOutput.engine_index` names one,
+    #: and `EngineStats.per_rank[i]` holds engine i's counters.
+    num_engines: int = 1
 
     @abstractmethod
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:

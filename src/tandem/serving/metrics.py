@@ -1,5 +1,6 @@
 """Prometheus metrics of one HTTP app, in its own `CollectorRegistry` (never the global one,
-so two apps in one process do not collide).
+so two apps in one process do not collide): vLLM's (`tandem.serving.vllm_metrics`, what vLLM
+dashboards read) and tandem's own, below.
 
 HTTP layer:
   tandem_http_requests_total{endpoint,status}       requests answered
@@ -44,6 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tandem.serving.engine_client import EngineClient
+from tandem.serving.vllm_metrics import VllmMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -178,9 +180,10 @@ def _planner_metrics(per_rank: list[dict]) -> Iterable[Metric]:
 class ServingMetrics:
     """The metrics of one app. Not shared between apps."""
 
-    def __init__(self, client: EngineClient, *, window_s: float = 10.0) -> None:
+    def __init__(self, client: EngineClient, *, model_name: str | None = None, window_s: float = 10.0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmMetrics(r, client, model_name or client.model_name)
         self.requests = Counter(
             "tandem_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
         )

@@ -83,6 +83,7 @@ class ProcessEngineClient(EngineClient):
         self.world_size = self.topology.world_size
         #: Requests go to the first pipeline stage's ranks (global ranks 0 .. D-1).
         self.num_request_ranks = self.topology.data_parallel_size
+        self.num_engines = self.num_request_ranks
         self._attached = queues is not None
         #: Attached front ends are children of the head rank: a new parent means it died.
         self._head_pid = os.getppid() if self._attached else None
@@ -259,6 +260,7 @@ class ProcessEngineClient(EngineClient):
             if entry is None:
                 return  # the client already left
             stream, loop, rank = entry
+            output.engine_index = rank
             if output.finished:
                 del self._streams[output.request_id]
                 self._in_flight[rank] -= 1
