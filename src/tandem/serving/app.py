@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import logging
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -42,69 +40,31 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from tandem.runner.sampling import SamplingParams
 from tandem.serving import protocol as P
+from tandem.serving.asgi import (
+    ABORT_TIMEOUT_S,
+    AuthMiddleware,
+    ClientGone,
+    MetricsMiddleware,
+    SSEResponse,
+    cancel_and_wait,
+    error_response,
+    exception_summary,
+    until_disconnect,
+)
 from tandem.serving.chat import ChatTemplateError, compile_template, render_chat
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
-from tandem.serving.metrics import ServingMetrics, endpoint_label
+from tandem.serving.metrics import ServingMetrics
 from tandem.serving.vllm_metrics import RequestTracker
 from tandem.runner.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-#: How long closing a request's engine generators may take before we log and move on.
-ABORT_TIMEOUT_S = 10.0
 #: `Retry-After` of every 429 (seconds).
 RETRY_AFTER_S = "1"
-
-
-class _ClientGone(Exception):
-    """The HTTP client disconnected before the answer was ready."""
-
-
-def _error_response(err: P.APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-def _exception_summary(exc: BaseException) -> str:
-    """Exception type and stack, without the message (which may quote request content)."""
-    frames = "".join(traceback.format_tb(exc.__traceback__))
-    return f"{type(exc).__name__}\n{frames}"
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _cancel_and_wait(tasks: list[asyncio.Future], timeout: float, what: str) -> None:
-    pending = [t for t in tasks if not t.done()]
-    for t in pending:
-        t.cancel()
-    if pending:
-        _, still = await asyncio.wait(pending, timeout=timeout)
-        if still:
-            logger.warning("%d %s did not stop within %.0f s of being cancelled", len(still), what, timeout)
-
-
-async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
-    """`await work`, unless the client disconnects first: then cancel it and raise `_ClientGone`."""
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        await _cancel_and_wait([watch_task], 1.0, "disconnect watcher")
-        if not work_task.done():
-            await _cancel_and_wait([work_task], ABORT_TIMEOUT_S, "request handler(s)")
-    if work_task.done() and not work_task.cancelled():
-        return work_task.result()
-    raise _ClientGone()
 
 
 class _Fanout:
@@ -171,7 +131,7 @@ class _Fanout:
             yield await self._next()
 
     async def aclose(self) -> None:
-        await _cancel_and_wait(self._tasks, ABORT_TIMEOUT_S, "engine request(s)")
+        await cancel_and_wait(self._tasks, ABORT_TIMEOUT_S, "engine request(s)")
 
 
 @dataclass
@@ -211,41 +171,6 @@ class _Job:
         """Each distinct prompt counted once, as OpenAI's usage does (not once per choice)."""
         per_prompt = self.n // self.num_prompts
         return sum(len(self.prompts[i * per_prompt]) for i in range(self.num_prompts))
-
-
-class _SSEResponse(StreamingResponse):
-    """Server-Sent Events whose producer is cancelled as soon as the client disconnects (we do
-    not rely on a failed `send`: servers may drop writes to a closed connection silently)."""
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
-        super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        self._on_close = on_close
-
-    async def _produce(self, send: Send) -> None:
-        events = self.body_iterator
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        producer = asyncio.ensure_future(self._produce(send))
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-        try:
-            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await _cancel_and_wait([watcher], 1.0, "disconnect watcher")
-            await _cancel_and_wait([producer], ABORT_TIMEOUT_S, "stream producer")
-            await self._on_close()
-        if producer.done() and not producer.cancelled() and producer.exception() is not None:
-            logger.error("stream failed: %s", _exception_summary(producer.exception()))
 
 
 class _Server:
@@ -299,25 +224,25 @@ class _Server:
         try:
             return await handler(request)
         except P.APIError as err:
-            return _error_response(err, headers={"Retry-After": RETRY_AFTER_S} if err.status == 429 else None)
+            return error_response(err, headers={"Retry-After": RETRY_AFTER_S} if err.status == 429 else None)
         except ChatTemplateError as exc:
-            return _error_response(P.invalid_request(str(exc), param="messages"))
+            return error_response(P.invalid_request(str(exc), param="messages"))
         except EngineOverloadedError as exc:
             err = P.APIError(429, f"the engine is overloaded: {exc}" if str(exc) else "the engine is overloaded",
                              type="rate_limit_error", code="engine_overloaded")
-            return _error_response(err, headers={"Retry-After": RETRY_AFTER_S})
+            return error_response(err, headers={"Retry-After": RETRY_AFTER_S})
         except EngineUnavailableError as exc:
             err = P.APIError(503, f"the engine is unavailable: {exc}" if str(exc) else "the engine is unavailable",
                              type="server_error", code="engine_unavailable")
-            return _error_response(err)
-        except _ClientGone:
+            return error_response(err)
+        except ClientGone:
             return Response(status_code=499)  # nobody is listening; recorded in the metrics as such
         except Exception as exc:
             if self.log_requests:
                 logger.exception("internal error on %s", request.url.path)
             else:
-                logger.error("internal error on %s: %s", request.url.path, _exception_summary(exc))
-            return _error_response(P.APIError(500, "internal server error", type="server_error", code="internal_error"))
+                logger.error("internal error on %s: %s", request.url.path, exception_summary(exc))
+            return error_response(P.APIError(500, "internal server error", type="server_error", code="internal_error"))
 
     async def read_json(self, request: Request) -> Any:
         limit = self.max_request_bytes
@@ -336,7 +261,7 @@ class _Server:
                 if len(body) > limit:
                     raise too_large
         except ClientDisconnect:
-            raise _ClientGone() from None  # gone while sending its body: a 499, not a 500
+            raise ClientGone() from None  # gone while sending its body: a 499, not a 500
         return P.decode_json(bytes(body))
 
     def check_model(self, model: str | None) -> None:
@@ -608,12 +533,12 @@ class _Server:
         fanout = _Fanout(self.client, job.request_id, job.prompts, job.params, trackers)
         if not stream:
             try:
-                body = await _until_disconnect(request.receive, self.collect(job, fanout))
+                body = await until_disconnect(request.receive, self.collect(job, fanout))
             finally:
                 await fanout.aclose()
             return JSONResponse(body)
         try:
-            await _until_disconnect(request.receive, fanout.prime())
+            await until_disconnect(request.receive, fanout.prime())
         except BaseException:
             release()
             await fanout.aclose()
@@ -623,7 +548,7 @@ class _Server:
             release()
             await fanout.aclose()
 
-        return _SSEResponse(self.stream_events(job, fanout), on_close=on_close)
+        return SSEResponse(self.stream_events(job, fanout), on_close=on_close)
 
     async def collect(self, job: _Job, fanout: _Fanout) -> dict[str, Any]:
         texts = list(job.echo) if job.echo else [""] * job.n
@@ -701,7 +626,7 @@ class _Server:
             if self.log_requests:
                 logger.exception("stream %s failed", job.request_id)
             else:
-                logger.error("stream %s failed: %s", job.request_id, _exception_summary(exc))
+                logger.error("stream %s failed: %s", job.request_id, exception_summary(exc))
             yield P.sse(P.error_body("internal server error", type="server_error", code="internal_error"))
 
     async def models(self, request: Request) -> Response:
@@ -766,56 +691,6 @@ class _Server:
     async def metrics_endpoint(self, request: Request) -> Response:
         content, content_type = self.metrics.render()
         return Response(content, headers={"Content-Type": content_type})
-
-
-class _MetricsMiddleware:
-    """Counts every HTTP request by endpoint and status, and times it (streams until the end)."""
-
-    def __init__(self, app: ASGIApp, metrics: ServingMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = [500]
-
-        async def send_and_record(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_record)
-        finally:
-            self.metrics.observe_request(endpoint_label(scope["path"]), status[0], time.perf_counter() - start)
-
-
-class _AuthMiddleware:
-    """`Authorization: Bearer <key>` on every /v1 route."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
-            header = dict(scope["headers"]).get(b"authorization")
-            message = None
-            if header is None:
-                message = "missing API key: send 'Authorization: Bearer <key>'"
-            else:
-                scheme, _, token = header.partition(b" ")
-                if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                    message = "invalid API key"
-            if message is not None:
-                err = P.APIError(401, message, code="invalid_api_key")
-                await _error_response(err, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -949,18 +824,18 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return _error_response(P.validation_error_to_api_error(list(exc.errors())))
+        return error_response(P.validation_error_to_api_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
         err = P.APIError(exc.status_code, str(exc.detail), type=kind)
-        return _error_response(err, headers=getattr(exc, "headers", None))
+        return error_response(err, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        logger.error("internal error on %s: %s", request.url.path, _exception_summary(exc))
-        return _error_response(P.APIError(500, "internal server error", type="server_error", code="internal_error"))
+        logger.error("internal error on %s: %s", request.url.path, exception_summary(exc))
+        return error_response(P.APIError(500, "internal server error", type="server_error", code="internal_error"))
 
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"), responses=_ERRORS)
     async def completions(request: Request) -> Response:
@@ -1012,6 +887,6 @@ def create_app(
 
     app.openapi = lambda: _openapi_schema(app, server.served, server.vocab_size)  # type: ignore[method-assign]
     if api_key is not None:
-        app.add_middleware(_AuthMiddleware, api_key=api_key)
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: also counts 401s
+        app.add_middleware(AuthMiddleware, api_key=api_key)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: also counts 401s
     return app
