@@ -47,6 +47,9 @@ TIGHT_REL_TOL = 5e-3
 #: agreement with the unquantized-intermediate oracles: one extra e4m3 rounding (3 mantissa
 #: bits, RMS ~3.6 % per element) of the SiLU-and-mul output, measured 2.2-2.6 %.
 FP8_REL_TOL = 5e-2
+#: random (not fp8-exact) weights and activations against the float32 oracle: every operand
+#: is rounded to fp8 too (tests/modular_kernels/test_backend_matrix.py's deep_gemm tolerance).
+ORACLE_REL_TOL = 8e-2
 
 
 @pytest.fixture
@@ -652,3 +655,48 @@ def test_fake_sm_count_comes_from_the_device_or_the_install():
             if torch.cuda.is_available() else fake.EMULATED_NUM_SMS
         )
         assert deep_gemm.get_num_sms() == expected
+
+
+# ----------------------------------------------------------------------------- expected_m (gpu-review-2 N12)
+
+
+def test_masked_expected_m_is_an_estimate_of_rows_per_expert(deep_gemm):
+    """`expected_m` steers DeepGEMM's block/wave heuristics: it is the mean rows per expert
+    if the whole budget arrived (`M * top_k / E_global`, M = R*T rows per local expert),
+    rounded up to 16 and kept within [1, M], not the padded maximum."""
+    w1, w2 = _weights()
+    x = _activations((E, 200, H), seed=3).to(torch.bfloat16)
+    tokens = ExpertTokens(x, None, torch.bfloat16, expert_num_tokens=torch.tensor([5, 0, 200, 1]))
+    # E_local = 4 of 16 global experts (4 ranks), top-2: ceil(200 * 2 / 16) = 25 -> 32.
+    DeepGemmBatchedExperts(top_k=2, num_experts=16).apply(tokens, w1, w2)
+    assert deep_gemm.EXPECTED_M == [32, 32]
+    deep_gemm.EXPECTED_M.clear()
+    # One rank holding every expert, top-4 of 4: every row may reach every expert -> M.
+    DeepGemmBatchedExperts(top_k=4, num_experts=4).apply(tokens, w1, w2)
+    assert deep_gemm.EXPECTED_M == [200, 200]
+    deep_gemm.EXPECTED_M.clear()
+    small = ExpertTokens(x[:, :3], None, torch.bfloat16, expert_num_tokens=torch.tensor([1, 0, 3, 1]))
+    DeepGemmBatchedExperts(top_k=1, num_experts=64).apply(small, w1, w2)
+    assert deep_gemm.EXPECTED_M == [3, 3]  # ceil(3 / 64) = 1 -> 16, clamped to M = 3
+
+
+def _expected_m_on_two_ranks(rank, world):
+    fake_deep_gemm.install()
+    from tests.modular_kernels.moe_cases import NUM_EXPERTS, TOP_K, make_problem, run_kernel
+
+    kernel = build_moe_kernel(
+        "torch_a2a_ll", "deep_gemm", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=128,
+        dispatch_max_tokens_per_rank=64,
+    )
+    p = make_problem(rank, "random", num_tokens=12, hidden=128, intermediate=128)
+    out = run_kernel(kernel, p, rank, world)
+    return list(fake_deep_gemm.EXPECTED_M), _rel_err(out, p.reference())
+
+
+def test_build_moe_kernel_gives_the_masked_experts_top_k_and_the_global_expert_count():
+    from tandem.testing import run_distributed
+
+    # 2 ranks x T=64 rows per local expert, top-2 of 8 experts: ceil(128 * 2 / 8) = 32.
+    for expected_m, err in run_distributed(_expected_m_on_two_ranks, 2):
+        assert expected_m == [32, 32]
+        assert err < ORACLE_REL_TOL

@@ -177,6 +177,19 @@ def _needs_power_of_two_scales(device: torch.device) -> bool:
     )
 
 
+def expected_rows_per_expert(rows: int, top_k: int | None, num_experts: int | None) -> int:
+    """DeepGEMM's `expected_m` hint for a masked layout of `rows` rows per local expert
+    (R ranks x T tokens): the mean rows an expert gets when every rank sends its whole
+    budget and routing is balanced, `rows * top_k / E_global`, rounded up to 16 (as vLLM
+    does) and kept within [1, rows]. Without the routing (an adapter built on its own) the
+    hint is `rows`, the worst case. A host int from shapes: no device value is read."""
+    if top_k is None or num_experts is None:
+        return rows
+    estimate = -(-rows * top_k // num_experts)
+    estimate = -(-estimate // 16) * 16
+    return max(1, min(estimate, rows))
+
+
 def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.float().chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -185,9 +198,14 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 class _DeepGemmBase(Experts):
     name = "deep_gemm"
 
-    def __init__(self, power_of_two_scales: bool | None = None) -> None:
-        """`power_of_two_scales`: UE8M0 scales; None decides per device (SM100: yes)."""
+    def __init__(
+        self, power_of_two_scales: bool | None = None, *, top_k: int | None = None, num_experts: int | None = None
+    ) -> None:
+        """`power_of_two_scales`: UE8M0 scales; None decides per device (SM100: yes).
+        `top_k` and `num_experts` (global) describe the routing the experts serve:
+        `build_moe_kernel` gives them; the masked GEMM's `expected_m` hint comes from them."""
         self._dg = import_deep_gemm()
+        self.top_k, self.num_experts = top_k, num_experts
         self._weights = _FP8WeightCache()
         self.power_of_two_scales = power_of_two_scales
         self._tma_align = _function(self._dg, "get_mn_major_tma_aligned_tensor")
@@ -211,8 +229,10 @@ class DeepGemmExperts(_DeepGemmBase):
 
     activation_format = ActivationFormat.STANDARD
 
-    def __init__(self, power_of_two_scales: bool | None = None) -> None:
-        super().__init__(power_of_two_scales)
+    def __init__(
+        self, power_of_two_scales: bool | None = None, *, top_k: int | None = None, num_experts: int | None = None
+    ) -> None:
+        super().__init__(power_of_two_scales, top_k=top_k, num_experts=num_experts)
         dg = self._dg
         self._gemm = _function(dg, "m_grouped_fp8_gemm_nt_contiguous")
         self.alignment = int(_function(dg, "get_mk_alignment_for_contiguous_layout")())
@@ -274,8 +294,10 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
 
     activation_format = ActivationFormat.MASKED
 
-    def __init__(self, power_of_two_scales: bool | None = None) -> None:
-        super().__init__(power_of_two_scales)
+    def __init__(
+        self, power_of_two_scales: bool | None = None, *, top_k: int | None = None, num_experts: int | None = None
+    ) -> None:
+        super().__init__(power_of_two_scales, top_k=top_k, num_experts=num_experts)
         self._gemm = _function(self._dg, "m_grouped_fp8_gemm_nt_masked")
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -303,7 +325,7 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
             xq = torch.cat([xq.view(torch.uint8), xq.new_zeros((num_experts, pad, hidden), dtype=torch.uint8)], 1)
             xq = xq.view(FP8_DTYPE)
             xs = torch.cat([xs, xs.new_zeros((num_experts, pad, xs.shape[-1]))], 1)
-        expected_m = m_run  # a static hint: the real count would need a host sync
+        expected_m = expected_rows_per_expert(m, self.top_k, self.num_experts)
 
         valid = (torch.arange(m_run, device=device).unsqueeze(0) < counts.unsqueeze(1)).unsqueeze(-1)
         h = torch.empty((num_experts, m_run, 2 * inter), dtype=torch.bfloat16, device=device)

@@ -71,6 +71,9 @@ ARCH_MAJOR = 9
 _DEFAULT_DEVICE = (ARCH_MAJOR, DEVICE_NUM_SMS)
 
 _num_sms: int | None = None
+#: Every `expected_m` the masked GEMM received, in call order (a record for tests; cleared
+#: by `install()`): the real library only uses it to pick its block and wave heuristics.
+EXPECTED_M: list[int] = []
 _previous_module: types.ModuleType | None = None
 _installed = False
 
@@ -314,6 +317,7 @@ def _masked_impl(a, b, d, masked_m, expected_m, *, api: str, scales_contiguous: 
     _require(d.dtype == torch.bfloat16, f"out must be torch.bfloat16, got {d.dtype}")
     _require(masked_m.dtype == torch.int32, f"masked_m must be torch.int32, got {masked_m.dtype}")
     _require(d.is_contiguous() and masked_m.is_contiguous(), "out and masked_m must be contiguous")
+    EXPECTED_M.append(expected_m)
     block_m = 64 if expected_m <= 64 else 128
     _require(
         num_groups == 1 or m % block_m == 0,
@@ -404,6 +408,7 @@ def install(*, arch_major: int = 9, device_num_sms: int | None = None) -> types.
         _installed = True
     sys.modules["deep_gemm"] = module
     _num_sms = None
+    EXPECTED_M.clear()
     return module
 
 
