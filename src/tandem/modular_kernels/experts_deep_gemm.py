@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -107,24 +108,24 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-class _FP8WeightCache:
-    """Block-quantized copies of weight tensors, one entry per live tensor. An entry is
-    reused while the tensor is the same object with the same storage, shape and version
-    counter, and dropped when the tensor is freed."""
+class _PerTensorCache:
+    """Values derived from tensors, one entry per (live tensor, variant). An entry is reused
+    while the tensor is the same object with the same storage, shape and version counter,
+    and dropped when the tensor is freed."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple] = {}
+        self._entries: dict[tuple, tuple] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, w: torch.Tensor, power_of_two_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        key = id(w)
-        stamp = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, _version(w), power_of_two_scales)
+    def get(self, t: torch.Tensor, variant, make: Callable[[], object]):
+        key = (id(t), variant)
+        stamp = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, _version(t))
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is w and entry[1] == stamp:
+        if entry is not None and entry[0]() is t and entry[1] == stamp:
             return entry[2]
-        quantized = quantize_fp8_per_block(w, power_of_two_scales=power_of_two_scales)
+        value = make()
         entries = self._entries
 
         def forget(ref, key=key) -> None:
@@ -132,18 +133,22 @@ class _FP8WeightCache:
             if current is not None and current[0] is ref:
                 del entries[key]
 
-        self._entries[key] = (weakref.ref(w, forget), stamp, quantized)
-        return quantized
+        self._entries[key] = (weakref.ref(t, forget), stamp, value)
+        return value
 
 
-def _fp8_activations(tokens: ExpertTokens, power_of_two_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dispatched activations as fp8 + 1x128 float32 scales: reused as they are (DeepEP
-    low-latency's scales are already column-major and TMA-aligned, what the kernels read)
-    when dispatch quantized them with 128-wide groups, else (re)quantized here. Scales that
-    must be powers of two (SM100) are always made here: a device check of the incoming
-    ones would need a host sync."""
+def _fp8_activations(
+    tokens: ExpertTokens, power_of_two_scales: bool, sm100: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatched activations as fp8 + 1x128 scales, reused as they are when dispatch
+    made them in the layout this device's GEMMs read: packed UE8M0 int32 scales on SM100
+    (DeepEP low-latency with `use_ue8m0`), float32 ones elsewhere (DeepEP's are already
+    column-major and TMA-aligned). Otherwise they are (re)quantized here: float32 scales
+    on SM100 need not be powers of two, and checking would need a host sync."""
     hidden, scales = tokens.hidden, tokens.scales
     if scales is not None:
+        if hidden.dtype == FP8_DTYPE and scales.dtype == torch.int32 and sm100:
+            return hidden.contiguous(), scales
         if (
             not power_of_two_scales
             and hidden.dtype == FP8_DTYPE
@@ -154,6 +159,17 @@ def _fp8_activations(tokens: ExpertTokens, power_of_two_scales: bool) -> tuple[t
         hidden = dequantize_fp8(hidden, scales, torch.float32)
     q, s = quantize_fp8_per_token_group(hidden, BLOCK, power_of_two_scales=power_of_two_scales)
     return q.contiguous(), s.contiguous()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`[E, M, C]` with zero rows appended up to `rows`, in the same layout: packed UE8M0
+    scales stay MN-major with a TMA-aligned column stride (`rows` is a multiple of 4)."""
+    num_experts, m, cols = t.shape
+    if t.dtype == torch.int32:
+        out = t.new_zeros((num_experts, cols, rows)).transpose(1, 2)
+        out[:, :m] = t
+        return out
+    return torch.cat([t, t.new_zeros((num_experts, rows - m, cols))], 1)
 
 
 def _arch_major(device: torch.device) -> int | None:
@@ -206,22 +222,49 @@ class _DeepGemmBase(Experts):
         `build_moe_kernel` gives them; the masked GEMM's `expected_m` hint comes from them."""
         self._dg = import_deep_gemm()
         self.top_k, self.num_experts = top_k, num_experts
-        self._weights = _FP8WeightCache()
+        #: block-quantized copies of model-dtype weights, per (weight, UE8M0 or not).
+        self._weights = _PerTensorCache()
+        #: SM100: weight scales packed into DeepGEMM's UE8M0 layout, per scale tensor.
+        self._packed_weight_scales = _PerTensorCache()
         self.power_of_two_scales = power_of_two_scales
         self._tma_align = _function(self._dg, "get_mn_major_tma_aligned_tensor")
 
-    def _scale_format(self, device: torch.device) -> bool:
+    def _formats(self, device: torch.device) -> tuple[bool, bool]:
+        """`(power-of-two scales, SM100 layouts)` for the GEMMs on `device`: SM100 reads
+        UE8M0 (power-of-two) scales packed four to an int32, SM90 float32 ones."""
         if self.power_of_two_scales is None:
-            return _needs_power_of_two_scales(device)
-        return self.power_of_two_scales
+            return _needs_power_of_two_scales(device), _arch_major(device) == 10
+        return self.power_of_two_scales, _arch_major(device) == 10
 
-    def _lhs_scales(self, scales: torch.Tensor) -> torch.Tensor:
-        """LHS scales in the MN-major TMA-aligned layout the kernels read, so the library
-        does not transpose them on every call (a no-op for scales already laid out so)."""
-        return self._tma_align(scales)
+    def takes_ue8m0_scales(self, device: torch.device) -> bool:
+        return all(self._formats(device))
 
-    def _quantized_weights(self, w1: torch.Tensor, w2: torch.Tensor, power_of_two_scales: bool):
-        return self._weights.get(w1, power_of_two_scales), self._weights.get(w2, power_of_two_scales)
+    def _lhs_scales(self, scales: torch.Tensor, sm100: bool) -> torch.Tensor:
+        """LHS scales as the GEMM should get them. SM90: MN-major and TMA-aligned, so the
+        library does not transpose them on every call (a no-op for DeepEP's). SM100:
+        packed UE8M0 as they are; float32 ones row-major, which the library packs with its
+        kernel (an MN-major 3-D copy would send it to its slow torch fallback)."""
+        if scales.dtype == torch.int32:
+            return scales
+        return scales.contiguous() if sm100 else self._tma_align(scales)
+
+    def _weight_operand(self, w: torch.Tensor, power_of_two: bool, sm100: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(fp8 data, scales)` of one weight: block-quantized once per weight version; on
+        SM100 the scales are also packed into the UE8M0 layout once (the library would
+        repack float32 weight scales on every call)."""
+        q, scales = self._weights.get(w, power_of_two, lambda: quantize_fp8_per_block(w, power_of_two_scales=power_of_two))
+        if not sm100:
+            return q, scales
+        num_experts, n, k = q.shape
+
+        def pack() -> torch.Tensor:
+            transform = _function(self._dg, "transform_sf_into_required_layout")
+            return transform(scales, n, k, (1, BLOCK, BLOCK), num_experts, is_sfa=False)
+
+        return q, self._packed_weight_scales.get(scales, None, pack)
+
+    def _quantized_weights(self, w1: torch.Tensor, w2: torch.Tensor, power_of_two: bool, sm100: bool):
+        return self._weight_operand(w1, power_of_two, sm100), self._weight_operand(w2, power_of_two, sm100)
 
 
 class DeepGemmExperts(_DeepGemmBase):
@@ -244,9 +287,9 @@ class DeepGemmExperts(_DeepGemmBase):
         device = tokens.hidden.device
         if num_tokens == 0:
             return torch.zeros((0, hidden), dtype=tokens.dtype, device=device)
-        ue8m0 = self._scale_format(device)
-        xq, xs = _fp8_activations(tokens, ue8m0)
-        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, ue8m0)
+        pow2, sm100 = self._formats(device)
+        xq, xs = _fp8_activations(tokens, pow2, sm100)
+        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, pow2, sm100)
 
         # Contiguous layout: pair p (token p // top_k) goes to row start[e] + its rank among
         # expert e's pairs; every segment is padded to the alignment; rows past the last
@@ -275,12 +318,12 @@ class DeepGemmExperts(_DeepGemmBase):
         lhs_scales = lhs_scales[:m_sum]
 
         h = torch.empty((m_sum, 2 * inter), dtype=torch.bfloat16, device=device)
-        self._gemm((lhs, self._lhs_scales(lhs_scales)), (w1q, w1s), h, m_indices)
+        self._gemm((lhs, self._lhs_scales(lhs_scales, sm100)), (w1q, w1s), h, m_indices)
         act = _silu_and_mul(h)
         act = torch.where((m_indices >= 0).unsqueeze(1), act, torch.zeros_like(act))  # padding rows are unspecified
-        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=ue8m0)
+        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=pow2)
         y = torch.empty((m_sum, hidden), dtype=torch.bfloat16, device=device)
-        self._gemm((aq.contiguous(), self._lhs_scales(a_scales)), (w2q, w2s), y, m_indices)
+        self._gemm((aq.contiguous(), self._lhs_scales(a_scales, sm100)), (w2q, w2s), y, m_indices)
 
         # Un-permute: invalid pairs read an appended zero row; weight and sum over top-k.
         y = torch.cat([y, y.new_zeros((1, hidden))])[row].float()
@@ -310,9 +353,9 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         device = tokens.hidden.device
         if m == 0:
             return torch.zeros((num_experts, 0, hidden), dtype=tokens.dtype, device=device)
-        ue8m0 = self._scale_format(device)
-        xq, xs = _fp8_activations(tokens, ue8m0)
-        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, ue8m0)
+        pow2, sm100 = self._formats(device)
+        xq, xs = _fp8_activations(tokens, pow2, sm100)
+        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, pow2, sm100)
         counts = tokens.expert_num_tokens.to(device=device, dtype=torch.int32).contiguous()
 
         # With several groups the kernel stores each group's output in blocks of its block M
@@ -321,19 +364,17 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         m_run = m
         if num_experts > 1 and m % BLOCK:
             m_run = (m + BLOCK - 1) // BLOCK * BLOCK
-            pad = m_run - m
-            xq = torch.cat([xq.view(torch.uint8), xq.new_zeros((num_experts, pad, hidden), dtype=torch.uint8)], 1)
-            xq = xq.view(FP8_DTYPE)
-            xs = torch.cat([xs, xs.new_zeros((num_experts, pad, xs.shape[-1]))], 1)
+            xq = _pad_rows(xq.view(torch.uint8), m_run).view(FP8_DTYPE)
+            xs = _pad_rows(xs, m_run)
         expected_m = expected_rows_per_expert(m, self.top_k, self.num_experts)
 
         valid = (torch.arange(m_run, device=device).unsqueeze(0) < counts.unsqueeze(1)).unsqueeze(-1)
         h = torch.empty((num_experts, m_run, 2 * inter), dtype=torch.bfloat16, device=device)
-        self._gemm((xq, self._lhs_scales(xs)), (w1q, w1s), h, counts, expected_m)
+        self._gemm((xq, self._lhs_scales(xs, sm100)), (w1q, w1s), h, counts, expected_m)
         act = _silu_and_mul(h)
         act = torch.where(valid, act, torch.zeros_like(act))  # rows past the count are unspecified
-        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=ue8m0)
+        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=pow2)
         y = torch.empty((num_experts, m_run, hidden), dtype=torch.bfloat16, device=device)
-        self._gemm((aq.contiguous(), self._lhs_scales(a_scales)), (w2q, w2s), y, counts, expected_m)
+        self._gemm((aq.contiguous(), self._lhs_scales(a_scales, sm100)), (w2q, w2s), y, counts, expected_m)
         y = torch.where(valid, y, torch.zeros_like(y))[:, :m]
         return y.to(tokens.dtype)

@@ -33,7 +33,19 @@ def quantize_fp8_per_token_group(
     return q.flatten(-2), scales
 
 
+def unpack_ue8m0(packed: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Packed UE8M0 scales (int32 `[..., ceil(G/4)]`, byte i of word j the exponent of group
+    4j+i, as DeepEP's `use_ue8m0` dispatch and DeepGEMM's SM100 layout hold them) → float32
+    powers of two `[..., G]`."""
+    dense = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)  # row-major strides
+    exponents = dense.view(torch.uint8)[..., :num_groups].to(torch.int32)
+    return (exponents << 23).view(torch.float32)
+
+
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`q` with per-token-group scales, float32 or packed UE8M0 (int32, 128-wide groups)."""
+    if scales.dtype == torch.int32:
+        scales = unpack_ue8m0(scales, q.shape[-1] // GROUP_SIZE)
     group_size = q.shape[-1] // scales.shape[-1]
     groups = q.float().unflatten(-1, (scales.shape[-1], group_size)) * scales.unsqueeze(-1)
     return groups.flatten(-2).to(dtype)
