@@ -2,9 +2,11 @@
 
 Both adapters run the same two-GEMM expert MLP as `experts_torch`, with DeepGEMM's recipe:
 activations in fp8 e4m3 with one float32 scale per token per 128 channels, weights in fp8
-with one scale per 128x128 block, bf16 GEMM outputs. `w1`/`w2` arrive in the model dtype;
-each weight tensor is quantized once and the result cached on the adapter until the tensor
-changes (another tensor, an in-place update, or new storage).
+with one scale per 128x128 block, bf16 GEMM outputs. A model quantizes its expert weights
+once at load (`prepare_weights`, a `BlockFP8Weight` each) and frees the model-dtype ones;
+weights that still arrive in the model dtype are quantized once per tensor and the result
+cached on the adapter until the tensor changes (another tensor, an in-place update, or new
+storage). On SM100 the weight scales are also packed into DeepGEMM's UE8M0 layout once.
 
 - `DeepGemmExperts` (STANDARD): the (token, k) pairs routed to this rank are permuted into
   DeepGEMM's contiguous layout (expert e's rows in one segment padded to the M alignment,
@@ -33,6 +35,7 @@ from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertT
 from tandem.modular_kernels.quant import (
     FP8_DTYPE,
     FP8_MAX,
+    BlockFP8Weight,
     ceil_to_power_of_two,
     dequantize_fp8,
     quantize_fp8_per_token_group,
@@ -85,7 +88,16 @@ def quantize_fp8_per_block(
     return q.flatten(-2).flatten(-3, -2).contiguous(), scales.contiguous()
 
 
-def _check_hidden_sizes(w1: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+def _quantize_experts(w: torch.Tensor, power_of_two_scales: bool) -> BlockFP8Weight:
+    num_experts, n, k = w.shape
+    data = torch.empty((num_experts, n, k), dtype=FP8_DTYPE, device=w.device)
+    scales = torch.empty((num_experts, n // BLOCK, k // BLOCK), dtype=torch.float32, device=w.device)
+    for e in range(num_experts):
+        data[e], scales[e] = quantize_fp8_per_block(w[e], power_of_two_scales=power_of_two_scales)
+    return BlockFP8Weight(data, scales)
+
+
+def _check_hidden_sizes(w1: torch.Tensor | BlockFP8Weight, w2: torch.Tensor | BlockFP8Weight) -> tuple[int, int, int]:
     if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] % 2:
         raise ValueError(f"w1 must be [E, 2*I, H] and w2 [E, H, I], got {tuple(w1.shape)} and {tuple(w2.shape)}")
     num_experts, two_i, hidden = w1.shape
@@ -248,11 +260,23 @@ class _DeepGemmBase(Experts):
             return scales
         return scales.contiguous() if sm100 else self._tma_align(scales)
 
-    def _weight_operand(self, w: torch.Tensor, power_of_two: bool, sm100: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(fp8 data, scales)` of one weight: block-quantized once per weight version; on
-        SM100 the scales are also packed into the UE8M0 layout once (the library would
-        repack float32 weight scales on every call)."""
-        q, scales = self._weights.get(w, power_of_two, lambda: quantize_fp8_per_block(w, power_of_two_scales=power_of_two))
+    def prepare_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[BlockFP8Weight, BlockFP8Weight]:
+        """Both weights block-quantized for the GEMMs on their device (power-of-two scales on
+        SM100), one expert at a time so the float32 working copy stays one expert's size."""
+        _check_hidden_sizes(w1, w2)
+        power_of_two, _ = self._formats(w1.device)
+        return _quantize_experts(w1, power_of_two), _quantize_experts(w2, power_of_two)
+
+    def _weight_operand(
+        self, w: torch.Tensor | BlockFP8Weight, power_of_two: bool, sm100: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(fp8 data, scales)` of one weight: as prepared, or block-quantized once per weight
+        version; on SM100 the scales are also packed into the UE8M0 layout once (the library
+        would repack float32 weight scales on every call)."""
+        if isinstance(w, BlockFP8Weight):
+            q, scales = w.data, w.scales
+        else:
+            q, scales = self._weights.get(w, power_of_two, lambda: quantize_fp8_per_block(w, power_of_two_scales=power_of_two))
         if not sm100:
             return q, scales
         num_experts, n, k = q.shape

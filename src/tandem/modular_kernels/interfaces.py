@@ -176,6 +176,12 @@ class Experts(ABC):
     #: which a CUDA graph capture refuses: such experts cannot run under `graph_mode="full"`.
     graph_capturable: bool = True
 
+    def prepare_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple:
+        """The expert weights in the form `apply` reads, made once when the model's weights
+        are loaded; the model then keeps these instead of `w1`/`w2` (which it frees). The
+        default keeps the weights as they are."""
+        return w1, w2
+
     def takes_ue8m0_scales(self, device: torch.device) -> bool:
         """True when, on `device`, `apply` reads fp8 activations with packed UE8M0 scales as
         they are (DeepGEMM on SM100): fp8 dispatch then asks a backend that can make them

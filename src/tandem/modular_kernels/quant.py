@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -49,3 +51,30 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
     group_size = q.shape[-1] // scales.shape[-1]
     groups = q.float().unflatten(-1, (scales.shape[-1], group_size)) * scales.unsqueeze(-1)
     return groups.flatten(-2).to(dtype)
+
+
+@dataclass(frozen=True)
+class BlockFP8Weight:
+    """Stacked expert weights `[E, N, K]` in fp8 e4m3 with one float32 scale per 128x128
+    block (`scales [E, N/128, K/128]`, `weight ≈ data * scale`): what an experts backend
+    that computes in fp8 keeps instead of the model-dtype tensor. It answers the shape
+    questions a weight tensor does, and slices by expert."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def __getitem__(self, experts: slice) -> "BlockFP8Weight":
+        if not isinstance(experts, slice):
+            raise TypeError(f"a BlockFP8Weight is sliced by a range of experts, got {type(experts).__name__}")
+        return BlockFP8Weight(self.data[experts], self.scales[experts])
