@@ -76,3 +76,34 @@ def test_fp8_expert_weights_give_the_outputs_of_the_lazy_path(deep_gemm):
         assert torch.equal(out, lazy)
         reference = bf16_block(x).float()
         assert float((out.float() - reference).norm() / reference.norm()) < FP8_REL_TOL
+
+
+def test_the_loader_quantizes_a_checkpoints_expert_weights(deep_gemm, tmp_path):
+    """`load_model` on a Hugging Face directory does what the built-in builders do: the
+    deep_gemm experts hold fp8 weights once the checkpoint is read, equal to the builder's."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tandem.models.loader import load_model
+    from tandem.models.random_deepseek import DEEPSEEK_V2_LITE
+    from tandem.models.tiny_moe import build_tokenizer
+
+    source = build_random_deepseek_v2_lite(MoEOptions(moe_backend="torch"), dtype=torch.bfloat16, overrides=SMALL)
+    renamed = {"experts.w13": "experts.gate_up_proj", "experts.w2": "experts.down_proj"}
+    tensors = {}
+    for name, tensor in source.model.state_dict().items():
+        for ours, theirs in renamed.items():
+            name = name.replace(ours, theirs)
+        tensors[name] = tensor.contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK_V2_LITE, **SMALL}))
+    build_tokenizer().save(str(tmp_path / "tokenizer.json"))
+
+    loaded = load_model(tmp_path, MoEOptions(moe_backend="deep_gemm"), dtype=torch.bfloat16)
+    built = build_random_deepseek_v2_lite(MoEOptions(moe_backend="deep_gemm"), dtype=torch.bfloat16, overrides=SMALL)
+    for ours, theirs in zip(_moe_blocks(loaded), _moe_blocks(built)):
+        got, want = _expert_tensors(ours), _expert_tensors(theirs)
+        assert {n: t.dtype for n, t in got.items()} == {n: t.dtype for n, t in want.items()}
+        assert all(torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in ("w13", "w2"))
+        assert all(torch.equal(got[n], want[n]) for n in ("w13_scale", "w2_scale"))
