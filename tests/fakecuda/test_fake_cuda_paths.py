@@ -87,6 +87,7 @@ def _model(all2all: str, moe_backend: str, group, dtype=torch.bfloat16):
     )
     with torch.device("cuda"):
         model = DeepseekV3ForCausalLM(dict(CONFIG, **SIZES), moe=options, dtype=dtype)
+        model.prepare_weights_after_loading()  # as the loader does: deep_gemm's experts hold block-fp8 weights
     return model.eval()
 
 

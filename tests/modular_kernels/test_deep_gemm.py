@@ -47,6 +47,9 @@ TIGHT_REL_TOL = 5e-3
 #: agreement with the unquantized-intermediate oracles: one extra e4m3 rounding (3 mantissa
 #: bits, RMS ~3.6 % per element) of the SiLU-and-mul output, measured 2.2-2.6 %.
 FP8_REL_TOL = 5e-2
+#: random (not fp8-exact) weights and activations against the float32 oracle: every operand
+#: is rounded to fp8 too (tests/modular_kernels/test_backend_matrix.py's deep_gemm tolerance).
+ORACLE_REL_TOL = 8e-2
 
 
 @pytest.fixture
@@ -507,7 +510,7 @@ def test_fake_2x_options(deep_gemm):
     with pytest.raises(NotImplementedError, match="psum"):
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"], use_psum_layout=True)
     with pytest.raises(RuntimeError, match="recipe"):
-        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"], recipe=(1, 1, 128))
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(p["a"], p["b"], p["d"], p["layout"], recipe=(2, 128, 128))
 
 
 def test_fake_helpers(deep_gemm):
@@ -584,8 +587,8 @@ def test_uses_the_2x_tma_helper_and_keeps_lhs_scales_as_they_are(deep_gemm):
     q = torch.zeros(E, 128, H, dtype=FP8)
     column_major = torch.ones(E, H // 128, 128).transpose(1, 2)
     tokens = ExpertTokens(q, column_major, torch.bfloat16, expert_num_tokens=torch.zeros(E, dtype=torch.int32))
-    xq, xs = experts_deep_gemm._fp8_activations(tokens, power_of_two_scales=False)
-    assert xs is column_major and experts._lhs_scales(xs) is column_major
+    xq, xs = experts_deep_gemm._fp8_activations(tokens, power_of_two_scales=False, sm100=False)
+    assert xs is column_major and experts._lhs_scales(xs, sm100=False) is column_major
 
 
 def test_sm100_needs_power_of_two_scales(monkeypatch):
@@ -652,3 +655,146 @@ def test_fake_sm_count_comes_from_the_device_or_the_install():
             if torch.cuda.is_available() else fake.EMULATED_NUM_SMS
         )
         assert deep_gemm.get_num_sms() == expected
+
+
+# ----------------------------------------------------------------------------- expected_m (gpu-review-2 N12)
+
+
+def test_masked_expected_m_is_an_estimate_of_rows_per_expert(deep_gemm):
+    """`expected_m` steers DeepGEMM's block/wave heuristics: it is the mean rows per expert
+    if the whole budget arrived (`M * top_k / E_global`, M = R*T rows per local expert),
+    rounded up to 16 and kept within [1, M], not the padded maximum."""
+    w1, w2 = _weights()
+    x = _activations((E, 200, H), seed=3).to(torch.bfloat16)
+    tokens = ExpertTokens(x, None, torch.bfloat16, expert_num_tokens=torch.tensor([5, 0, 200, 1]))
+    # E_local = 4 of 16 global experts (4 ranks), top-2: ceil(200 * 2 / 16) = 25 -> 32.
+    DeepGemmBatchedExperts(top_k=2, num_experts=16).apply(tokens, w1, w2)
+    assert deep_gemm.EXPECTED_M == [32, 32]
+    deep_gemm.EXPECTED_M.clear()
+    # One rank holding every expert, top-4 of 4: every row may reach every expert -> M.
+    DeepGemmBatchedExperts(top_k=4, num_experts=4).apply(tokens, w1, w2)
+    assert deep_gemm.EXPECTED_M == [200, 200]
+    deep_gemm.EXPECTED_M.clear()
+    small = ExpertTokens(x[:, :3], None, torch.bfloat16, expert_num_tokens=torch.tensor([1, 0, 3, 1]))
+    DeepGemmBatchedExperts(top_k=1, num_experts=64).apply(small, w1, w2)
+    assert deep_gemm.EXPECTED_M == [3, 3]  # ceil(3 / 64) = 1 -> 16, clamped to M = 3
+
+
+def _expected_m_on_two_ranks(rank, world):
+    fake_deep_gemm.install()
+    from tests.modular_kernels.moe_cases import NUM_EXPERTS, TOP_K, make_problem, run_kernel
+
+    kernel = build_moe_kernel(
+        "torch_a2a_ll", "deep_gemm", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=128,
+        dispatch_max_tokens_per_rank=64,
+    )
+    p = make_problem(rank, "random", num_tokens=12, hidden=128, intermediate=128)
+    out = run_kernel(kernel, p, rank, world)
+    return list(fake_deep_gemm.EXPECTED_M), _rel_err(out, p.reference())
+
+
+def test_build_moe_kernel_gives_the_masked_experts_top_k_and_the_global_expert_count():
+    from tandem.testing import run_distributed
+
+    # 2 ranks x T=64 rows per local expert, top-2 of 8 experts: ceil(128 * 2 / 8) = 32.
+    for expected_m, err in run_distributed(_expected_m_on_two_ranks, 2):
+        assert expected_m == [32, 32]
+        assert err < ORACLE_REL_TOL
+
+
+# ----------------------------------------------------------------------------- SM100 scale layouts (gpu-review-2 N10)
+
+
+def _masked_tokens(seed: int = 7, rows: int = 16):
+    x = _activations((E, rows, H), seed=seed).to(torch.bfloat16)
+    return ExpertTokens(x, None, torch.bfloat16, expert_num_tokens=torch.tensor([5, 0, rows, 1]))
+
+
+@pytest.mark.parametrize("cls", [DeepGemmBatchedExperts, DeepGemmExperts])
+def test_sm100_weight_scales_are_transformed_once_per_weight(monkeypatch, cls):
+    """On SM100 DeepGEMM packs float32 weight scales into UE8M0 on every call; the adapter
+    does it once per weight (`transform_sf_into_required_layout`), again only when the
+    weight changes, and hands the LHS scales over row-major (the library's fast pack; an
+    MN-major copy would send it to its slow torch fallback). Same numbers as the library
+    packing the float32 scales itself."""
+    w1, w2 = _weights(seed=1)
+    tokens = _masked_tokens() if cls is DeepGemmBatchedExperts else _standard_tokens(False)[0]
+    with fake_deep_gemm.installed(arch_major=9):  # reference: the float32 power-of-two scales as they are
+        reference = cls(power_of_two_scales=True).apply(tokens, w1, w2)
+    monkeypatch.setattr(experts_deep_gemm, "_arch_major", lambda device: 10)
+    with fake_deep_gemm.installed(arch_major=10) as dg:
+        experts = cls()
+        first = experts.apply(tokens, w1, w2)
+        second = experts.apply(tokens, w1, w2)
+        assert dg.SF_TRANSFORMS["rhs"] == 2  # w1 and w2, once each over two forwards
+        assert dg.SF_TRANSFORMS["torch_fallback"] == 0
+        assert torch.equal(first, reference) and torch.equal(second, reference)
+        w1.mul_(0.5)  # in place: the version counter moves, the packed scales must follow
+        third = experts.apply(tokens, w1, w2)
+        assert dg.SF_TRANSFORMS["rhs"] == 3
+    with fake_deep_gemm.installed(arch_major=9):
+        assert torch.equal(third, cls(power_of_two_scales=True).apply(tokens, w1, w2))
+
+
+def test_sm100_takes_packed_ue8m0_activations_as_they_are(monkeypatch):
+    """DeepEP low-latency fp8 dispatch with `use_ue8m0=True` delivers packed int32 scales
+    `[E, M, H/512]`, MN-major: on SM100 they go to the GEMM untouched (no dequantize and
+    requantize), padded rows included; elsewhere they are unpacked and requantized."""
+    w1, w2 = _weights(seed=1)
+    counts = torch.tensor([5, 0, 100, 1])
+    x = _activations((E, 100, H), seed=7)
+    q, s = _quant_rows(x)  # power-of-two scales: exactly representable as UE8M0
+    packed = (s.view(torch.int32) >> 23).to(torch.uint8)  # H = 128: one exponent byte per row
+    packed = torch.cat([packed, torch.zeros(E, 100, 3, dtype=torch.uint8)], -1).view(torch.int32)
+    mn_major = torch.empty(E, 1, 100, dtype=torch.int32).transpose(1, 2)
+    mn_major.copy_(packed)
+    tokens = ExpertTokens(q, mn_major, torch.bfloat16, expert_num_tokens=counts)
+    float_tokens = ExpertTokens(q, s, torch.bfloat16, expert_num_tokens=counts)
+    with fake_deep_gemm.installed(arch_major=9):
+        reference = DeepGemmBatchedExperts(power_of_two_scales=True).apply(float_tokens, w1, w2)
+        assert torch.equal(DeepGemmBatchedExperts().apply(tokens, w1, w2), DeepGemmBatchedExperts().apply(float_tokens, w1, w2))
+    assert torch.equal(tokens.dequantized().float(), x.to(torch.bfloat16).float())
+    monkeypatch.setattr(experts_deep_gemm, "_arch_major", lambda device: 10)
+    calls = []
+    real = experts_deep_gemm.quantize_fp8_per_token_group
+    monkeypatch.setattr(
+        experts_deep_gemm, "quantize_fp8_per_token_group", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k)
+    )
+    with fake_deep_gemm.installed(arch_major=10):
+        experts = DeepGemmBatchedExperts()
+        assert experts.takes_ue8m0_scales(torch.device("cpu"))
+        out = experts.apply(tokens, w1, w2)
+    assert calls == [(E, 128, 2 * I // 2)]  # only the intermediate activation is quantized (M padded to 128)
+    assert torch.equal(out, reference)
+
+
+def test_fake_transform_sf_follows_deep_gemm_2_6_1():
+    """`transform_sf_into_required_layout`'s cases, and the combinations the GEMMs refuse."""
+    w = torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(4))
+    q, s = experts_deep_gemm.quantize_fp8_per_block(w, power_of_two_scales=True)
+    with fake_deep_gemm.installed(arch_major=9) as dg:
+        assert dg.transform_sf_into_required_layout(s, 256, 384, (1, 128, 128), 2, is_sfa=False) is s
+        with pytest.raises(RuntimeError, match="is_sfa"):
+            dg.transform_sf_into_required_layout(s, 256, 384, (1, 128, 128), 2)
+        packed_on_sm90 = torch.zeros(2, 256, 1, dtype=torch.int32)
+        a = (torch.zeros(2, 128, 384, dtype=FP8), torch.ones(2, 128, 3))
+        with pytest.raises(RuntimeError, match="SM90 takes float32 scales only"):
+            dg.m_grouped_fp8_gemm_nt_masked(a, (q, packed_on_sm90), torch.empty(2, 128, 256, dtype=torch.bfloat16),
+                                            torch.ones(2, dtype=torch.int32), 16)
+    with fake_deep_gemm.installed(arch_major=10) as dg:
+        packed = dg.transform_sf_into_required_layout(s, 256, 384, (1, 128, 128), 2, is_sfa=False)
+        assert packed.dtype == torch.int32 and packed.shape == (2, 256, 1) and packed.stride() == (256, 1, 256)
+        assert dg.SF_TRANSFORMS["rhs"] == 1
+        # packed scales are checked, not transformed again
+        assert dg.transform_sf_into_required_layout(packed, 256, 384, (1, 128), 2) is packed
+        with pytest.raises(RuntimeError, match="disable_ue8m0_cast"):
+            dg.m_grouped_fp8_gemm_nt_masked(a, (q, s), torch.empty(2, 128, 256, dtype=torch.bfloat16),
+                                            torch.ones(2, dtype=torch.int32), 16, disable_ue8m0_cast=True)
+        with pytest.raises(RuntimeError, match="MN-major and TMA-aligned"):
+            row_major = torch.empty_strided((2, 256, 1), (256, 1, 1), dtype=torch.int32).copy_(packed)
+            dg.m_grouped_fp8_gemm_nt_masked(a, (q, row_major),
+                                            torch.empty(2, 128, 256, dtype=torch.bfloat16), torch.ones(2, dtype=torch.int32), 16)
+        dg.SF_TRANSFORMS.clear()
+        dg.m_grouped_fp8_gemm_nt_masked(a, (q, packed), torch.empty(2, 128, 256, dtype=torch.bfloat16),
+                                        torch.ones(2, dtype=torch.int32), 16)
+        assert dg.SF_TRANSFORMS == {"lhs": 1}  # float32 LHS scales are packed per call; packed weight scales are not

@@ -704,3 +704,76 @@ def test_the_stall_watchdog_cannot_fire_during_the_cold_start(monkeypatch):
             assert torch.equal(wrapper(x), x * 2)
     cold = ubatch_wrapper.COLD_START_TIMEOUT_S
     assert seen == [(2, cold), (2, 5.0), (3, cold), (3, 5.0)] and cold >= 600
+
+
+# ------------------------------------------------------------------ UE8M0 dispatch for DeepGEMM on SM100 (gpu-review-2 N10)
+
+
+def _relative(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _ue8m0_cases(rank, world):
+    from tandem.modular_kernels import experts_deep_gemm
+    from tandem.testing import fake_deep_gemm
+
+    fake_deep_ep.install()
+    fake_deep_gemm.install(arch_major=9)
+    inter = 128  # DeepGEMM's fp8 block
+    p = make_problem(rank, "random", num_tokens=MAX_TOKENS, hidden=HIDDEN, intermediate=inter)
+    p.hidden = p.hidden.to(torch.bfloat16)
+    oracle = p.reference()
+
+    def build(moe):
+        return build_moe_kernel(
+            LL, moe, num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, use_fp8_dispatch=True,
+            **dispatch_budget(LL, MAX_TOKENS),
+        )
+
+    kernel = build("deep_gemm")
+    buffer = kernel.prepare_finalize.ensure_buffer(HIDDEN)
+    dispatched = []
+    real_dispatch = buffer.low_latency_dispatch
+
+    def recorded(*args, **kwargs):
+        dispatched.append((kwargs.get("round_scale"), kwargs.get("use_ue8m0")))
+        recv, *rest = real_dispatch(*args, **kwargs)
+        dispatched.append(recv[1].dtype)
+        return (recv, *rest)
+
+    buffer.low_latency_dispatch = recorded
+    quantized = []
+    real_quantize = experts_deep_gemm.quantize_fp8_per_token_group
+    experts_deep_gemm.quantize_fp8_per_token_group = lambda x, *a, **k: quantized.append(x.shape) or real_quantize(x, *a, **k)
+    report = {}
+
+    experts_deep_gemm._arch_major = lambda device: 9
+    sm90 = run_kernel(kernel, p, rank, world)
+    report["sm90-float32-scales"] = dispatched == [(False, False), torch.float32]
+    dispatched.clear()
+    quantized.clear()
+
+    fake_deep_gemm.install(arch_major=10)
+    experts_deep_gemm._arch_major = lambda device: 10
+    sm100 = run_kernel(kernel, p, rank, world)
+    # DeepGEMM on SM100: power-of-two scales packed as UE8M0, handed to the GEMM as they are
+    # (the only quantization the experts do is the intermediate activation's).
+    report["sm100-asks-for-ue8m0"] = dispatched == [(True, True), torch.int32]
+    report["sm100-no-requantization"] = quantized == [(NUM_EXPERTS // world, 128, inter)]  # M = R*T padded to 128
+    report["sm100-weights-packed-once"] = fake_deep_gemm.SF_TRANSFORMS["rhs"] == 2
+    report["sm100-oracle"] = _relative(sm100, oracle) < 8e-2
+    report["sm90-oracle"] = _relative(sm90, oracle) < 8e-2
+    again = run_kernel(kernel, p, rank, world, num_ubatches=2)
+    # run_kernel slices new views of the weights: packed once for them, not once per ubatch.
+    report["sm100-dbo"] = _relative(again, oracle) < 8e-2 and fake_deep_gemm.SF_TRANSFORMS["rhs"] == 4
+    dispatched.clear()
+    # Experts that cannot read UE8M0 (torch) keep float32 scales, on SM100 too.
+    torch_kernel = build("torch")
+    run_kernel(torch_kernel, p, rank, world)
+    report["torch-experts-float32"] = dispatched == [(False, False), torch.float32]
+    return report
+
+
+def test_deep_gemm_on_sm100_gets_ue8m0_scales_from_low_latency_dispatch():
+    per_rank = run_distributed(_ue8m0_cases, 2, timeout_s=150)
+    assert_every_case_passed(per_rank, 8)

@@ -97,6 +97,15 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
+    def prepare_weights_after_loading(self) -> None:
+        """Called once every weight is in place (by the loader and the built-in builders): each
+        MoE layer's experts backend may convert its weights (deep_gemm quantizes them to block
+        fp8 and the model-dtype copies are freed), so no forward converts them later."""
+        for module in self.modules():
+            prepare = getattr(module, "prepare_expert_weights", None)
+            if callable(prepare):
+                prepare()
+
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

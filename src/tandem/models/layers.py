@@ -12,7 +12,7 @@ from tandem.contexts import get_forward_context
 from tandem.models.base import KVCacheSpec, MoEOptions
 from tandem.models.paged_attention import AttentionMetadata, paged_attention, write_to_cache
 from tandem.models.rope import RopeConfig, RotaryEmbedding
-from tandem.modular_kernels import select_experts
+from tandem.modular_kernels import BlockFP8Weight, select_experts
 
 
 class RMSNorm(nn.Module):
@@ -147,6 +147,35 @@ class StackedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
         self._filled: dict[str, set[int]] = {"gate": set(), "up": set(), "down": set()}
+        #: True once `hold` replaced the model-dtype weights with block-fp8 ones.
+        self.quantized = False
+
+    def hold(self, w13: torch.Tensor | BlockFP8Weight, w2: torch.Tensor | BlockFP8Weight) -> None:
+        """Keep the weights the kernel's experts prepared instead of the loaded ones. Block-fp8
+        weights become buffers `w13`/`w2` (fp8) and `w13_scale`/`w2_scale` (float32), and the
+        model-dtype parameters are dropped (freed once nothing else holds them)."""
+        if not isinstance(w13, BlockFP8Weight) and not isinstance(w2, BlockFP8Weight):
+            return  # the experts read the loaded weights as they are
+        for name, weight in (("w13", w13), ("w2", w2)):
+            if not isinstance(weight, BlockFP8Weight):
+                raise TypeError(f"{name}: the experts prepared one weight in block fp8 and not the other")
+            delattr(self, name)
+            self.register_buffer(name, weight.data)
+            self.register_buffer(f"{name}_scale", weight.scales)
+        self.quantized = True
+
+    def kernel_weights(self) -> tuple:
+        """`(w13, w2)` as the kernel takes them: the loaded tensors, or block-fp8 weights."""
+        if self.quantized:
+            return BlockFP8Weight(self.w13, self.w13_scale), BlockFP8Weight(self.w2, self.w2_scale)
+        return self.w13, self.w2
+
+    def _check_loadable(self, name: str) -> None:
+        if self.quantized:
+            raise RuntimeError(
+                f"{name!r}: the experts' weights were already quantized to fp8 for the kernel (after loading); "
+                "load every checkpoint tensor before the model is prepared"
+            )
 
     def is_local(self, expert: int) -> bool:
         return expert in self.local
@@ -166,6 +195,7 @@ class StackedExperts(nn.Module):
         dst.copy_(src)
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, name: str) -> None:
+        self._check_loadable(name)
         if proj not in self.roles:
             raise KeyError(f"unknown expert projection {proj!r} in {name!r}: expected one of {sorted(self.roles)}")
         if not 0 <= expert < self.num_experts:
@@ -189,6 +219,7 @@ class StackedExperts(nn.Module):
         )
 
     def load_fused(self, kind: str, tensor: torch.Tensor, name: str) -> None:
+        self._check_loadable(name)
         rows = self.local_rows(tensor, name)
         everyone = range(len(self.local))
         if kind == "gate_up_proj":
@@ -262,9 +293,15 @@ class MoEBlock(nn.Module):
     def shared_experts_forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no shared experts")
 
+    def prepare_expert_weights(self) -> None:
+        """Once the weights are loaded: let the kernel's experts put them in the form they
+        compute with (deep_gemm: block fp8), freeing the loaded ones."""
+        if not self.experts.quantized:
+            self.experts.hold(*self.kernel.experts.prepare_weights(self.experts.w13, self.experts.w2))
+
     @property
-    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.experts.w13, self.experts.w2
+    def expert_weights(self) -> tuple:
+        return self.experts.kernel_weights()
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.float32_router:

@@ -209,6 +209,7 @@ def load_model(
         shown = ", ".join(unloaded[:20]) + (f", ... ({len(unloaded)} in all)" if len(unloaded) > 20 else "")
         raise ValueError(f"the checkpoint in {path} left parameters of {cls.__name__} unloaded: {shown}")
     model.checkpoint_tensors_read = frozenset(read)
+    model.prepare_weights_after_loading()
     model.eval()
 
     from tokenizers import Tokenizer

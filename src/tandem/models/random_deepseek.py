@@ -74,6 +74,7 @@ def build_random_deepseek_v2_lite(
             if param.dim() < 2:  # norms stay at one, the bias (V3 only) at zero
                 continue
             param.normal_(generator=generator).mul_(param.shape[-1] ** -0.5)
+    model.prepare_weights_after_loading()
     model.eval()
     return byte_model_info(model, config["max_position_embeddings"], "deepseek-v2-lite-random")
 

@@ -81,6 +81,7 @@ def build_small_moe(
         model = DeepseekV3ForCausalLM(dict(CONFIG), moe=moe, dtype=dtype, stage=stage)
     # Each rank draws only its own experts (and its stage's layers) of the one checkpoint.
     model.load_weights((name, small_moe_tensor(name)) for name in checkpoint_shapes() if model.checkpoint_selection(name))
+    model.prepare_weights_after_loading()
     model.eval()
     return byte_model_info(model, CONFIG["max_position_embeddings"], "small-moe")
 

@@ -170,6 +170,7 @@ def build_tiny_moe(
     # Each rank reads its own experts (and its stage's layers) of the one checkpoint.
     selected = ((name, tensor) for name, tensor in tiny_moe_weights().items() if model.checkpoint_selection(name))
     model.load_weights(selected)
+    model.prepare_weights_after_loading()
     model.eval()
     return byte_model_info(model, CONFIG["max_position_embeddings"], "tiny-moe")
 

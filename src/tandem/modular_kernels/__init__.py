@@ -7,7 +7,7 @@ from tandem.modular_kernels.factory import ALL2ALL_BACKENDS, MOE_BACKENDS, build
 from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, Experts, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.kernel import FusedMoEModularKernel, MoEStepState
 from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
-from tandem.modular_kernels.quant import dequantize_fp8, quantize_fp8_per_token_group
+from tandem.modular_kernels.quant import BlockFP8Weight, dequantize_fp8, quantize_fp8_per_token_group
 from tandem.modular_kernels.sbo import SBO_MODES
 from tandem.modular_kernels.routing import expert_mlp, select_experts, torch_moe_reference
 from tandem.modular_kernels.sm_partition import comm_sm_partition
@@ -29,6 +29,7 @@ __all__ = [
     "TorchExperts",
     "build_moe_kernel",
     "comm_sm_partition",
+    "BlockFP8Weight",
     "dequantize_fp8",
     "expert_mlp",
     "quantize_fp8_per_token_group",

@@ -68,6 +68,7 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
         # What the wrapped backend says of itself holds for the wrapper too.
         self.graph_capturable = inner.graph_capturable
         self.yields_in_send = inner.yields_in_send
+        self.dispatches_ue8m0 = inner.dispatches_ue8m0
         self.survives_failed_step = getattr(inner, "survives_failed_step", True)
         self._platform = platform
         self._own_comm_stream = None
@@ -100,8 +101,8 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
     def _pair_bytes(hidden: torch.Tensor, topk_ids: torch.Tensor) -> int:
         return topk_ids.shape[0] * topk_ids.shape[1] * hidden.shape[1] * hidden.element_size()
 
-    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
-        hook, receive = self.inner.prepare_async(hidden, topk_weights, topk_ids, use_fp8=use_fp8)
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
+        hook, receive = self.inner.prepare_async(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)
         if hook is not None:
             hook()
         arrival = self._transfer(hidden, self._pair_bytes(hidden, topk_ids))

@@ -2,9 +2,11 @@
 
 Both adapters run the same two-GEMM expert MLP as `experts_torch`, with DeepGEMM's recipe:
 activations in fp8 e4m3 with one float32 scale per token per 128 channels, weights in fp8
-with one scale per 128x128 block, bf16 GEMM outputs. `w1`/`w2` arrive in the model dtype;
-each weight tensor is quantized once and the result cached on the adapter until the tensor
-changes (another tensor, an in-place update, or new storage).
+with one scale per 128x128 block, bf16 GEMM outputs. A model quantizes its expert weights
+once at load (`prepare_weights`, a `BlockFP8Weight` each) and frees the model-dtype ones;
+weights that still arrive in the model dtype are quantized once per tensor and the result
+cached on the adapter until the tensor changes (another tensor, an in-place update, or new
+storage). On SM100 the weight scales are also packed into DeepGEMM's UE8M0 layout once.
 
 - `DeepGemmExperts` (STANDARD): the (token, k) pairs routed to this rank are permuted into
   DeepGEMM's contiguous layout (expert e's rows in one segment padded to the M alignment,
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,7 @@ from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertT
 from tandem.modular_kernels.quant import (
     FP8_DTYPE,
     FP8_MAX,
+    BlockFP8Weight,
     ceil_to_power_of_two,
     dequantize_fp8,
     quantize_fp8_per_token_group,
@@ -84,7 +88,16 @@ def quantize_fp8_per_block(
     return q.flatten(-2).flatten(-3, -2).contiguous(), scales.contiguous()
 
 
-def _check_hidden_sizes(w1: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+def _quantize_experts(w: torch.Tensor, power_of_two_scales: bool) -> BlockFP8Weight:
+    num_experts, n, k = w.shape
+    data = torch.empty((num_experts, n, k), dtype=FP8_DTYPE, device=w.device)
+    scales = torch.empty((num_experts, n // BLOCK, k // BLOCK), dtype=torch.float32, device=w.device)
+    for e in range(num_experts):
+        data[e], scales[e] = quantize_fp8_per_block(w[e], power_of_two_scales=power_of_two_scales)
+    return BlockFP8Weight(data, scales)
+
+
+def _check_hidden_sizes(w1: torch.Tensor | BlockFP8Weight, w2: torch.Tensor | BlockFP8Weight) -> tuple[int, int, int]:
     if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] % 2:
         raise ValueError(f"w1 must be [E, 2*I, H] and w2 [E, H, I], got {tuple(w1.shape)} and {tuple(w2.shape)}")
     num_experts, two_i, hidden = w1.shape
@@ -107,24 +120,24 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-class _FP8WeightCache:
-    """Block-quantized copies of weight tensors, one entry per live tensor. An entry is
-    reused while the tensor is the same object with the same storage, shape and version
-    counter, and dropped when the tensor is freed."""
+class _PerTensorCache:
+    """Values derived from tensors, one entry per (live tensor, variant). An entry is reused
+    while the tensor is the same object with the same storage, shape and version counter,
+    and dropped when the tensor is freed."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple] = {}
+        self._entries: dict[tuple, tuple] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, w: torch.Tensor, power_of_two_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        key = id(w)
-        stamp = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, _version(w), power_of_two_scales)
+    def get(self, t: torch.Tensor, variant, make: Callable[[], object]):
+        key = (id(t), variant)
+        stamp = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, _version(t))
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is w and entry[1] == stamp:
+        if entry is not None and entry[0]() is t and entry[1] == stamp:
             return entry[2]
-        quantized = quantize_fp8_per_block(w, power_of_two_scales=power_of_two_scales)
+        value = make()
         entries = self._entries
 
         def forget(ref, key=key) -> None:
@@ -132,18 +145,22 @@ class _FP8WeightCache:
             if current is not None and current[0] is ref:
                 del entries[key]
 
-        self._entries[key] = (weakref.ref(w, forget), stamp, quantized)
-        return quantized
+        self._entries[key] = (weakref.ref(t, forget), stamp, value)
+        return value
 
 
-def _fp8_activations(tokens: ExpertTokens, power_of_two_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dispatched activations as fp8 + 1x128 float32 scales: reused as they are (DeepEP
-    low-latency's scales are already column-major and TMA-aligned, what the kernels read)
-    when dispatch quantized them with 128-wide groups, else (re)quantized here. Scales that
-    must be powers of two (SM100) are always made here: a device check of the incoming
-    ones would need a host sync."""
+def _fp8_activations(
+    tokens: ExpertTokens, power_of_two_scales: bool, sm100: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatched activations as fp8 + 1x128 scales, reused as they are when dispatch
+    made them in the layout this device's GEMMs read: packed UE8M0 int32 scales on SM100
+    (DeepEP low-latency with `use_ue8m0`), float32 ones elsewhere (DeepEP's are already
+    column-major and TMA-aligned). Otherwise they are (re)quantized here: float32 scales
+    on SM100 need not be powers of two, and checking would need a host sync."""
     hidden, scales = tokens.hidden, tokens.scales
     if scales is not None:
+        if hidden.dtype == FP8_DTYPE and scales.dtype == torch.int32 and sm100:
+            return hidden.contiguous(), scales
         if (
             not power_of_two_scales
             and hidden.dtype == FP8_DTYPE
@@ -154,6 +171,17 @@ def _fp8_activations(tokens: ExpertTokens, power_of_two_scales: bool) -> tuple[t
         hidden = dequantize_fp8(hidden, scales, torch.float32)
     q, s = quantize_fp8_per_token_group(hidden, BLOCK, power_of_two_scales=power_of_two_scales)
     return q.contiguous(), s.contiguous()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`[E, M, C]` with zero rows appended up to `rows`, in the same layout: packed UE8M0
+    scales stay MN-major with a TMA-aligned column stride (`rows` is a multiple of 4)."""
+    num_experts, m, cols = t.shape
+    if t.dtype == torch.int32:
+        out = t.new_zeros((num_experts, cols, rows)).transpose(1, 2)
+        out[:, :m] = t
+        return out
+    return torch.cat([t, t.new_zeros((num_experts, rows - m, cols))], 1)
 
 
 def _arch_major(device: torch.device) -> int | None:
@@ -177,6 +205,19 @@ def _needs_power_of_two_scales(device: torch.device) -> bool:
     )
 
 
+def expected_rows_per_expert(rows: int, top_k: int | None, num_experts: int | None) -> int:
+    """DeepGEMM's `expected_m` hint for a masked layout of `rows` rows per local expert
+    (R ranks x T tokens): the mean rows an expert gets when every rank sends its whole
+    budget and routing is balanced, `rows * top_k / E_global`, rounded up to 16 (as vLLM
+    does) and kept within [1, rows]. Without the routing (an adapter built on its own) the
+    hint is `rows`, the worst case. A host int from shapes: no device value is read."""
+    if top_k is None or num_experts is None:
+        return rows
+    estimate = -(-rows * top_k // num_experts)
+    estimate = -(-estimate // 16) * 16
+    return max(1, min(estimate, rows))
+
+
 def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.float().chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -185,25 +226,69 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 class _DeepGemmBase(Experts):
     name = "deep_gemm"
 
-    def __init__(self, power_of_two_scales: bool | None = None) -> None:
-        """`power_of_two_scales`: UE8M0 scales; None decides per device (SM100: yes)."""
+    def __init__(
+        self, power_of_two_scales: bool | None = None, *, top_k: int | None = None, num_experts: int | None = None
+    ) -> None:
+        """`power_of_two_scales`: UE8M0 scales; None decides per device (SM100: yes).
+        `top_k` and `num_experts` (global) describe the routing the experts serve:
+        `build_moe_kernel` gives them; the masked GEMM's `expected_m` hint comes from them."""
         self._dg = import_deep_gemm()
-        self._weights = _FP8WeightCache()
+        self.top_k, self.num_experts = top_k, num_experts
+        #: block-quantized copies of model-dtype weights, per (weight, UE8M0 or not).
+        self._weights = _PerTensorCache()
+        #: SM100: weight scales packed into DeepGEMM's UE8M0 layout, per scale tensor.
+        self._packed_weight_scales = _PerTensorCache()
         self.power_of_two_scales = power_of_two_scales
         self._tma_align = _function(self._dg, "get_mn_major_tma_aligned_tensor")
 
-    def _scale_format(self, device: torch.device) -> bool:
+    def _formats(self, device: torch.device) -> tuple[bool, bool]:
+        """`(power-of-two scales, SM100 layouts)` for the GEMMs on `device`: SM100 reads
+        UE8M0 (power-of-two) scales packed four to an int32, SM90 float32 ones."""
         if self.power_of_two_scales is None:
-            return _needs_power_of_two_scales(device)
-        return self.power_of_two_scales
+            return _needs_power_of_two_scales(device), _arch_major(device) == 10
+        return self.power_of_two_scales, _arch_major(device) == 10
 
-    def _lhs_scales(self, scales: torch.Tensor) -> torch.Tensor:
-        """LHS scales in the MN-major TMA-aligned layout the kernels read, so the library
-        does not transpose them on every call (a no-op for scales already laid out so)."""
-        return self._tma_align(scales)
+    def takes_ue8m0_scales(self, device: torch.device) -> bool:
+        return all(self._formats(device))
 
-    def _quantized_weights(self, w1: torch.Tensor, w2: torch.Tensor, power_of_two_scales: bool):
-        return self._weights.get(w1, power_of_two_scales), self._weights.get(w2, power_of_two_scales)
+    def _lhs_scales(self, scales: torch.Tensor, sm100: bool) -> torch.Tensor:
+        """LHS scales as the GEMM should get them. SM90: MN-major and TMA-aligned, so the
+        library does not transpose them on every call (a no-op for DeepEP's). SM100:
+        packed UE8M0 as they are; float32 ones row-major, which the library packs with its
+        kernel (an MN-major 3-D copy would send it to its slow torch fallback)."""
+        if scales.dtype == torch.int32:
+            return scales
+        return scales.contiguous() if sm100 else self._tma_align(scales)
+
+    def prepare_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[BlockFP8Weight, BlockFP8Weight]:
+        """Both weights block-quantized for the GEMMs on their device (power-of-two scales on
+        SM100), one expert at a time so the float32 working copy stays one expert's size."""
+        _check_hidden_sizes(w1, w2)
+        power_of_two, _ = self._formats(w1.device)
+        return _quantize_experts(w1, power_of_two), _quantize_experts(w2, power_of_two)
+
+    def _weight_operand(
+        self, w: torch.Tensor | BlockFP8Weight, power_of_two: bool, sm100: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(fp8 data, scales)` of one weight: as prepared, or block-quantized once per weight
+        version; on SM100 the scales are also packed into the UE8M0 layout once (the library
+        would repack float32 weight scales on every call)."""
+        if isinstance(w, BlockFP8Weight):
+            q, scales = w.data, w.scales
+        else:
+            q, scales = self._weights.get(w, power_of_two, lambda: quantize_fp8_per_block(w, power_of_two_scales=power_of_two))
+        if not sm100:
+            return q, scales
+        num_experts, n, k = q.shape
+
+        def pack() -> torch.Tensor:
+            transform = _function(self._dg, "transform_sf_into_required_layout")
+            return transform(scales, n, k, (1, BLOCK, BLOCK), num_experts, is_sfa=False)
+
+        return q, self._packed_weight_scales.get(scales, None, pack)
+
+    def _quantized_weights(self, w1: torch.Tensor, w2: torch.Tensor, power_of_two: bool, sm100: bool):
+        return self._weight_operand(w1, power_of_two, sm100), self._weight_operand(w2, power_of_two, sm100)
 
 
 class DeepGemmExperts(_DeepGemmBase):
@@ -211,8 +296,10 @@ class DeepGemmExperts(_DeepGemmBase):
 
     activation_format = ActivationFormat.STANDARD
 
-    def __init__(self, power_of_two_scales: bool | None = None) -> None:
-        super().__init__(power_of_two_scales)
+    def __init__(
+        self, power_of_two_scales: bool | None = None, *, top_k: int | None = None, num_experts: int | None = None
+    ) -> None:
+        super().__init__(power_of_two_scales, top_k=top_k, num_experts=num_experts)
         dg = self._dg
         self._gemm = _function(dg, "m_grouped_fp8_gemm_nt_contiguous")
         self.alignment = int(_function(dg, "get_mk_alignment_for_contiguous_layout")())
@@ -224,9 +311,9 @@ class DeepGemmExperts(_DeepGemmBase):
         device = tokens.hidden.device
         if num_tokens == 0:
             return torch.zeros((0, hidden), dtype=tokens.dtype, device=device)
-        ue8m0 = self._scale_format(device)
-        xq, xs = _fp8_activations(tokens, ue8m0)
-        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, ue8m0)
+        pow2, sm100 = self._formats(device)
+        xq, xs = _fp8_activations(tokens, pow2, sm100)
+        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, pow2, sm100)
 
         # Contiguous layout: pair p (token p // top_k) goes to row start[e] + its rank among
         # expert e's pairs; every segment is padded to the alignment; rows past the last
@@ -255,12 +342,12 @@ class DeepGemmExperts(_DeepGemmBase):
         lhs_scales = lhs_scales[:m_sum]
 
         h = torch.empty((m_sum, 2 * inter), dtype=torch.bfloat16, device=device)
-        self._gemm((lhs, self._lhs_scales(lhs_scales)), (w1q, w1s), h, m_indices)
+        self._gemm((lhs, self._lhs_scales(lhs_scales, sm100)), (w1q, w1s), h, m_indices)
         act = _silu_and_mul(h)
         act = torch.where((m_indices >= 0).unsqueeze(1), act, torch.zeros_like(act))  # padding rows are unspecified
-        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=ue8m0)
+        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=pow2)
         y = torch.empty((m_sum, hidden), dtype=torch.bfloat16, device=device)
-        self._gemm((aq.contiguous(), self._lhs_scales(a_scales)), (w2q, w2s), y, m_indices)
+        self._gemm((aq.contiguous(), self._lhs_scales(a_scales, sm100)), (w2q, w2s), y, m_indices)
 
         # Un-permute: invalid pairs read an appended zero row; weight and sum over top-k.
         y = torch.cat([y, y.new_zeros((1, hidden))])[row].float()
@@ -274,8 +361,10 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
 
     activation_format = ActivationFormat.MASKED
 
-    def __init__(self, power_of_two_scales: bool | None = None) -> None:
-        super().__init__(power_of_two_scales)
+    def __init__(
+        self, power_of_two_scales: bool | None = None, *, top_k: int | None = None, num_experts: int | None = None
+    ) -> None:
+        super().__init__(power_of_two_scales, top_k=top_k, num_experts=num_experts)
         self._gemm = _function(self._dg, "m_grouped_fp8_gemm_nt_masked")
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -288,9 +377,9 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         device = tokens.hidden.device
         if m == 0:
             return torch.zeros((num_experts, 0, hidden), dtype=tokens.dtype, device=device)
-        ue8m0 = self._scale_format(device)
-        xq, xs = _fp8_activations(tokens, ue8m0)
-        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, ue8m0)
+        pow2, sm100 = self._formats(device)
+        xq, xs = _fp8_activations(tokens, pow2, sm100)
+        (w1q, w1s), (w2q, w2s) = self._quantized_weights(w1, w2, pow2, sm100)
         counts = tokens.expert_num_tokens.to(device=device, dtype=torch.int32).contiguous()
 
         # With several groups the kernel stores each group's output in blocks of its block M
@@ -299,19 +388,17 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         m_run = m
         if num_experts > 1 and m % BLOCK:
             m_run = (m + BLOCK - 1) // BLOCK * BLOCK
-            pad = m_run - m
-            xq = torch.cat([xq.view(torch.uint8), xq.new_zeros((num_experts, pad, hidden), dtype=torch.uint8)], 1)
-            xq = xq.view(FP8_DTYPE)
-            xs = torch.cat([xs, xs.new_zeros((num_experts, pad, xs.shape[-1]))], 1)
-        expected_m = m_run  # a static hint: the real count would need a host sync
+            xq = _pad_rows(xq.view(torch.uint8), m_run).view(FP8_DTYPE)
+            xs = _pad_rows(xs, m_run)
+        expected_m = expected_rows_per_expert(m, self.top_k, self.num_experts)
 
         valid = (torch.arange(m_run, device=device).unsqueeze(0) < counts.unsqueeze(1)).unsqueeze(-1)
         h = torch.empty((num_experts, m_run, 2 * inter), dtype=torch.bfloat16, device=device)
-        self._gemm((xq, self._lhs_scales(xs)), (w1q, w1s), h, counts, expected_m)
+        self._gemm((xq, self._lhs_scales(xs, sm100)), (w1q, w1s), h, counts, expected_m)
         act = _silu_and_mul(h)
         act = torch.where(valid, act, torch.zeros_like(act))  # rows past the count are unspecified
-        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=ue8m0)
+        aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=pow2)
         y = torch.empty((num_experts, m_run, hidden), dtype=torch.bfloat16, device=device)
-        self._gemm((aq.contiguous(), self._lhs_scales(a_scales)), (w2q, w2s), y, counts, expected_m)
+        self._gemm((aq.contiguous(), self._lhs_scales(a_scales, sm100)), (w2q, w2s), y, counts, expected_m)
         y = torch.where(valid, y, torch.zeros_like(y))[:, :m]
         return y.to(tokens.dtype)

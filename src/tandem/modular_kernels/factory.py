@@ -121,7 +121,11 @@ def _make_prepare_finalize(
     return cls(num_experts, **kwargs)
 
 
-def _make_experts(name: str, activation_format: ActivationFormat) -> Experts:
+def _make_experts(
+    name: str, activation_format: ActivationFormat, *, top_k: int | None = None, num_experts: int | None = None
+) -> Experts:
+    """The `name` experts in `activation_format`; `top_k` and `num_experts` (global) go to
+    the backends whose kernels take a load hint (deep_gemm's `expected_m`)."""
     if name not in MOE_BACKENDS:
         raise ValueError(f"unknown moe backend {name!r}: expected one of {sorted(MOE_BACKENDS)}")
     by_format = MOE_BACKENDS[name]
@@ -130,7 +134,10 @@ def _make_experts(name: str, activation_format: ActivationFormat) -> Experts:
         raise ValueError(
             f"moe backend {name!r} has no {activation_format.value} implementation (it supports: {supported})"
         )
-    return _load(by_format[activation_format])()
+    cls = _load(by_format[activation_format])
+    if name == "deep_gemm":
+        return cls(top_k=top_k, num_experts=num_experts)
+    return cls()
 
 
 def build_moe_kernel(
@@ -178,7 +185,7 @@ def build_moe_kernel(
         comm_sms=comm_sms,
         hidden_size=hidden_size,
     )
-    experts = _make_experts(moe_backend, prepare_finalize.activation_format)
+    experts = _make_experts(moe_backend, prepare_finalize.activation_format, top_k=top_k, num_experts=num_experts)
     return FusedMoEModularKernel(
         prepare_finalize,
         experts,

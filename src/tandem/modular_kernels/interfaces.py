@@ -99,6 +99,9 @@ class PrepareAndFinalize(ABC):
     #: False when a transfer waits on the CPU for device data, which a captured graph
     #: never delivers: such a backend cannot run under `graph_mode="full"`.
     graph_capturable: bool = True
+    #: True when fp8 dispatch can deliver packed UE8M0 scales (`prepare_async(ue8m0=True)`),
+    #: the layout DeepGEMM's SM100 GEMMs read: no other backend is ever asked for them.
+    dispatches_ue8m0: bool = False
 
     def __init__(self, num_experts: int, rank: int = 0, world_size: int = 1):
         if num_experts % world_size:
@@ -137,8 +140,11 @@ class PrepareAndFinalize(ABC):
         topk_ids: torch.Tensor,
         *,
         use_fp8: bool,
+        ue8m0: bool = False,
     ) -> tuple[RecvHook | None, Callable[[], ExpertTokens]]:
-        """Issue the dispatch of `hidden [T, H]` to the experts named by global `topk_ids`.
+        """Issue the dispatch of `hidden [T, H]` to the experts named by global `topk_ids`;
+        with `use_fp8` in fp8 with per-128-channel scales: float32, or with `ue8m0` (only
+        asked of a backend with `dispatches_ue8m0`) powers of two packed four to an int32.
 
         Returns `(hook, receiver)`: `hook()` issues the receive (None when the backend has
         nothing to issue); `receiver()`, called after the hook by the ubatch that sent,
@@ -169,6 +175,18 @@ class Experts(ABC):
     #: False when `apply` reads device values on the host (or has data-dependent shapes),
     #: which a CUDA graph capture refuses: such experts cannot run under `graph_mode="full"`.
     graph_capturable: bool = True
+
+    def prepare_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple:
+        """The expert weights in the form `apply` reads, made once when the model's weights
+        are loaded; the model then keeps these instead of `w1`/`w2` (which it frees). The
+        default keeps the weights as they are."""
+        return w1, w2
+
+    def takes_ue8m0_scales(self, device: torch.device) -> bool:
+        """True when, on `device`, `apply` reads fp8 activations with packed UE8M0 scales as
+        they are (DeepGEMM on SM100): fp8 dispatch then asks a backend that can make them
+        for those instead of float32 scales the experts would requantize."""
+        return False
 
     @abstractmethod
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

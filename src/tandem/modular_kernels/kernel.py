@@ -170,8 +170,13 @@ class FusedMoEModularKernel:
         state = MoEStepState(
             hidden_states, w1, w2, topk_weights, topk_ids, sbo_mode=self.active_sbo_mode(hidden_states.device)
         )
+        ue8m0 = (
+            self.use_fp8_dispatch
+            and self.prepare_finalize.dispatches_ue8m0
+            and self.experts.takes_ue8m0_scales(hidden_states.device)
+        )
         state.dispatch_hook, state.dispatch_receiver = self.prepare_finalize.prepare_async(
-            hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch
+            hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch, ue8m0=ue8m0
         )
         return state
 

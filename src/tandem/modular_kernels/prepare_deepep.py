@@ -238,6 +238,9 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     #: and its combine leaves this rank's parity out of step with its peers and with the
     #: pointers baked into captured graphs. The engine stops instead of serving on.
     survives_failed_step = False
+    #: fp8 dispatch can round the scales to powers of two and pack them as UE8M0
+    #: (`round_scale=True, use_ue8m0=True`), what DeepGEMM reads on SM100.
+    dispatches_ue8m0 = True
 
     def __init__(
         self,
@@ -282,7 +285,7 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             self._deep_ep, self.group, low_latency=True, make=make, needs={"num_rdma_bytes": num_rdma_bytes}
         )
 
-    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
         num_tokens = hidden.shape[0]
         if num_tokens > self.max_tokens_per_rank:
             raise ValueError(
@@ -297,9 +300,12 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             self.max_tokens_per_rank,
             self.num_experts,
             use_fp8=use_fp8,
+            round_scale=use_fp8 and ue8m0,
+            use_ue8m0=use_fp8 and ue8m0,
             async_finish=False,
             return_recv_hook=True,
         )
+        # On the wire the scales are float32 either way (UE8M0 packing happens on receive).
         nbytes = self._modelled_bytes(lambda: int((ids >= 0).sum()) * _row_bytes(hidden.shape[1], use_fp8))
 
         def receiver() -> ExpertTokens:
@@ -379,7 +385,7 @@ class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         needs = {"num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes}
         return _shared_buffer(self._deep_ep, self.group, low_latency=False, make=make, needs=needs)
 
-    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
         buffer = self.ensure_buffer(hidden.shape[1])
         ids = self._topk_ids(topk_ids)
         weights = topk_weights.to(torch.float32).contiguous()

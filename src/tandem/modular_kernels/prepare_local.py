@@ -13,7 +13,7 @@ class LocalPrepareAndFinalize(PrepareAndFinalize):
     def __init__(self, num_experts: int):
         super().__init__(num_experts)
 
-    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
         scales = None
         payload = hidden
         if use_fp8:

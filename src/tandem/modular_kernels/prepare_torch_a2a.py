@@ -65,7 +65,7 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
 
         return timed_receive(wait, modelled)
 
-    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
         local = self.num_local_experts
         dest = torch.where(topk_ids >= 0, topk_ids // local, -1)  # [T, K]
         # Row order: grouped by destination rank, by token inside a rank.

@@ -92,7 +92,7 @@ class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
         counts = onehot.sum(0).view(self.world_size, local)
         return valid, flat_slot, counts
 
-    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8):
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
         world, local, T = self.world_size, self.num_local_experts, self.max_tokens_per_rank
         H = hidden.shape[1]
         valid, flat_slot, send_counts = self._slots(topk_ids)

@@ -974,6 +974,7 @@ class Buffer:
             )
         _host_assert(not (async_finish and return_recv_hook), "not (async and return_recv_hook)")
         _host_assert(round_scale or not use_ue8m0, "use_ue8m0 requires round_scale")
+        _host_assert(not use_fp8 or x.shape[1] % 512 == 0, f"hidden % 512 == 0 (fp8 dispatch), got hidden={x.shape[1]}")
         N, H = x.shape
         K = topk_idx.shape[1]
         self._check_low_latency(H, K, T, num_experts)

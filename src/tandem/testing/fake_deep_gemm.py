@@ -21,9 +21,14 @@ the library's Python surface and data layout:
   with several groups `M` is a multiple of the block M the heuristic picks (64 when
   `expected_m <= 64`, else 128): the kernel stores D with a TMA box of block M rows that is
   only clipped at `G*M`, so a partial last block of group g writes over group g+1;
-- on an SM100 device (`install(arch_major=10)`), the power-of-two (UE8M0) scales the
-  kernels pack the float32 scales into: any other scale traps on the device there (raised
-  here as a `RuntimeError`). It also checks, on the host, what the kernels silently
+- the scale-factor layouts of `transform_sf_into_required_layout` (also public): SM90 takes
+  float32 scales only; on an SM100 device (`install(arch_major=10)`) the kernels read packed
+  UE8M0 (int32, four exponent bytes per word, MN-major, TMA-aligned): float32 scales are
+  packed on every call (weight scales broadcast per row first) and any scale that is not a
+  power of two traps on the device (raised here as a `RuntimeError`), packed ones are only
+  checked, and the default recipe follows the weight scales' dtype. `SF_TRANSFORMS` counts
+  the transforms the library ran (and its slow torch-fallback packs), `EXPECTED_M` records
+  every masked `expected_m`: tests pin what the adapters make the library do. It also checks, on the host, what the kernels silently
   assume: `K` and `N` multiples of 128 (the block size of the scaling recipe; vLLM's
   DeepGEMM path requires the same), and in the contiguous layout `M` a multiple of the
   128-row alignment with every aligned block holding one group followed only by `-1`
@@ -43,6 +48,7 @@ was there before.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import types
@@ -71,6 +77,12 @@ ARCH_MAJOR = 9
 _DEFAULT_DEVICE = (ARCH_MAJOR, DEVICE_NUM_SMS)
 
 _num_sms: int | None = None
+#: Every `expected_m` the masked GEMM received, in call order (a record for tests; cleared
+#: by `install()`): the real library only uses it to pick its block and wave heuristics.
+EXPECTED_M: list[int] = []
+#: Scale-factor transforms the library ran (each a kernel launch, or a slow torch copy on
+#: "torch_fallback"), by operand ("lhs" / "rhs"); cleared by `install()`.
+SF_TRANSFORMS: collections.Counter = collections.Counter()
 _previous_module: types.ModuleType | None = None
 _installed = False
 
@@ -170,17 +182,160 @@ def _check_ue8m0(scales: torch.Tensor, name: str) -> None:
     )
 
 
-def _check_operands(data, scales, name, expected_scale_shape, *, scales_contiguous: bool) -> None:
+def _check_data(data: torch.Tensor, name: str) -> None:
     _require(data.dtype == FP8_DTYPE, f"{name} must be torch.float8_e4m3fn, got {data.dtype}")
     _require(data.is_contiguous(), f"{name} must be contiguous")
-    _require(scales.dtype == torch.float32, f"{name} scales must be torch.float32, got {scales.dtype}")
+
+
+# --------------------------------------------------------------------------- scale-factor layouts
+#
+# What `csrc/apis/layout.hpp` (`transform_sf_into_required_layout`) and `csrc/utils/layout.hpp`
+# (`check_sf_layout`, `get_default_recipe`) do with the scales before a GEMM:
+# - SM90: float32 scales only. LHS (1x128) scales are made MN-major and TMA-aligned (a copy
+#   unless they already are); weight (128x128) scales must be contiguous or
+#   transposed-contiguous and are used as they are.
+# - SM100: the kernels read packed UE8M0, one byte per 128 channels, four per int32,
+#   MN-major and TMA-aligned (`[G, MN, ceil(K/512)]`, column stride = MN rounded up to 4).
+#   float32 scales are packed on every call (weight scales broadcast to one row per N row
+#   first); already-packed int32 scales are only checked. The default recipe follows the
+#   weight scales: float32 -> (1, 128, 128), int32 -> (1, 1, 128). `disable_ue8m0_cast`
+#   leaves float32 scales that the SM100 grouped GEMMs cannot take.
+
+
+def _tma_aligned_mn(mn: int, element_size: int) -> int:
+    return get_tma_aligned_size(mn, element_size)
+
+
+def _check_sf_layout(
+    sf: torch.Tensor, name: str, mn: int, k: int, gran_mn: int, gran_k: int, num_groups: int | None,
+    *, tma_stride_check: bool = False, sm90_sfb_check: bool = False, dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    if dtype is not None:
+        _require(sf.dtype == dtype, f"{name} scales must be {dtype} here, got {sf.dtype}")
     _require(
-        tuple(scales.shape) == tuple(expected_scale_shape),
-        f"{name} scales must have shape {tuple(expected_scale_shape)}, got {tuple(scales.shape)}",
+        sf.dtype in (torch.float32, torch.int32),
+        f"{name} scales must be torch.float32 (or, on SM100, packed UE8M0 torch.int32), got {sf.dtype}",
     )
-    if scales_contiguous:
-        _require(scales.is_contiguous(), f"{name} scales must be contiguous")
-    _check_ue8m0(scales, name)
+    packed = 4 if sf.dtype == torch.int32 else 1
+    shape = (*(() if num_groups is None else (num_groups,)), ceil_div(mn, gran_mn), ceil_div(k, gran_k * packed))
+    _require(tuple(sf.shape) == shape, f"{name} scales must have shape {shape}, got {tuple(sf.shape)}")
+    if tma_stride_check:
+        column = _tma_aligned_mn(mn, sf.element_size())
+        _require(
+            (sf.stride(-2) == 1 or mn == 1) and sf.stride(-1) == column
+            and (num_groups is None or sf.stride(-3) == sf.stride(-1) * sf.shape[-1]),
+            f"{name} scales must be MN-major and TMA-aligned (strides (..., 1, {column})), got strides {sf.stride()}",
+        )
+    if sm90_sfb_check:
+        rows, cols = sf.shape[-2], sf.shape[-1]
+        _require(
+            (num_groups is None or sf.stride(-3) == rows * cols)
+            and ((sf.stride(-1) == 1 and sf.stride(-2) == cols) or (sf.stride(-1) == rows and sf.stride(-2) == 1)),
+            f"{name} scales (SM90 weight scales) must be contiguous or contiguous after transposing the last two "
+            f"dims, got strides {sf.stride()}",
+        )
+    return sf
+
+
+def _pack_ue8m0(sf: torch.Tensor, name: str) -> torch.Tensor:
+    """float32 `[..., MN, SF_K]` → packed UE8M0 int32 `[..., MN, ceil(SF_K/4)]`, MN-major and
+    TMA-aligned; traps (device assert) on a scale that is not a power of two. A
+    non-contiguous 3-D input takes the library's slow torch fallback."""
+    _check_ue8m0(sf, name)
+    contiguous = sf.is_contiguous()
+    if not contiguous and (sf.dim() == 3 or sf.shape[-2] % 4):
+        SF_TRANSFORMS["torch_fallback"] += 1
+    batched = sf.unsqueeze(0) if sf.dim() == 2 else sf
+    groups, mn, sf_k = batched.shape
+    packed_k = ceil_div(sf_k, 4)
+    exponents = torch.zeros((groups, mn, packed_k * 4), dtype=torch.uint8, device=sf.device)
+    exponents[..., :sf_k] = (batched.contiguous().view(torch.int32) >> 23).to(torch.uint8)
+    column = _tma_aligned_mn(mn, 4)
+    out = torch.empty_strided((groups, mn, packed_k), (packed_k * column, 1, column), dtype=torch.int32, device=sf.device)
+    out.copy_(exponents.view(torch.int32))
+    return out.squeeze(0) if sf.dim() == 2 else out
+
+
+def _unpack_ue8m0(packed: torch.Tensor, sf_k: int) -> torch.Tensor:
+    """Packed UE8M0 int32 `[..., MN, ceil(SF_K/4)]` → float32 powers of two `[..., MN, SF_K]`."""
+    dense = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)  # row-major strides
+    exponents = dense.view(torch.uint8)[..., :sf_k].to(torch.int32)
+    return (exponents << 23).view(torch.float32)
+
+
+def _transform_sf(
+    sf: torch.Tensor, name: str, mn: int, k: int, recipe: tuple, num_groups: int | None, is_sfa: bool | None,
+    disable_ue8m0_cast: bool,
+) -> torch.Tensor:
+    if len(recipe) == 3:
+        _require(is_sfa is not None, "a 3-element recipe needs is_sfa")
+        gran_mn, gran_k = (recipe[0] if is_sfa else recipe[1]), recipe[2]
+    else:
+        _require(is_sfa is None, "a 2-element recipe takes no is_sfa")
+        gran_mn, gran_k = recipe
+    _require(gran_k == BLOCK and gran_mn in (1, BLOCK), f"only 1x128 / 128x128 scale blocks are emulated, got {recipe}")
+    _check_sf_layout(sf, name, mn, k, gran_mn, gran_k, num_groups)
+    sm90_rules = ARCH_MAJOR == 9 or disable_ue8m0_cast
+    if sf.dtype == torch.float32 and sm90_rules:
+        if gran_mn == 1:
+            aligned = get_mn_major_tma_aligned_tensor(sf)
+            if aligned is not sf:
+                SF_TRANSFORMS[name] += 1
+            return aligned
+        return _check_sf_layout(sf, name, mn, k, gran_mn, gran_k, num_groups, sm90_sfb_check=True)
+    if sf.dtype == torch.float32 and ARCH_MAJOR == 10:
+        SF_TRANSFORMS[name] += 1
+        broadcast = sf if gran_mn == 1 else sf.repeat_interleave(gran_mn, dim=-2)[..., :mn, :]
+        return _pack_ue8m0(broadcast, name)
+    if sf.dtype == torch.int32 and gran_mn == 1 and ARCH_MAJOR == 10:
+        return _check_sf_layout(sf, name, mn, k, gran_mn, gran_k, num_groups, tma_stride_check=True)
+    raise DeepGemmContractError(
+        f"deep_gemm (fake): Unknown SF transformation ({name} scales {sf.dtype}, recipe {recipe}, sm_{ARCH_MAJOR}0"
+        f"{', disable_ue8m0_cast' if disable_ue8m0_cast else ''}): packed int32 UE8M0 scales are SM100-only"
+    )
+
+
+def transform_sf_into_required_layout(
+    sf: torch.Tensor,
+    mn: int,
+    k: int,
+    recipe: Sequence[int],
+    num_groups: int | None = None,
+    is_sfa: bool | None = None,
+    disable_ue8m0_cast: bool = False,
+) -> torch.Tensor:
+    """Scales in the layout this device's GEMMs read (see the notes above): what the GEMMs
+    do to their scale arguments on every call, done once ahead of time (DeepGEMM 2.6.1)."""
+    name = "sf" if is_sfa is None else ("lhs" if is_sfa else "rhs")
+    return _transform_sf(sf, name, mn, k, tuple(recipe), num_groups, is_sfa, disable_ue8m0_cast)
+
+
+def _transform_pair(a_scales, b_scales, m, n, k, num_groups_a, num_groups_b, recipe, recipe_a, recipe_b, disable_ue8m0_cast):
+    """`transform_sf_pair_into_required_layout`: the default recipe, then each side."""
+    if recipe_a is None and recipe is None:
+        if ARCH_MAJOR == 9:
+            _require(
+                a_scales.dtype == torch.float32 and b_scales.dtype == torch.float32,
+                f"SM90 takes float32 scales only (get_default_recipe), got lhs {a_scales.dtype}, rhs {b_scales.dtype}",
+            )
+            recipe = (1, BLOCK, BLOCK)
+        else:
+            _require(b_scales.dtype in (torch.float32, torch.int32), f"rhs scales must be float32 or int32, got {b_scales.dtype}")
+            recipe = (1, BLOCK, BLOCK) if b_scales.dtype == torch.float32 else (1, 1, BLOCK)
+    _require((recipe_a is None) == (recipe_b is None), "recipe_a and recipe_b go together")
+    _require((recipe_a is None) != (recipe is None), "give either recipe or recipe_a + recipe_b")
+    if recipe is not None:
+        sfa = _transform_sf(a_scales, "lhs", m, k, tuple(recipe), num_groups_a, True, disable_ue8m0_cast)
+        sfb = _transform_sf(b_scales, "rhs", n, k, tuple(recipe), num_groups_b, False, disable_ue8m0_cast)
+    else:
+        sfa = _transform_sf(a_scales, "lhs", m, k, tuple(recipe_a), num_groups_a, None, disable_ue8m0_cast)
+        sfb = _transform_sf(b_scales, "rhs", n, k, tuple(recipe_b), num_groups_b, None, disable_ue8m0_cast)
+    _require(
+        (ARCH_MAJOR == 9 and sfa.dtype == torch.float32) or (ARCH_MAJOR == 10 and sfa.dtype == torch.int32),
+        "Unsupported architecture or scaling factor types (SM100's grouped GEMMs need UE8M0 scales: "
+        "disable_ue8m0_cast=True is for SM90 layouts)",
+    )
+    return sfa, sfb
 
 
 def _check_nk(n: int, k: int) -> None:
@@ -190,25 +345,35 @@ def _check_nk(n: int, k: int) -> None:
 
 
 def _dequantize_lhs(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`[..., M, K]` fp8 with 1x128 scales `[..., M, K/128]` → float32."""
-    groups = data.float().unflatten(-1, (scales.shape[-1], BLOCK))
+    """`[..., M, K]` fp8 with 1x128 scales (float32 `[..., M, K/128]` or packed UE8M0) → float32."""
+    sf_k = data.shape[-1] // BLOCK
+    if scales.dtype == torch.int32:
+        scales = _unpack_ue8m0(scales, sf_k)
+    groups = data.float().unflatten(-1, (sf_k, BLOCK))
     return (groups * scales.float().unsqueeze(-1)).flatten(-2)
 
 
 def _dequantize_rhs(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`[G, N, K]` fp8 with 128x128 scales `[G, N/128, K/128]` → float32."""
+    """`[G, N, K]` fp8 with 128x128 float32 scales `[G, N/128, K/128]`, or packed UE8M0 with
+    one row per N row (`[G, N, ceil(K/512)]`) → float32."""
+    if scales.dtype == torch.int32:
+        rows = _unpack_ue8m0(scales, data.shape[-1] // BLOCK)
+        return data.float() * rows.repeat_interleave(BLOCK, dim=2)
     full = scales.float().repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
     return data.float() * full
 
 
 def _check_recipe(recipe, recipe_a, recipe_b) -> None:
+    """The emulated recipes: 1x128 LHS blocks with 128x128 weight blocks (float32 weight
+    scales) or, on SM100, 1x128 weight rows (packed UE8M0 weight scales)."""
     _require(
-        recipe is None or tuple(recipe) == (1, BLOCK, BLOCK),
-        f"only the default (1, 128, 128) recipe is emulated, got recipe={recipe!r}",
+        recipe is None or tuple(recipe) in ((1, BLOCK, BLOCK), (1, 1, BLOCK)),
+        f"only the (1, 128, 128) and (1, 1, 128) recipes are emulated, got recipe={recipe!r}",
     )
     _require(recipe_a is None or tuple(recipe_a) == (1, BLOCK), f"only recipe_a=(1, 128) is emulated, got {recipe_a!r}")
     _require(
-        recipe_b is None or tuple(recipe_b) == (BLOCK, BLOCK), f"only recipe_b=(128, 128) is emulated, got {recipe_b!r}"
+        recipe_b is None or tuple(recipe_b) in ((BLOCK, BLOCK), (1, BLOCK)),
+        f"only recipe_b=(128, 128) or (1, 128) is emulated, got {recipe_b!r}",
     )
 
 
@@ -240,7 +405,7 @@ def _check_contiguous_layout(m_indices: torch.Tensor, num_groups: int) -> None:
     )
 
 
-def _contiguous_impl(a, b, d, m_indices, *, api: str, scales_contiguous: bool) -> None:
+def _contiguous_impl(a, b, d, m_indices, *, api: str, scale_options: dict) -> None:
     _check_num_sms()
     lhs, lhs_scales = _unpack(a, "lhs")
     rhs, rhs_scales = _unpack(b, "rhs")
@@ -259,13 +424,14 @@ def _contiguous_impl(a, b, d, m_indices, *, api: str, scales_contiguous: bool) -
     )
     _require(num_groups > 0, "rhs must hold at least one group")
     _check_nk(n, k)
-    _check_operands(lhs, lhs_scales, "lhs", (m, k // BLOCK), scales_contiguous=False)
-    _check_operands(rhs, rhs_scales, "rhs", (num_groups, n // BLOCK, k // BLOCK), scales_contiguous=scales_contiguous)
+    _check_data(lhs, "lhs")
+    _check_data(rhs, "rhs")
     _require(d.dtype == torch.bfloat16, f"out must be torch.bfloat16, got {d.dtype}")
     _require(m_indices.dtype == torch.int32, f"m_indices must be torch.int32, got {m_indices.dtype}")
     _require(d.is_contiguous() and m_indices.is_contiguous(), "out and m_indices must be contiguous")
     if m == 0:
         return
+    lhs_scales, rhs_scales = _transform_pair(lhs_scales, rhs_scales, m, n, k, None, num_groups, **scale_options)
     _check_contiguous_layout(m_indices, num_groups)
 
     alignment = get_mk_alignment_for_contiguous_layout()
@@ -281,7 +447,7 @@ def _contiguous_impl(a, b, d, m_indices, *, api: str, scales_contiguous: bool) -
     d.copy_(result.to(torch.bfloat16))
 
 
-def _masked_impl(a, b, d, masked_m, expected_m, *, api: str, scales_contiguous: bool) -> None:
+def _masked_impl(a, b, d, masked_m, expected_m, *, api: str, scale_options: dict) -> None:
     _check_num_sms()
     lhs, lhs_scales = _unpack(a, "lhs")
     rhs, rhs_scales = _unpack(b, "rhs")
@@ -309,11 +475,13 @@ def _masked_impl(a, b, d, masked_m, expected_m, *, api: str, scales_contiguous: 
         f"expected_m, M and G must be positive, got expected_m={expected_m}, M={m}, G={num_groups}",
     )
     _check_nk(n, k)
-    _check_operands(lhs, lhs_scales, "lhs", (num_groups, m, k // BLOCK), scales_contiguous=False)
-    _check_operands(rhs, rhs_scales, "rhs", (num_groups, n // BLOCK, k // BLOCK), scales_contiguous=scales_contiguous)
+    _check_data(lhs, "lhs")
+    _check_data(rhs, "rhs")
     _require(d.dtype == torch.bfloat16, f"out must be torch.bfloat16, got {d.dtype}")
     _require(masked_m.dtype == torch.int32, f"masked_m must be torch.int32, got {masked_m.dtype}")
     _require(d.is_contiguous() and masked_m.is_contiguous(), "out and masked_m must be contiguous")
+    lhs_scales, rhs_scales = _transform_pair(lhs_scales, rhs_scales, m, n, k, num_groups, num_groups, **scale_options)
+    EXPECTED_M.append(expected_m)
     block_m = 64 if expected_m <= 64 else 128
     _require(
         num_groups == 1 or m % block_m == 0,
@@ -353,10 +521,11 @@ def m_grouped_fp8_gemm_nt_contiguous(
     prefix-sum layout (`use_psum_layout=True`) is not emulated.
     """
     _check_recipe(recipe, recipe_a, recipe_b)
+    scale_options = dict(recipe=recipe, recipe_a=recipe_a, recipe_b=recipe_b, disable_ue8m0_cast=disable_ue8m0_cast)
     if use_psum_layout:
         raise NotImplementedError("deep_gemm (fake): use_psum_layout=True is not emulated; pass per-row m_indices")
     _require(expected_m_for_psum_layout is None, "expected_m_for_psum_layout needs use_psum_layout=True")
-    _contiguous_impl(a, b, d, grouped_layout, api="m_grouped_fp8_gemm_nt_contiguous", scales_contiguous=False)
+    _contiguous_impl(a, b, d, grouped_layout, api="m_grouped_fp8_gemm_nt_contiguous", scale_options=scale_options)
 
 
 def m_grouped_fp8_gemm_nt_masked(
@@ -371,9 +540,10 @@ def m_grouped_fp8_gemm_nt_masked(
     compiled_dims: str = "nk",
     disable_ue8m0_cast: bool = False,
 ) -> None:
-    """DeepGEMM 2.x name of the masked grouped GEMM (SM90 path, default recipe)."""
+    """DeepGEMM 2.x name of the masked grouped GEMM (default 1x128 / 128x128 recipe)."""
     _check_recipe(recipe, recipe_a, recipe_b)
-    _masked_impl(a, b, d, masked_m, expected_m, api="m_grouped_fp8_gemm_nt_masked", scales_contiguous=False)
+    scale_options = dict(recipe=recipe, recipe_a=recipe_a, recipe_b=recipe_b, disable_ue8m0_cast=disable_ue8m0_cast)
+    _masked_impl(a, b, d, masked_m, expected_m, api="m_grouped_fp8_gemm_nt_masked", scale_options=scale_options)
 
 
 #: In 2.6.1 the fp8 names are aliases of the fp8/fp4 GEMMs (fp4 operands are not emulated).
@@ -404,6 +574,8 @@ def install(*, arch_major: int = 9, device_num_sms: int | None = None) -> types.
         _installed = True
     sys.modules["deep_gemm"] = module
     _num_sms = None
+    EXPECTED_M.clear()
+    SF_TRANSFORMS.clear()
     return module
 
 
