@@ -30,6 +30,7 @@ from tandem.runner.future_map import FutureMap
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
 from tandem.runner.scheduler import Request, Scheduler, SchedulerStep
+from tandem.runner.structured import GrammarCompiler, advance_constraints
 from tandem.runner.outputs import Completion, RequestOutput
 
 #: How long the scheduler waits for a forward before declaring the engine stuck.
@@ -106,6 +107,7 @@ class Engine:
             eos_token_ids=info.eos_token_ids,
             decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
             generator_device=runner.device,
+            grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids)),
         )
         self.overlap_schedule = overlap_schedule
         self.lockstep = lockstep
@@ -211,13 +213,17 @@ class Engine:
     def _forward(self, step: SchedulerStep) -> StepResult | BaseException:
         start = time.perf_counter()
         try:
-            return self.runner.execute(
+            result = self.runner.execute(
                 [entry.chunk for entry in step.scheduled],
                 [entry.request.params for entry in step.scheduled],
                 [entry.request.sampler for entry in step.scheduled],
                 finishes_prompt=[entry.slot is not None for entry in step.scheduled],
                 future_slots=[entry.slot for entry in step.scheduled],
             )
+            # Here, on the forward thread, so the next step's grammar masks (planned before
+            # these tokens were applied) already see them.
+            advance_constraints([entry.request.sampler.constraint for entry in step.scheduled], result.tokens)
+            return result
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return exc
         finally:

@@ -214,6 +214,14 @@ class PipelineEngine(Engine):
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished or any(step.scheduled for step, _, _ in self._in_flight)
 
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
+        if params.json_schema is not None:
+            # The last stage samples, away from the first stage's scheduler where grammars live.
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                                 error="structured output (a JSON schema constraint) is not supported with "
+                                       "pipeline parallelism yet")
+        return super().add_request(request_id, prompt_ids, params)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         output = super().abort(request_id)
         if output is not None:

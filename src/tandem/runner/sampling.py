@@ -3,7 +3,7 @@
 Per step, in vLLM's order: raw log-probabilities for the requests that asked for them (before
 any of the processing below, vLLM's default `raw_logprobs`), then `min_tokens` (end tokens
 masked until that many tokens were sampled), the repetition / frequency / presence penalties,
-then greedy argmax, or temperature, `min_p`, `top_k`, `top_p` and a draw from each request's
+the grammar mask of requests constrained to a JSON schema (`tandem.runner.structured`), then greedy argmax, or temperature, `min_p`, `top_k`, `top_p` and a draw from each request's
 own seeded generator. Every choice that depends on values is made on the device: nothing here
 reads a device value on the host.
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from tandem.runner.structured import GrammarConstraint, mask_logits
 
 #: Most top log-probabilities one token may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
@@ -45,6 +47,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     #: Log-probabilities of each sampled token and of this many most likely ones (None: none).
     logprobs: int | None = None
+    #: The output must be JSON matching this JSON schema (JSON text), by constrained decoding
+    #: (`tandem.runner.structured`); its end token ends the request whatever `ignore_eos` says.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -66,6 +71,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.json_schema is not None and self.min_tokens:
+            # Holding the end token back could leave a finished document no token to take.
+            raise ValueError("min_tokens cannot be combined with a JSON schema constraint")
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +118,9 @@ class RequestSampler:
     output_counts: torch.Tensor | None = None
     #: `[V]` bool on the device: tokens of the prompt (repetition penalty only).
     prompt_mask: torch.Tensor | None = None
+    #: The request's grammar state (`SamplingParams.json_schema` only), advanced on the host by
+    #: `structured.advance_constraints` after each step.
+    constraint: GrammarConstraint | None = None
 
     @property
     def device(self) -> torch.device | None:
@@ -235,10 +246,13 @@ def sample_step(
     states = [_as_sampler(s) for s in samplers]
     wants_logprobs = any(p.logprobs is not None for p in params)
     raw = logits
-    if any(p.min_tokens or p.penalized for p in params):
+    constrained = [r for r, s in enumerate(states) if s.constraint is not None]
+    if constrained or any(p.min_tokens or p.penalized for p in params):
         logits = logits.to(torch.float32, copy=True)  # the processing below writes in place
         _mask_end_tokens(logits, params, states)
         _apply_penalties(logits, params, states)
+        if constrained:
+            mask_logits(logits, constrained, [states[r].constraint for r in constrained])
     greedy_ids = logits.argmax(-1)
     tokens = greedy_ids if all(p.greedy for p in params) else _sample_rows(logits.float(), greedy_ids, params, states)
     for r, (p, s) in enumerate(zip(params, states)):

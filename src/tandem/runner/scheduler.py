@@ -29,6 +29,7 @@ from tandem.runner.future_map import FutureMap, placeholder
 from tandem.runner.kv_cache import BlockAllocator, blocks_needed
 from tandem.runner.outputs import RequestOutput
 from tandem.runner.sampling import RequestSampler, SamplingParams
+from tandem.runner.structured import GrammarCompiler
 
 
 class RequestStatus(Enum):
@@ -111,6 +112,7 @@ class Scheduler:
         eos_token_ids: set[int] | None = None,
         decode: Callable[[list[int]], str] = lambda ids: "",
         generator_device: torch.device | str = "cpu",
+        grammars: GrammarCompiler | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -124,6 +126,8 @@ class Scheduler:
         self.decode = decode
         #: Where requests' sampling generators live: the device their logits are on.
         self.generator_device = generator_device
+        #: Compiles the JSON schemas of constrained requests (None: such requests are refused).
+        self.grammars = grammars
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -153,6 +157,10 @@ class Scheduler:
         if request.sampler is None:
             request.sampler = request.params.make_sampler(self.generator_device, request.prompt_ids, sorted(self.eos_token_ids))
         request.queued_at = time.monotonic()
+        if request.params.json_schema is not None and request.sampler.constraint is None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer to compile a JSON schema constraint with")
+            request.sampler.constraint = self.grammars.constraint(request.params.json_schema)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -300,7 +308,9 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.params
         reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        # A constrained request's grammar allows its end token only once the document is whole.
+        ends = not params.ignore_eos or params.json_schema is not None
+        if (token in self.eos_token_ids and ends) or token in params.stop_token_ids:
             request.output_ids.pop()  # the stop token is not part of the completion
             reason = "stop"
         at_limit = (

@@ -1,0 +1,167 @@
+"""Constrained decoding: a request whose output must be JSON matching a JSON schema.
+
+The grammar library is xgrammar (vLLM's default backend; `pip install 'tandem[structured]'`),
+imported on first use so that a server without it runs every other request.
+
+Per request, a `GrammarConstraint` (an xgrammar matcher) lives in the request's
+`RequestSampler`, beside its generator: it is made when the scheduler admits the request and
+survives preemption untouched (recompute replays the prompt and the output so far, which the
+matcher has already accepted). Per step:
+
+- `mask_logits` fills one token bitmask for the step's constrained rows on the host, copies
+  it to the logits' device without blocking, and sets the disallowed logits to -inf there,
+  all rows at once. Rows without a constraint are not touched, and a step without any
+  constrained row does nothing at all.
+- `advance_constraints` feeds each constrained request the token the step sampled, from the
+  host copy of the sampled ids the step reads anyway: no extra device read.
+
+JSON is generated compactly (`{"a": 1, "b": [2, 3]}`: one space after `:` and `,`, none
+elsewhere): free whitespace lets a weak model emit newlines forever inside a valid document.
+Schemas compile in xgrammar's strict mode (no properties or items beyond the schema's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Sequence
+
+import torch
+
+#: Where the grammar library comes from, as an error names it.
+INSTALL_HINT = "pip install 'tandem[structured]' (the xgrammar package)"
+
+
+class StructuredOutputUnavailable(RuntimeError):
+    """xgrammar is not installed here."""
+
+
+def import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise StructuredOutputUnavailable(f"structured output needs the xgrammar package: {INSTALL_HINT}") from exc
+    return xgrammar
+
+
+def _grammar_options() -> dict[str, Any]:
+    return {"any_whitespace": False, "strict_mode": True}
+
+
+def _clean_error(exc: Exception) -> str:
+    # xgrammar prefixes its messages with a timestamp and a C++ source location.
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
+
+
+def check_json_schema(schema: Any) -> None:
+    """Raise `ValueError` saying why no grammar can be built from `schema` (a decoded JSON
+    schema); `StructuredOutputUnavailable` without xgrammar."""
+    xgr = import_xgrammar()
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be a JSON object")
+    try:
+        xgr.Grammar.from_json_schema(json.dumps(schema), **_grammar_options())
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for a bad schema
+        raise ValueError(_clean_error(exc)) from None
+
+
+class GrammarConstraint:
+    """One request's grammar state across steps (an xgrammar matcher)."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar accepted a whole document and its end token: nothing more may follow."""
+        return self._matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def advance(self, token: int) -> None:
+        # A terminated grammar only sees the late token of a request that already ended (the
+        # overlapped loop planned one more step for it): that token is dropped anyway.
+        if not self._matcher.is_terminated():
+            if not self._matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+
+
+class GrammarCompiler:
+    """Compiles JSON schemas for one tokenizer (one per rank; xgrammar caches compiled
+    grammars by schema). Nothing is imported or built until the first constrained request."""
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._compiler = None
+        self._vocab_size = 0
+
+    def _build(self):
+        xgr = import_xgrammar()
+        from transformers import PreTrainedTokenizerFast
+
+        # The fast tokenizer seen through transformers: xgrammar reads its vocabulary and detects
+        # its encoding (byte-level, byte-fallback, raw) from it.
+        self._vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer)
+        info = xgr.TokenizerInfo.from_huggingface(
+            wrapped, vocab_size=self._vocab_size, stop_token_ids=self.eos_token_ids or None
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def constraint(self, json_schema: str) -> GrammarConstraint:
+        """A fresh matcher for `json_schema` (JSON text); `ValueError` for a schema xgrammar
+        cannot compile."""
+        if self._compiler is None:
+            self._build()
+        xgr = import_xgrammar()
+        try:
+            compiled = self._compiler.compile_json_schema(json_schema, **_grammar_options())
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"invalid JSON schema: {_clean_error(exc)}") from None
+        return GrammarConstraint(xgr.GrammarMatcher(compiled), self._vocab_size)
+
+
+def mask_logits(logits: torch.Tensor, rows: Sequence[int], constraints: Sequence[GrammarConstraint]) -> None:
+    """Set to -inf, in place, every logit of `rows` that `constraints` (one per row) disallow
+    next; logits past the tokenizer's vocabulary (a padded head) are disallowed too."""
+    live = [(r, c) for r, c in zip(rows, constraints) if not c.terminated]
+    if not live:
+        return
+    vocab, device = logits.shape[-1], logits.device
+    words = -(-max(c.vocab_size for _, c in live) // 32)
+    bitmask = torch.full((len(live), words), -1, dtype=torch.int32)
+    if device.type != "cpu":
+        bitmask = bitmask.pin_memory()  # so the copy below does not block
+    for i, (_, c) in enumerate(live):
+        c.fill(bitmask, i)
+    bits = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1).bool()
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = torch.cat([allowed, allowed.new_zeros(len(live), vocab - allowed.shape[1])], dim=1)
+    index = torch.tensor([r for r, _ in live], dtype=torch.int64).to(device, non_blocking=True)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def advance_constraints(constraints: Sequence[GrammarConstraint | None], tokens: Sequence[int | None]) -> None:
+    """Feed each constrained request the token the step sampled for it (host ids)."""
+    for constraint, token in zip(constraints, tokens):
+        if constraint is not None and token is not None:
+            constraint.advance(int(token))
+
+
+__all__ = [
+    "GrammarCompiler",
+    "GrammarConstraint",
+    "INSTALL_HINT",
+    "StructuredOutputUnavailable",
+    "advance_constraints",
+    "check_json_schema",
+    "import_xgrammar",
+    "mask_logits",
+]
