@@ -12,6 +12,10 @@ chat templates expect. Without one, the default format is::
     <|assistant|>
 
 that is, every message as `<|role|>\\n{content}\\n`, then `<|assistant|>\\n` for the reply.
+With `tools`, a `<|tools|>` block comes first: the tools as JSON, one a line, and how to call
+them, in the Hermes format Qwen-family templates use (`<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`, which `tandem.serving.tool_parser` reads back). An assistant message's
+`tool_calls` are written in that format after its content; a `tool` message is `<|tool|>`.
 
 Message content is a string, null (empty) or a list of `{"type": "text", "text": ...}` parts,
 joined with newlines; any other part type is refused with `ChatTemplateError` (a 400).
@@ -56,8 +60,22 @@ def message_text(content: Any, where: str = "content") -> str:
     return "\n".join(texts)
 
 
+def _decoded_arguments(call: Any) -> Any:
+    """An assistant tool call with its `function.arguments` JSON text decoded into an object,
+    as vLLM hands them to templates (Qwen's writes them with `tojson`)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as plain dicts with string content (what chat templates expect)."""
+    """Messages as plain dicts with string content and decoded tool-call arguments (what chat
+    templates expect)."""
     out = []
     for i, message in enumerate(messages):
         role = message.get("role")
@@ -65,12 +83,36 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise ChatTemplateError(f"'messages[{i}].role' must be a non-empty string")
         item = {k: v for k, v in message.items() if v is not None}
         item["content"] = message_text(message.get("content"), where=f"messages[{i}].content")
+        if isinstance(item.get("tool_calls"), list):
+            item["tool_calls"] = [_decoded_arguments(c) for c in item["tool_calls"]]
         out.append(item)
     return out
 
 
-def default_chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+TOOLS_PREAMBLE = (
+    "You may call one or more of these functions. To call one, reply with "
+    '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>'
+)
+
+
+def _tool_call_text(call: Mapping[str, Any]) -> str:
+    function = call.get("function") or {}
+    body = json.dumps({"name": function.get("name"), "arguments": function.get("arguments", {})}, ensure_ascii=False)
+    return f"<tool_call>{body}</tool_call>"
+
+
+def default_chat_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> str:
+    parts = []
+    if tools:
+        lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        parts.append(f"<|tools|>\n{TOOLS_PREAMBLE}\n{lines}\n")
+    for m in messages:
+        content = m["content"]
+        calls = [_tool_call_text(c) for c in m.get("tool_calls") or []]
+        if calls:
+            content = "\n".join(([content] if content else []) + calls)
+        parts.append(f"<|{m['role']}|>\n{content}\n")
+    return "".join(parts) + "<|assistant|>\n"
 
 
 def _raise_exception(message: str) -> None:
@@ -113,7 +155,7 @@ def render_chat(messages: Sequence[Mapping[str, Any]], template: str | None, **c
     normalized = normalize_messages(messages)
     add_generation_prompt = bool(context.pop("add_generation_prompt", True))
     if template is None:
-        prompt = default_chat_prompt(normalized)
+        prompt = default_chat_prompt(normalized, context.get("tools"))
         return prompt if add_generation_prompt else prompt.removesuffix("<|assistant|>\n")
     from jinja2 import TemplateError
 
