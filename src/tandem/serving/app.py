@@ -58,6 +58,8 @@ from tandem.serving.asgi import (
 from tandem.serving.chat import ChatTemplateError, compile_template, render_chat
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
 from tandem.serving.metrics import ServingMetrics
+from tandem.serving.structured import parse_tool_choice, parse_tools, response_format_schema
+from tandem.serving.tool_parser import TOOL_CALL_START, ToolCallStream, finish_reason, parse_tool_calls
 from tandem.serving.vllm_metrics import RequestTracker
 from tandem.runner.outputs import RequestOutput
 
@@ -157,6 +159,10 @@ class _Job:
     #: Per choice, the `text_offset` of its next token (completions logprobs).
     text_offsets: list[int] = field(default_factory=list)
     admitted: set[int] = field(default_factory=set)
+    #: Chat replies read for tool calls: the `tool_choice` mode ("auto", "required", "named")
+    #: and the named tool; None: the reply is plain content.
+    tool_mode: str | None = None
+    tool_name: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -270,7 +276,7 @@ class _Server:
                              param="model", code="model_not_found")
 
     def sampling_params(self, req: P._SamplingRequest, max_tokens: int, max_tokens_param: str,
-                        logprobs: int | None = None) -> list[SamplingParams]:
+                        logprobs: int | None = None, json_schema: str | None = None) -> list[SamplingParams]:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= P.MAX_N:
             raise P.invalid_request(f"'n' must be between 1 and {P.MAX_N}, got {n}", param="n")
@@ -310,6 +316,7 @@ class _Server:
                         frequency_penalty=req.frequency_penalty or 0.0,
                         presence_penalty=req.presence_penalty or 0.0,
                         logprobs=logprobs,
+                        json_schema=json_schema,
                     )
                 )
             except ValueError as exc:
@@ -371,7 +378,8 @@ class _Server:
                                     "does not compute yet; send one or the other", param="echo")
         prompts = self.completion_prompts(req.prompt)
         max_tokens = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, "max_tokens", logprobs=req.logprobs)
+        params = self.sampling_params(req, max_tokens, "max_tokens", logprobs=req.logprobs,
+                                      json_schema=response_format_schema(req.response_format))
         if len(prompts) * len(params) > P.MAX_CHOICES:
             raise P.invalid_request(f"{len(prompts)} prompts x n={len(params)} is more than {P.MAX_CHOICES} choices "
                                     "in one request", param="prompt")
@@ -393,6 +401,12 @@ class _Server:
         if not req.messages:
             raise P.invalid_request("'messages' must contain at least one message", param="messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tool_choice = parse_tool_choice(req.tool_choice, parse_tools(req.tools), req.parallel_tool_calls)
+        json_schema = tool_choice.json_schema()
+        if json_schema is not None and response_format_schema(req.response_format) is not None:
+            raise P.invalid_request(f"'response_format' cannot constrain a reply that 'tool_choice' "
+                                    f"({tool_choice.mode}) already constrains to a tool call", param="response_format")
+        json_schema = json_schema or response_format_schema(req.response_format)
         text = self.render(messages, req)
         # A model's template writes its special tokens itself; the default format does not.
         prompt_ids = self.encode(text, add_special_tokens=self.chat_template is None)
@@ -406,10 +420,19 @@ class _Server:
             max_tokens, name = self.client.max_model_len - len(prompt_ids), "max_tokens"
             if max_tokens < 1:
                 self.check_context(len(prompt_ids), 1, "messages", name)
-        params = self.sampling_params(req, max_tokens, name, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        params = self.sampling_params(req, max_tokens, name, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                      json_schema=json_schema)
         self.check_context(len(prompt_ids), max_tokens, "messages", name)
         job = self.new_job(True, req, [prompt_ids], params, start, text)
+        if tool_choice.mode in ("required", "named") or (tool_choice.mode == "auto" and self.parses_tool_calls):
+            job.tool_mode, job.tool_name = tool_choice.mode, tool_choice.name
         return await self.run(request, job, bool(req.stream))
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether "auto" replies are read for tool calls: the chat format in use writes them in
+        the Hermes format (this server's default format, Qwen-family templates)."""
+        return self.chat_template is None or TOOL_CALL_START in self.chat_template
 
     def render(self, messages: list[dict[str, Any]], req: P.ChatCompletionRequest | P.TokenizeChatRequest) -> str:
         context: dict[str, Any] = dict(self.template_context)
@@ -565,10 +588,20 @@ class _Server:
                 reasons[i] = out.finish_reason
         self.log_done(job, reasons, texts)
         usage = P.usage(job.num_prompt_tokens, sum(job.output_tokens))
+        calls: list[list] = [[] for _ in range(job.n)]
+        if job.tool_mode is not None:
+            for i in range(job.n):
+                content, calls[i] = parse_tool_calls(job.tool_mode, texts[i], job.tool_name)
+                texts[i] = content
+                reasons[i] = finish_reason(job.tool_mode, reasons[i], len(calls[i]))
         choices = list(zip(texts, reasons))
         build = P.chat_response if job.chat else P.completion_response
         objects = [self.logprobs_object(job, i, logprobs[i]) for i in range(job.n)]
-        return build(job.request_id, job.created, job.model, choices, usage, objects)
+        body = build(job.request_id, job.created, job.model, choices, usage, objects)
+        for choice, made in zip(body["choices"], calls):
+            if made:
+                choice["message"]["tool_calls"] = [call.message_item() for call in made]
+        return body
 
     async def stream_events(self, job: _Job, fanout: _Fanout) -> AsyncIterator[bytes]:
         build = P.chat_chunk if job.chat else P.completion_chunk
@@ -582,6 +615,7 @@ class _Server:
         reasons: list[str | None] = [None] * job.n
         texts = [""] * job.n if self.log_requests else None
         echo_pending = set(range(job.n)) if job.echo else None
+        tool_streams = [ToolCallStream(job.tool_mode, job.tool_name) for _ in range(job.n)] if job.tool_mode else None
         try:
             if job.chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -599,6 +633,16 @@ class _Server:
                 if out.finished:
                     reasons[i] = reason
                 logprobs = self.logprobs_object(job, i, out.new_logprobs) if out.new_logprobs else None
+                if job.chat and tool_streams is not None:
+                    stream = tool_streams[i]
+                    deltas = stream.feed(out.new_text) + (stream.finish() if out.finished else [])
+                    for k, delta in enumerate(deltas):
+                        yield chunk([{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                                      "finish_reason": None}])
+                    if out.finished:
+                        reason = finish_reason(job.tool_mode, reason, stream.calls)
+                        yield chunk([{"index": i, "delta": {}, "finish_reason": reason}])
+                    continue
                 if job.chat:
                     if out.new_text or logprobs:
                         yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": logprobs,

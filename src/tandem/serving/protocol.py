@@ -9,6 +9,9 @@ supported. `logprobs` is not implemented: requesting log-probabilities is a 400.
 
 Extensions beyond the OpenAI API: `top_k` (0 or -1: no cut), `stop_token_ids`, `ignore_eos`.
 
+`response_format` (both endpoints) and chat `tools` / `tool_choice` / `parallel_tool_calls`
+are checked and turned into constraints by `tandem.serving.structured`.
+
 Responses are plain dicts built by the `*_response` / `*_chunk` helpers here, in the
 layout the OpenAI SDK parses. Errors are `{"error": {"message", "type", "param", "code"}}`.
 """
@@ -215,6 +218,8 @@ class _SamplingRequest(_Lenient):
     repetition_penalty: float | None = None
     stop_token_ids: list[Int] | None = None
     ignore_eos: bool | None = None
+    # `text`, `json_object` or `json_schema` (tandem.serving.structured checks the rest).
+    response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         pass
@@ -252,22 +257,11 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's extensions: extra variables for the chat template (e.g. `enable_thinking`).
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
-    # Tools: rendered into the prompt by the chat template; no tool-call parsing (so only
-    # `tool_choice: "none"`), and no constrained decoding (so only `response_format: text`).
+    # Tools: rendered into the prompt by the chat template; `tool_choice` says whether the
+    # reply is parsed for calls (auto) or constrained to one (required, named).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.tool_choice not in (None, "none"):
-            raise invalid_request(
-                "'tool_choice' other than \"none\" is not supported by this server (no tool-call parser); the "
-                "tools are still shown to the model through its chat template", param="tool_choice")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise invalid_request(f"'response_format' of type {kind!r} is not supported by this server "
-                                  "(no constrained decoding)", param="response_format")
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeCompletionRequest(_Lenient):

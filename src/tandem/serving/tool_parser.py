@@ -51,7 +51,7 @@ def _hermes_call(body: str) -> ToolCall | None:
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a Hermes-format reply; content is None when empty."""
+    """(content, calls) of a Hermes-format reply; beside calls, content is None when empty."""
     calls: list[ToolCall] = []
     content = []
     rest = text
@@ -73,8 +73,8 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
         rest = rest[end + len(TOOL_CALL_END):]
     joined = "".join(content)
     if calls:
-        joined = joined.strip()
-    return (joined or None), calls
+        return joined.strip() or None, calls
+    return joined, calls
 
 
 def parse_required(text: str) -> list[ToolCall]:
