@@ -367,8 +367,8 @@ def test_chat_template_kwargs_and_tools_reach_the_template():
         r = client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Q"}], "max_tokens": 1, "add_generation_prompt": False})
         assert engine.tokenizer.decode(engine.requests[engine.started[-1]][0]) == "Q"
-        for fields, param in (({"tools": tools, "tool_choice": "auto"}, "tool_choice"),
-                              ({"response_format": {"type": "json_object"}}, "response_format"),
+        for fields, param in (({"tools": tools, "tool_choice": "sometimes"}, "tool_choice"),
+                              ({"response_format": {"type": "yaml"}}, "response_format.type"),
                               ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
             r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Q"}], **fields})
             assert_openai_error(r, 400, param=param)
