@@ -58,7 +58,7 @@ from tandem.serving.asgi import (
 from tandem.serving.chat import ChatTemplateError, compile_template, render_chat
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
 from tandem.serving.metrics import ServingMetrics
-from tandem.serving.structured import parse_tool_choice, parse_tools, response_format_schema
+from tandem.serving.structured import ToolChoice, parse_tool_choice, parse_tools, response_format_schema
 from tandem.serving.tool_parser import TOOL_CALL_START, ToolCallStream, finish_reason, parse_tool_calls
 from tandem.serving.vllm_metrics import RequestTracker
 from tandem.runner.outputs import RequestOutput
@@ -378,8 +378,8 @@ class _Server:
                                     "does not compute yet; send one or the other", param="echo")
         prompts = self.completion_prompts(req.prompt)
         max_tokens = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, "max_tokens", logprobs=req.logprobs,
-                                      json_schema=response_format_schema(req.response_format))
+        _, json_schema = await self.output_constraint(req)
+        params = self.sampling_params(req, max_tokens, "max_tokens", logprobs=req.logprobs, json_schema=json_schema)
         if len(prompts) * len(params) > P.MAX_CHOICES:
             raise P.invalid_request(f"{len(prompts)} prompts x n={len(params)} is more than {P.MAX_CHOICES} choices "
                                     "in one request", param="prompt")
@@ -401,12 +401,7 @@ class _Server:
         if not req.messages:
             raise P.invalid_request("'messages' must contain at least one message", param="messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tool_choice = parse_tool_choice(req.tool_choice, parse_tools(req.tools), req.parallel_tool_calls)
-        json_schema = tool_choice.json_schema()
-        if json_schema is not None and response_format_schema(req.response_format) is not None:
-            raise P.invalid_request(f"'response_format' cannot constrain a reply that 'tool_choice' "
-                                    f"({tool_choice.mode}) already constrains to a tool call", param="response_format")
-        json_schema = json_schema or response_format_schema(req.response_format)
+        tool_choice, json_schema = await self.output_constraint(req)
         text = self.render(messages, req)
         # A model's template writes its special tokens itself; the default format does not.
         prompt_ids = self.encode(text, add_special_tokens=self.chat_template is None)
@@ -424,9 +419,31 @@ class _Server:
                                       json_schema=json_schema)
         self.check_context(len(prompt_ids), max_tokens, "messages", name)
         job = self.new_job(True, req, [prompt_ids], params, start, text)
-        if tool_choice.mode in ("required", "named") or (tool_choice.mode == "auto" and self.parses_tool_calls):
+        if tool_choice is not None and (tool_choice.mode in ("required", "named")
+                                        or (tool_choice.mode == "auto" and self.parses_tool_calls)):
             job.tool_mode, job.tool_name = tool_choice.mode, tool_choice.name
         return await self.run(request, job, bool(req.stream))
+
+    async def output_constraint(self, req: P._SamplingRequest) -> tuple[ToolChoice | None, str | None]:
+        """The chat request's tool choice (None: no tools asked about) and the JSON schema the
+        reply must match (None: free). Checked on a worker thread: the first check imports
+        xgrammar (seconds), and the event loop keeps serving the other requests meanwhile."""
+        if req.response_format is None and getattr(req, "tools", None) is None \
+                and getattr(req, "tool_choice", None) is None:
+            return None, None
+        return await asyncio.to_thread(self._output_constraint, req)
+
+    @staticmethod
+    def _output_constraint(req: P._SamplingRequest) -> tuple[ToolChoice | None, str | None]:
+        response_schema = response_format_schema(req.response_format)
+        if not isinstance(req, P.ChatCompletionRequest):
+            return None, response_schema
+        tool_choice = parse_tool_choice(req.tool_choice, parse_tools(req.tools), req.parallel_tool_calls)
+        tool_schema = tool_choice.json_schema()
+        if tool_schema is not None and response_schema is not None:
+            raise P.invalid_request(f"'response_format' cannot constrain a reply that 'tool_choice' "
+                                    f"({tool_choice.mode}) already constrains to a tool call", param="response_format")
+        return tool_choice, tool_schema or response_schema
 
     @property
     def parses_tool_calls(self) -> bool:
