@@ -74,3 +74,55 @@ def test_an_unconstrained_request_is_unchanged_by_constrained_neighbours():
 def test_min_tokens_with_a_schema_is_refused():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, json_schema=json.dumps(SCHEMA))
+
+
+@pytest.mark.parametrize("schema, where, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "#", "uniqueItems"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "#/properties/n", "multipleOf"),
+    ({"anyOf": [{"type": "string"}, {"not": {"type": "null"}}]}, "#/anyOf/1", "not"),
+    ({"$defs": {"a": {"if": {"type": "string"}}}, "$ref": "#/$defs/a"}, "#/$defs/a", "if"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "#", "allOf"),
+])
+def test_keywords_constrained_decoding_would_ignore_are_refused(schema, where, keyword):
+    import re
+
+    from tandem.runner.structured import check_json_schema
+
+    with pytest.raises(ValueError, match=re.escape(f"'{keyword}' (at {where})")):
+        check_json_schema(schema)
+
+
+def test_enforced_keywords_and_properties_named_like_keywords_are_accepted():
+    from tandem.runner.structured import check_json_schema
+
+    check_json_schema({"type": "object", "properties": {"not": {"type": "integer", "multipleOf": 3},
+                                                        "if": {"oneOf": [{"const": 1}, {"const": 2}]}}})
+
+
+def test_length_bounded_strings_never_hold_raw_control_characters():
+    """xgrammar 0.2 lets raw control characters into strings with minLength/maxLength (invalid
+    JSON); the grammar tandem compiles does not. Random walks through the masks, seeded."""
+    import random
+
+    import torch
+
+    from tandem.models.tiny_moe import EOS_ID, build_tokenizer
+    from tandem.runner.structured import GrammarCompiler
+
+    tokenizer = build_tokenizer()
+    compiler = GrammarCompiler(tokenizer, [EOS_ID])
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4}},
+                         "required": ["s"]})
+    pick = random.Random(0)
+    for _ in range(100):
+        constraint = compiler.constraint(schema)
+        bitmask = torch.full((1, -(-constraint.vocab_size // 32)), -1, dtype=torch.int32)
+        out = []
+        while not constraint.terminated:
+            constraint.fill(bitmask, 0)
+            allowed = ((bitmask[0][:, None] >> torch.arange(32)) & 1).flatten()[: constraint.vocab_size].nonzero()
+            token = int(allowed[pick.randrange(len(allowed))])
+            constraint.advance(token)
+            out.append(token)
+        assert out[-1] == EOS_ID and not any(t < 0x20 for t in out)
+        assert isinstance(json.loads(tokenizer.decode(out[:-1]))["s"], str)

@@ -181,6 +181,8 @@ def test_a_tool_call_history_renders(oai):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
      "missing"),
     ({"response_format": {"type": "yaml"}}, "response_format.type", "yaml"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema", "'uniqueItems' (at #)"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"}, "tools[0].function.parameters", "nowhere"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name",

@@ -17,7 +17,9 @@ matcher has already accepted). Per step:
 
 JSON is generated compactly (`{"a": 1, "b": [2, 3]}`: one space after `:` and `,`, none
 elsewhere): free whitespace lets a weak model emit newlines forever inside a valid document.
-Schemas compile in xgrammar's strict mode (no properties or items beyond the schema's).
+Schemas compile in xgrammar's strict mode (no properties or items beyond the schema's). A
+schema keyword xgrammar would silently ignore (`UNENFORCED_KEYWORDS`) is refused instead, so
+that every reply that ends validates against the schema it was asked for.
 """
 
 from __future__ import annotations
@@ -48,6 +50,65 @@ def _grammar_options() -> dict[str, Any]:
     return {"any_whitespace": False, "strict_mode": True}
 
 
+#: Keywords xgrammar's JSON-schema converter accepts but does not enforce (measured: random
+#: walks through its masks produce documents that break them). `oneOf` is enforced as `anyOf`
+#: (exclusivity unchecked, as with vLLM), which is exact for discriminated unions.
+UNENFORCED_KEYWORDS = (
+    "not", "uniqueItems", "contains", "minContains", "maxContains", "if", "then", "else",
+    "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems",
+)
+#: Members that hold one subschema, a list of them, or a map of names to them.
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _subschemas(schema: dict, where: str):
+    for key in _SUBSCHEMA:
+        if isinstance(schema.get(key), dict):
+            yield schema[key], f"{where}/{key}"
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            yield from ((sub, f"{where}/{key}/{i}") for i, sub in enumerate(schema[key]))
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            yield from ((sub, f"{where}/{key}/{name}") for name, sub in schema[key].items())
+
+
+def unenforced_keyword(schema: Any, where: str = "#") -> tuple[str, str] | None:
+    """The first (JSON pointer, keyword) of `schema` that constrained decoding would not
+    enforce, or None."""
+    if not isinstance(schema, dict):
+        return None
+    for keyword in UNENFORCED_KEYWORDS:
+        if keyword in schema:
+            return where, keyword
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return where, "multipleOf"  # enforced on integers only
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return where, "allOf"  # one member only
+    for sub, path in _subschemas(schema, where):
+        found = unenforced_keyword(sub, path)
+        if found is not None:
+            return found
+    return None
+
+
+#: The character class xgrammar 0.2 repeats for a string with `minLength`/`maxLength`: it lets
+#: raw control characters through, which JSON forbids inside strings (a random model writes
+#: them often). `_json_schema_grammar` swaps in the class JSON allows.
+_LENGTH_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _json_schema_grammar(xgr, schema_text: str):
+    grammar = xgr.Grammar.from_json_schema(schema_text, **_grammar_options())
+    ebnf = str(grammar)
+    if _LENGTH_BOUNDED_STRING_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
 def _clean_error(exc: Exception) -> str:
     # xgrammar prefixes its messages with a timestamp and a C++ source location.
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
@@ -59,8 +120,11 @@ def check_json_schema(schema: Any) -> None:
     xgr = import_xgrammar()
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be a JSON object")
+    unenforced = unenforced_keyword(schema)
+    if unenforced is not None:
+        raise ValueError(f"'{unenforced[1]}' (at {unenforced[0]}) cannot be enforced by constrained decoding")
     try:
-        xgr.Grammar.from_json_schema(json.dumps(schema), **_grammar_options())
+        _json_schema_grammar(xgr, json.dumps(schema))
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for a bad schema
         raise ValueError(_clean_error(exc)) from None
 
@@ -118,7 +182,7 @@ class GrammarCompiler:
             self._build()
         xgr = import_xgrammar()
         try:
-            compiled = self._compiler.compile_json_schema(json_schema, **_grammar_options())
+            compiled = self._compiler.compile_grammar(_json_schema_grammar(xgr, json_schema))
         except Exception as exc:  # noqa: BLE001
             raise ValueError(f"invalid JSON schema: {_clean_error(exc)}") from None
         return GrammarConstraint(xgr.GrammarMatcher(compiled), self._vocab_size)
@@ -161,7 +225,9 @@ __all__ = [
     "INSTALL_HINT",
     "StructuredOutputUnavailable",
     "advance_constraints",
+    "UNENFORCED_KEYWORDS",
     "check_json_schema",
     "import_xgrammar",
     "mask_logits",
+    "unenforced_keyword",
 ]
