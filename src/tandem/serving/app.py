@@ -653,6 +653,8 @@ class _Server:
                 if job.chat and tool_streams is not None:
                     stream = tool_streams[i]
                     deltas = stream.feed(out.new_text) + (stream.finish() if out.finished else [])
+                    if logprobs and not deltas:
+                        deltas = [{}]  # text held back (a call not yet whole): its logprobs still go now
                     for k, delta in enumerate(deltas):
                         yield chunk([{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
                                       "finish_reason": None}])
