@@ -87,3 +87,14 @@ def test_streamed_required_and_named_replies_reassemble(piece):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("f", {"s": '}]"{'}), ("g", {"n": 2})]
     _, calls, count = _reassemble("named", '{"a": [1, 2]}', piece, name="f")
     assert count == 1 and calls[0]["name"] == "f" and calls[0]["arguments"] == '{"a": [1, 2]}'
+
+
+def test_a_required_call_streams_its_header_first_then_its_arguments_piece_by_piece():
+    stream = ToolCallStream("required")
+    deltas = []
+    for piece in ['[{"name": "f", "para', 'meters": {"a"', ': 1', '}}]']:
+        deltas += stream.feed(piece)
+    items = [d["tool_calls"][0] for d in deltas]
+    assert items[0]["function"] == {"name": "f", "arguments": ""} and items[0]["id"] and items[0]["type"] == "function"
+    assert [i["function"]["arguments"] for i in items[1:]] == ['{"a"', ": 1", "}"]
+    assert all("id" not in i and i["index"] == 0 for i in items[1:])

@@ -10,12 +10,15 @@ By `tool_choice` mode (`tandem.serving.structured.ToolChoice`):
 
 Streamed, a call is sent as vLLM does: a delta with its `index`, `id`, `type` and
 `function.name` (and, where known, its arguments), then deltas adding to
-`function.arguments`; the deltas of one call concatenate to the whole call.
+`function.arguments`; the deltas of one call concatenate to the whole call. Named and
+required calls stream their arguments as they are generated; a Hermes call goes out whole
+once its `</tool_call>` arrives (its JSON is the model's own, in any layout).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -133,6 +136,7 @@ class ToolCallStream:
         self._in_string = False
         self._escaped = False
         self._item_start: int | None = None
+        self._arguments_sent: int | None = None
         self._scanned = 0
 
     def feed(self, text: str) -> list[dict]:
@@ -190,6 +194,9 @@ class ToolCallStream:
         return deltas
 
     def _required(self) -> list[dict]:
+        """Scan the array: a call's header goes out once `{"name": ..., "parameters": ` is
+        whole, then its arguments as they come (the grammar writes exactly that layout); an
+        item in another layout goes out whole when it closes."""
         deltas = []
         for i in range(self._scanned, len(self._buffer)):
             ch = self._buffer[i]
@@ -200,23 +207,52 @@ class ToolCallStream:
                     self._escaped = True
                 elif ch == '"':
                     self._in_string = False
-                continue
-            if ch == '"':
+            elif ch == '"':
                 self._in_string = True
             elif ch in "[{":
                 self._depth += 1
                 if self._depth == 2:
-                    self._item_start = i
+                    self._item_start, self._arguments_sent = i, None
             elif ch in "]}":
                 self._depth -= 1
                 if self._depth == 1 and self._item_start is not None:
-                    calls = parse_required("[" + self._buffer[self._item_start: i + 1] + "]")
-                    for call in calls:
-                        deltas.append(_call_delta(self.calls, call))
-                        self.calls += 1
-                    self._item_start = None
+                    deltas += self._item_end(i)
         self._scanned = len(self._buffer)
+        if self._item_start is not None:
+            deltas += self._item_progress(len(self._buffer))
         return deltas
+
+    def _item_progress(self, end: int) -> list[dict]:
+        if self._arguments_sent is None:
+            header = _REQUIRED_ITEM_HEADER.match(self._buffer, self._item_start, end)
+            if header is None:
+                return []
+            self._arguments_sent = header.end()
+            self.calls += 1
+            deltas = [_call_delta(self.calls - 1, ToolCall(json.loads(header.group(1)), ""))]
+        else:
+            deltas = []
+        if end > self._arguments_sent:
+            text, self._arguments_sent = self._buffer[self._arguments_sent: end], end
+            deltas.append(_arguments_delta(self.calls - 1, text))
+        return deltas
+
+    def _item_end(self, close: int) -> list[dict]:
+        """The item closed at `close` (its final `}`)."""
+        start, sent = self._item_start, self._arguments_sent
+        self._item_start = self._arguments_sent = None
+        if sent is None:  # not the grammar's layout: the whole item at once
+            deltas = []
+            for call in parse_required("[" + self._buffer[start: close + 1] + "]"):
+                deltas.append(_call_delta(self.calls, call))
+                self.calls += 1
+            return deltas
+        rest = self._buffer[sent:close]  # the arguments' tail, without the item's own `}`
+        return [_arguments_delta(self.calls - 1, rest)] if rest else []
+
+
+#: `{"name": "<tool>", "parameters": ` at the start of a `required` reply's item.
+_REQUIRED_ITEM_HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "parameters": ')
 
 
 __all__ = ["TOOL_CALL_END", "TOOL_CALL_START", "ToolCall", "ToolCallStream", "finish_reason", "parse_hermes",
