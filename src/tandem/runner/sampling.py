@@ -3,8 +3,9 @@
 Per step, in vLLM's order: raw log-probabilities for the requests that asked for them (before
 any of the processing below, vLLM's default `raw_logprobs`), then `min_tokens` (end tokens
 masked until that many tokens were sampled), the repetition / frequency / presence penalties,
-the grammar mask of requests constrained to a JSON schema (`tandem.runner.structured`), then greedy argmax, or temperature, `min_p`, `top_k`, `top_p` and a draw from each request's
-own seeded generator. Every choice that depends on values is made on the device: nothing here
+the grammar mask of requests constrained to a JSON schema (`tandem.runner.structured`), then
+greedy argmax, or temperature, `min_p`, `top_k`, `top_p` and a draw from each request's own
+seeded generator. Every choice that depends on values is made on the device: nothing here
 reads a device value on the host.
 
 A request's state across steps (its generator, how many tokens it sampled, its output token
