@@ -90,3 +90,18 @@ def test_a_template_without_hermes_calls_leaves_auto_replies_as_content():
         assert r.choices[0].message.content == REPLY and r.choices[0].message.tool_calls is None
     finally:
         live.stop()
+
+
+def test_a_template_that_writes_hermes_calls_gets_auto_replies_parsed():
+    qwen_like = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> reply with "
+                 "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>{% endif %}"
+                 "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    engine = ScriptedEngine(qwen_like)
+    live = LiveServer(create_app(engine))
+    try:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+        assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather", "add"]
+        assert engine.prompts[-1].startswith('<tools>{"type": "function"')
+    finally:
+        live.stop()
