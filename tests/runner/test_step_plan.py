@@ -115,3 +115,20 @@ def test_an_idle_rank_plans_nothing_to_learn():
     runner = _runner(sbo=False, overlap_policy="auto")
     plan = runner.plan_step([])
     assert plan == StepPlan(num_tokens=0, num_tokens_padded=0, sbo=False)
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_an_engine_warms_up_compiling_backends_with_one_unsplit_uncounted_step(compiles):
+    from tandem.runner.engine import Engine
+
+    runner = _runner(sbo=False, enable_dbo=True, dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0)
+    kernel = _kernels(runner)[0]
+    kernel.experts.compiles_on_first_use = compiles  # as Triton / DeepGEMM experts declare
+    seen = _record_contexts(runner)
+    Engine(runner)
+    if compiles:
+        # Outside DBO (no ubatch slices, so no stall watchdog), one padding token, not a step.
+        assert len(seen) == 1 and seen[0].ubatch_slices is None and runner.wrapper.ubatched_runs == 0
+    else:
+        assert seen == []
+    assert runner.steps == 0

@@ -69,6 +69,7 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
         self.graph_capturable = inner.graph_capturable
         self.yields_in_send = inner.yields_in_send
         self.dispatches_ue8m0 = inner.dispatches_ue8m0
+        self.compiles_on_first_use = inner.compiles_on_first_use
         self.survives_failed_step = getattr(inner, "survives_failed_step", True)
         self._platform = platform
         self._own_comm_stream = None

@@ -224,6 +224,7 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 class _DeepGemmBase(Experts):
+    compiles_on_first_use = True
     name = "deep_gemm"
 
     def __init__(

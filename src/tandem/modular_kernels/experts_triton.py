@@ -241,6 +241,8 @@ def align_pairs_by_expert(
 class TritonExperts(Experts):
     """STANDARD format: expert-sorted grouped GEMMs in Triton (see the module docstring)."""
 
+    compiles_on_first_use = True
+
     activation_format = ActivationFormat.STANDARD
     name = "triton"
 
@@ -308,6 +310,8 @@ class TritonExperts(Experts):
 
 class TritonBatchedExperts(Experts):
     """MASKED format: a Triton batched GEMM that skips rows past each expert's count."""
+
+    compiles_on_first_use = True
 
     activation_format = ActivationFormat.MASKED
     name = "triton"

@@ -102,6 +102,9 @@ class PrepareAndFinalize(ABC):
     #: True when fp8 dispatch can deliver packed UE8M0 scales (`prepare_async(ue8m0=True)`),
     #: the layout DeepGEMM's SM100 GEMMs read: no other backend is ever asked for them.
     dispatches_ue8m0: bool = False
+    #: True when the first transfer initialises the library or compiles kernels (minutes on a
+    #: cold cache): the runner warms it up with one unsplit step before serving, outside DBO.
+    compiles_on_first_use: bool = False
 
     def __init__(self, num_experts: int, rank: int = 0, world_size: int = 1):
         if num_experts % world_size:
@@ -175,6 +178,9 @@ class Experts(ABC):
     #: False when `apply` reads device values on the host (or has data-dependent shapes),
     #: which a CUDA graph capture refuses: such experts cannot run under `graph_mode="full"`.
     graph_capturable: bool = True
+    #: True when the first call compiles kernels (Triton, DeepGEMM's JIT): the runner warms
+    #: them up with one unsplit step before serving, outside DBO.
+    compiles_on_first_use: bool = False
 
     def prepare_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple:
         """The expert weights in the form `apply` reads, made once when the model's weights

@@ -164,6 +164,7 @@ def release_shared_buffers() -> None:
 
 
 class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
+    compiles_on_first_use = True
     def __init__(self, num_experts: int, group=None, buffer=None, fabric: FabricModel | None = None):
         self._deep_ep = import_deep_ep(self.name)
         if group is None:

@@ -94,6 +94,8 @@ class Engine:
         info = runner.info
         if max_model_len is not None and max_model_len > info.max_model_len:
             raise ValueError(f"--max-model-len {max_model_len} is over the model's context length {info.max_model_len}")
+        if runner.compiles_on_first_use:
+            runner.warm_up()  # every rank builds its engine at the same point
         self.future_map = FutureMap(max_num_seqs, device=runner.device)
         runner.future_map = self.future_map
         self.scheduler = Scheduler(

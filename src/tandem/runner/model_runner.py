@@ -240,6 +240,24 @@ class ModelRunner:
             if count:
                 self.step_time_s += time.perf_counter() - start
 
+    @property
+    def compiles_on_first_use(self) -> bool:
+        """Whether a MoE kernel's backend initialises or compiles on its first call."""
+        return any(
+            k.experts.compiles_on_first_use or k.prepare_finalize.compiles_on_first_use for k in self._moe_kernels()
+        )
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """One unsplit step of one padding token, the dummy an idle rank runs, uncounted.
+        Collective: every DP rank calls it at the same point. Library init and kernel JIT
+        (Triton, DeepGEMM, DeepEP) happen here, outside DBO, rather than inside a ubatch, where
+        they would hold the other ubatches at a yield for minutes."""
+        plan = StepPlan(num_tokens=0, num_tokens_padded=1, sbo=self.sbo)
+        inputs = self.step_inputs([], plan)
+        with self.platform.use_device(self.device):
+            self.forward(inputs.input_ids, inputs, plan, count=False)
+
     def observe(self, plan: StepPlan, times: StepTimes) -> None:
         """Feed a completed step's time model back to the planner that chose its overlap."""
         if plan.planned is not None:
