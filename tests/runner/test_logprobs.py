@@ -126,3 +126,29 @@ def test_chunked_prefill_gives_the_one_shot_prompt_logprobs(qwen3_moe):
         torch.testing.assert_close(torch.tensor([[lp for _, lp in e] for e in chunked[rid]]),
                                    torch.tensor([[lp for _, lp in e] for e in one_shot[rid]]), atol=1e-5, rtol=0)
         assert [e[0][0] for e in chunked[rid]] == prompt[1:]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_prompt_logprobs_survive_preemption(overlap):
+    """A cache so small that requests are preempted (their prompts recomputed): each prompt's
+    log-probabilities still come once, one per prompt token after the first, equal to a run
+    that never preempts. (tiny-moe, chunked prefill of 32 tokens a step.)"""
+    from tests.runner.test_engine import PROMPTS, _engine, _mixed_params, _run
+
+    def params(i: int) -> SamplingParams:
+        p = _mixed_params(i)
+        p.prompt_logprobs = 1
+        return p
+
+    tight_engine = _engine(overlap, num_kv_blocks=40)
+    tight = _run(tight_engine, params)
+    assert tight_engine.scheduler.num_preemptions > 0
+    roomy = _run(_engine(overlap, num_kv_blocks=256), params)
+    tokenizer = tight_engine.runner.info.tokenizer
+    for i, rid in enumerate(tight):
+        prompt = tokenizer.encode(PROMPTS[i]).ids
+        carried = [o.prompt_logprobs for o in tight[rid] if o.prompt_logprobs is not None]
+        assert len(carried) == 1 and [e[0][0] for e in carried[0]] == prompt[1:]
+        (expected,) = [o.prompt_logprobs for o in roomy[rid] if o.prompt_logprobs is not None]
+        torch.testing.assert_close(torch.tensor([[lp for _, lp in e] for e in carried[0]]),
+                                   torch.tensor([[lp for _, lp in e] for e in expected]), atol=1e-5, rtol=0)
