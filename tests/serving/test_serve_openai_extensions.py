@@ -72,9 +72,72 @@ def test_echo_and_batched_prompts(oai):
     streamed = "".join(c.text for chunk in oai.completions.create(model=MODEL, prompt="gamma", max_tokens=2,
                                                                   echo=True, stream=True) for c in chunk.choices)
     assert streamed.startswith("gamma")
+
+
+def _assert_legacy_logprobs_shape(lp, text: str, top: int) -> None:
+    """OpenAI's legacy completions `logprobs`: one entry per token in each list, the tokens
+    spelling the choice's text at their `text_offset`s, each top dict holding the token."""
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert "".join(lp.tokens) == text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    for token, logprob, alternatives in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert logprob <= 0 and token in alternatives and alternatives[token] == logprob
+        assert top <= len(alternatives) <= top + 1
+
+
+def test_echo_with_logprobs_scores_the_prompt(oai):
+    """echo + logprobs: the prompt's tokens lead, the first with null logprobs (nothing comes
+    before it), each later one scored given the tokens before it, by the same model that
+    generates: a greedy token's decode log-probability equals its score once echoed."""
+    prompt = "The quick brown"
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                               extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == len(prompt) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.tokens[0] == "T"
+    _assert_legacy_logprobs_shape(lp, choice.text, 2)
+
+    generated = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    scored = oai.completions.create(model=MODEL, prompt=prompt + generated.text, max_tokens=0, logprobs=1,
+                                    echo=True).choices[0]
+    assert scored.text == prompt + generated.text and scored.finish_reason == "length"
+    assert math.isclose(scored.logprobs.token_logprobs[-1], generated.logprobs.token_logprobs[0], abs_tol=1e-4)
+
+    streamed = {"text": "", "tokens": [], "token_logprobs": []}
+    for c in oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                    stream=True, extra_body={"ignore_eos": True}):
+        for part in c.choices:
+            streamed["text"] += part.text
+            if part.logprobs:
+                streamed["tokens"] += part.logprobs.tokens
+                streamed["token_logprobs"] += part.logprobs.token_logprobs
+    assert streamed["text"] == choice.text and streamed["tokens"] == lp.tokens
+    assert streamed["token_logprobs"][0] is None
+    assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(streamed["token_logprobs"][1:], lp.token_logprobs[1:]))
+
+
+def test_lm_eval_loglikelihood_request_shape(oai):
+    """lm-eval's loglikelihood request: a batch of token-list prompts, echo, logprobs=1,
+    max_tokens=0. As vLLM answers it: each choice is its prompt alone, scored, finish
+    "length", and the one token the engine sampled is counted in usage but not returned."""
+    prompts = [[84, 104, 101, 32, 99, 97, 116], [65, 32, 100, 111, 103], [120, 121]]
+    r = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=0, logprobs=1, echo=True, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for choice, ids in zip(r.choices, prompts):
+        assert choice.text == bytes(ids).decode() and choice.finish_reason == "length"
+        assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
+        _assert_legacy_logprobs_shape(choice.logprobs, choice.text, 1)
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == len(prompts)
+    # Its continuation scored in context equals the same tokens scored as part of one prompt.
+    whole = oai.completions.create(model=MODEL, prompt=prompts[0], max_tokens=0, logprobs=1, echo=True).choices[0]
+    assert whole.logprobs.token_logprobs[0] is None
+    assert all(math.isclose(a, b, abs_tol=1e-5)
+               for a, b in zip(whole.logprobs.token_logprobs[1:], r.choices[0].logprobs.token_logprobs[1:]))
     with pytest.raises(openai.BadRequestError) as info:
-        oai.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1)
-    assert "prompt's log-probabilities" in str(info.value)
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert "'echo'" in str(info.value) and info.value.body["param"] == "max_tokens"
 
 
 def test_penalties_and_min_tokens_change_what_is_generated(oai):

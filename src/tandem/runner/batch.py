@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -19,6 +19,11 @@ class ScheduledChunk:
     token_ids: Sequence[int]
     num_computed: int
     block_ids: Sequence[int]
+    #: Prompt log-probabilities (`SamplingParams.prompt_logprobs`): the prompt tokens whose
+    #: log-probabilities this chunk's rows `prompt_targets_row`, `prompt_targets_row + 1`, ...
+    #: give (each row's logits predict the token after it). Empty: none wanted from this chunk.
+    prompt_targets: Sequence[int] = field(default_factory=tuple)
+    prompt_targets_row: int = 0
 
 
 @dataclass

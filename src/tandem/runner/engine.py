@@ -244,7 +244,7 @@ class Engine:
         self.idle_everywhere = not isinstance(result, BaseException) and result.num_tokens_padded == 0
         if isinstance(result, BaseException):
             return self._fail(step, result)
-        outputs = self.scheduler.apply(step, result.tokens, result.logprobs)
+        outputs = self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs)
         self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 

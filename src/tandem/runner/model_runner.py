@@ -10,6 +10,7 @@ padding) whenever any other rank has work.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -24,7 +25,7 @@ from tandem.runner.future_map import FutureMap
 from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
-from tandem.runner.sampling import SampleOutput, SamplingParams, sample_step
+from tandem.runner.sampling import SampleOutput, SamplingParams, sample_step, token_logprobs
 from tandem.runner.step_plan import StepPlan, decide_overlap
 from tandem.runner.ubatch_wrapper import UBatchWrapper
 from tandem.ubatch import attention_work, balanced_split, split_by_cost, split_by_tokens
@@ -73,6 +74,21 @@ class StepResult:
     #: Per request that asked for them: (token id, log-probability) of the sampled token, then
     #: of its `logprobs` most likely ones; None elsewhere (and when no request asked).
     logprobs: list[list[tuple[int, float]] | None] | None = None
+    #: Per request whose chunk asked for prompt log-probabilities (`ScheduledChunk.
+    #: prompt_targets`): per target, [(token id, log-probability)] of it, then of the
+    #: `prompt_logprobs` most likely tokens at its place; None elsewhere (and when none asked).
+    prompt_logprobs: list[list[list[tuple[int, float]]] | None] | None = None
+
+
+@dataclass
+class PromptLogprobRows:
+    """A step's prompt log-probabilities on the device: `values`/`ids` `[P, 1 + K]`, the rows
+    of request `owners[i]` next to each other, `counts[i]` of them."""
+
+    owners: list[int]
+    counts: list[int]
+    values: torch.Tensor
+    ids: torch.Tensor
 
 
 class ModelRunner:
@@ -323,15 +339,19 @@ class ModelRunner:
         wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
         rows = [r for r, w in enumerate(wanted) if w]
         sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
+        prompt = self._prompt_logprobs(hidden, inputs, chunks, sampling)
         if self.future_map is not None and future_slots is not None:
             published = [(i, future_slots[r]) for i, r in enumerate(rows) if future_slots[r] is not None]
             if published:
                 picked = sampled.tokens[to_device_async(torch.tensor([i for i, _ in published]), self.device)]
                 self.future_map.store([slot for _, slot in published], picked)
-        read, logprobs = self._read_samples(sampled, [sampling[r] for r in rows])
+        read, logprobs, prompt_read = self._read_samples(sampled, [sampling[r] for r in rows], prompt, sampling)
         tokens = _scatter_rows(len(chunks), rows, read)
         step_logprobs = _scatter_rows(len(chunks), rows, logprobs) if logprobs is not None else None
-        return StepResult(tokens, inputs.num_tokens, plan.num_tokens_padded, plan.ubatched, step_logprobs)
+        prompt_logprobs = _scatter_rows(len(chunks), prompt.owners, prompt_read) if prompt is not None else None
+        return StepResult(
+            tokens, inputs.num_tokens, plan.num_tokens_padded, plan.ubatched, step_logprobs, prompt_logprobs
+        )
 
     def sample_tokens(self, hidden, inputs: StepInputs, sampling, generators, wanted: Sequence[bool]) -> list[int | None]:
         """The next token of every request whose `wanted` is set (None elsewhere), from the
@@ -347,14 +367,36 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
         return sample_step(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
 
-    def _read_samples(self, sampled: SampleOutput, params: Sequence[SamplingParams]):
-        """The step's one host read: the sampled ids (and the log-probabilities some request
-        asked for), copied without blocking into page-locked memory behind one event (the
-        overlapped loop's scheduler thread runs meanwhile). Returns (ids, per-row
-        [(id, logprob), ...] trimmed to each request's `logprobs`, or None)."""
+    def _prompt_logprobs(self, hidden, inputs: StepInputs, chunks, sampling) -> PromptLogprobRows | None:
+        """The log-probabilities of the prompt tokens the chunks ask for (`ScheduledChunk.
+        prompt_targets`), from the hidden states of the rows that prefill them, on the device."""
+        owners = [r for r, c in enumerate(chunks) if c.prompt_targets]
+        if not owners:
+            return None
+        starts = [0, *itertools.accumulate(inputs.num_scheduled_tokens)]
+        rows: list[int] = []
+        targets: list[int] = []
+        for r in owners:
+            first = starts[r] + chunks[r].prompt_targets_row
+            rows += range(first, first + len(chunks[r].prompt_targets))
+            targets += chunks[r].prompt_targets
+        logits = self.model.compute_logits(hidden[to_device_async(torch.tensor(rows), self.device)])
+        top = max(sampling[r].prompt_logprobs or 0 for r in owners)
+        values, ids = token_logprobs(logits, to_device_async(torch.tensor(targets), self.device), top)
+        return PromptLogprobRows(owners, [len(chunks[r].prompt_targets) for r in owners], values, ids)
+
+    def _read_samples(self, sampled: SampleOutput, params: Sequence[SamplingParams],
+                      prompt: PromptLogprobRows | None = None, sampling: Sequence[SamplingParams] = ()):
+        """The step's one host read: the sampled ids, and the log-probabilities some request
+        asked for (of its samples, of its prompt), copied without blocking into page-locked
+        memory behind one event (the overlapped loop's scheduler thread runs meanwhile).
+        Returns (ids, per sampled row [(id, logprob), ...] trimmed to its `logprobs` or None,
+        per `prompt.owners` entry its targets' lists trimmed to its `prompt_logprobs` or None)."""
         tensors = [sampled.tokens]
         if sampled.logprobs is not None:
             tensors += [sampled.logprobs, sampled.logprob_ids]
+        if prompt is not None:
+            tensors += [prompt.values, prompt.ids]
         hosts = [host_buffer(t) for t in tensors]
         for host, tensor in zip(hosts, tensors):
             host.copy_(tensor, non_blocking=True)
@@ -362,10 +404,19 @@ class ModelRunner:
         copied.record()
         copied.synchronize()
         tokens = hosts[0].tolist()
-        if len(hosts) == 1:
-            return tokens, None
-        rows = zip(hosts[2].tolist(), hosts[1].tolist(), params)
-        return tokens, [None if p.logprobs is None else list(zip(ids, lps))[: 1 + p.logprobs] for ids, lps, p in rows]
+        logprobs = None
+        if sampled.logprobs is not None:
+            rows = zip(hosts[2].tolist(), hosts[1].tolist(), params)
+            logprobs = [None if p.logprobs is None else list(zip(ids, lps))[: 1 + p.logprobs] for ids, lps, p in rows]
+        prompt_logprobs = None
+        if prompt is not None:
+            entries = [list(zip(ids, lps)) for ids, lps in zip(hosts[-1].tolist(), hosts[-2].tolist())]
+            bounds = [0, *itertools.accumulate(prompt.counts)]
+            prompt_logprobs = [
+                [entry[: 1 + (sampling[r].prompt_logprobs or 0)] for entry in entries[lo:hi]]
+                for r, lo, hi in zip(prompt.owners, bounds, bounds[1:])
+            ]
+        return tokens, logprobs, prompt_logprobs
 
 
 def _scatter_rows(num_requests: int, rows: list[int], values: list[int]) -> list[int | None]:

@@ -24,6 +24,10 @@ class RequestOutput:
     #: With `SamplingParams.logprobs`: per new token, [(id, logprob)] of it, then of its most
     #: likely alternatives (raw model log-probabilities).
     new_logprobs: list[list[tuple[int, float]]] | None = None
+    #: With `SamplingParams.prompt_logprobs`, on the request's first output only: per prompt
+    #: token after the first, [(id, logprob)] of it given the tokens before it, then of the
+    #: most likely tokens at its place (raw model log-probabilities).
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None
     #: The request's events on the clock (`time.monotonic()`) of the rank that runs it: queued,
     #: first scheduled, and each token sampled since the previous output (a stop token that is
     #: not part of the completion included). Only differences between them mean something: the

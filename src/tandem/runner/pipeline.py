@@ -507,7 +507,6 @@ def generate_pipeline_rank(
     """One rank of `tandem generate --pipeline-parallel-size P`: prompt i runs on DP column
     i % D; the first stage returns its completions, the other stages an empty list.
     `on_finish(runner)` is called at the end (its counters: steps, ubatched steps)."""
-    from tandem.runner.outputs import Completion
 
     runner, groups = build_pipeline_stage(config)
     if groups.stage != 0:

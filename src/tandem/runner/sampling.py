@@ -51,6 +51,10 @@ class SamplingParams:
     #: The output must be JSON matching this JSON schema (JSON text), by constrained decoding
     #: (`tandem.runner.structured`); its end token ends the request whatever `ignore_eos` says.
     json_schema: str | None = None
+    #: vLLM's `prompt_logprobs`: of each prompt token after the first given the tokens before
+    #: it, and of this many most likely ones at its place (None: none). Raw model
+    #: log-probabilities, from the forward that prefills the prompt.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -70,8 +74,10 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must lie in [0, {MAX_LOGPROBS}], got {value}")
         if self.json_schema is not None and self.min_tokens:
             # Holding the end token back could leave a finished document no token to take.
             raise ValueError("min_tokens cannot be combined with a JSON schema constraint")
@@ -226,10 +232,11 @@ def _sample_rows(logits: torch.Tensor, greedy_ids: torch.Tensor, params, sampler
     return torch.where(finite, drawn, greedy_ids)
 
 
-def _logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor]:
-    top = max(p.logprobs or 0 for p in params)
-    logprobs = raw_logits.float().log_softmax(-1)
-    ids = tokens[:, None]
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities (fp32 log-softmax of `logits [R, V]`) of `token_ids [R]`, then of
+    each row's `top` most likely tokens: `(values, ids)`, both `[R, 1 + top]`, on the device."""
+    logprobs = logits.float().log_softmax(-1)
+    ids = token_ids[:, None]
     if top:
         ids = torch.cat([ids, logprobs.topk(top, -1).indices], dim=1)
     return logprobs.gather(1, ids), ids
@@ -262,7 +269,7 @@ def sample_step(
             s.output_counts.index_add_(0, tokens[r : r + 1], torch.ones(1, dtype=torch.int32, device=device))
     if not wants_logprobs:
         return SampleOutput(tokens)
-    values, ids = _logprobs(raw, tokens, params)
+    values, ids = token_logprobs(raw, tokens, max(p.logprobs or 0 for p in params))
     return SampleOutput(tokens, values, ids)
 
 

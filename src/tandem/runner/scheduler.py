@@ -64,6 +64,12 @@ class Request:
     sent_tokens: int = 0
     #: With `params.logprobs`: per sampled token, [(id, logprob)] of it and its top ones.
     output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    #: With `params.prompt_logprobs`: per prompt token after the first, [(id, logprob)] of it
+    #: and its top ones, collected chunk by chunk; `prompt_logprobs_planned` prompt positions
+    #: have been scheduled to give theirs (a preempted request does not ask again).
+    prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs_planned: int = 0
+    prompt_logprobs_sent: bool = False
     #: When (this rank's `time.monotonic()`) it entered the queue, was first scheduled (a
     #: preempted request keeps its first), and sampled the tokens not yet in an output (a stop
     #: token dropped from the completion included): the events of vLLM's interval metrics.
@@ -259,10 +265,23 @@ class Scheduler:
         if need > 0:
             request.blocks += self.allocator.allocate(need)
         chunk = ScheduledChunk(list(token_ids), start, list(request.blocks))
+        if request.params.prompt_logprobs is not None and not request.in_flight:
+            self._plan_prompt_logprobs(request, chunk)
         # Counted as computed once scheduled: the next plan starts after this chunk, even
         # when (overlapped loop) this step has not run yet.
         request.num_computed = start + len(token_ids)
         return ScheduledRequest(request, chunk, -1 if samples else None)
+
+    @staticmethod
+    def _plan_prompt_logprobs(request: Request, chunk: ScheduledChunk) -> None:
+        """Ask `chunk` for the prompt log-probabilities its rows give that no earlier chunk was
+        asked for: row p predicts prompt token p + 1."""
+        first = max(chunk.num_computed, request.prompt_logprobs_planned)
+        last = min(chunk.num_computed + len(chunk.token_ids), len(request.prompt_ids) - 1)
+        if last > first:
+            chunk.prompt_targets = request.prompt_ids[first + 1 : last + 1]
+            chunk.prompt_targets_row = first - chunk.num_computed
+            request.prompt_logprobs_planned = last
 
     def _pick_victim(self, request: Request, scheduled: set[str]) -> Request:
         for candidate in reversed(self.running):
@@ -283,10 +302,11 @@ class Scheduler:
 
     # -- results --------------------------------------------------------------------------
 
-    def apply(self, step: SchedulerStep, tokens: list[int | None], logprobs: list | None = None) -> list[RequestOutput]:
+    def apply(self, step: SchedulerStep, tokens: list[int | None], logprobs: list | None = None,
+              prompt_logprobs: list | None = None) -> list[RequestOutput]:
         """Apply a finished step's sampled tokens (in step order), and their log-probabilities
-        where requests asked; return output deltas. The step's tokens are timed together, now
-        that their values are on the host."""
+        and those of prompt tokens where requests asked; return output deltas. The step's
+        tokens are timed together, now that their values are on the host."""
         now = time.monotonic()
         outputs = []
         for k, (entry, token) in enumerate(zip(step.scheduled, tokens)):
@@ -295,6 +315,8 @@ class Scheduler:
                 request.in_flight -= 1
             if request.finished:
                 continue  # finished or aborted while this step ran: drop its late token
+            if prompt_logprobs is not None and prompt_logprobs[k] is not None:
+                request.prompt_logprobs += prompt_logprobs[k]
             if entry.slot is None or token is None:
                 continue
             request.output_ids.append(int(token))
@@ -367,6 +389,10 @@ class Scheduler:
         new_logprobs = request.output_logprobs[request.sent_tokens : len(request.output_ids)]
         request.sent_tokens = len(request.output_ids)
         token_times, request.unreported_token_times = request.unreported_token_times, []
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = request.prompt_logprobs
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=list(new_tokens),
@@ -376,6 +402,7 @@ class Scheduler:
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
             new_logprobs=new_logprobs if request.params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             queued_at=request.queued_at,
             scheduled_at=request.scheduled_at,
             token_times=token_times,

@@ -156,6 +156,8 @@ class _Job:
     output_tokens: list[int] = field(default_factory=list)
     #: `echo`: each choice's prompt text, sent before its completion.
     echo: list[str] | None = None
+    #: `echo` with `max_tokens` 0: the prompt alone, the engine's one sampled token dropped.
+    echo_only: bool = False
     #: Per choice, the `text_offset` of its next token (completions logprobs).
     text_offsets: list[int] = field(default_factory=list)
     admitted: set[int] = field(default_factory=set)
@@ -276,7 +278,8 @@ class _Server:
                              param="model", code="model_not_found")
 
     def sampling_params(self, req: P._SamplingRequest, max_tokens: int, max_tokens_param: str,
-                        logprobs: int | None = None, json_schema: str | None = None) -> list[SamplingParams]:
+                        logprobs: int | None = None, prompt_logprobs: int | None = None,
+                        json_schema: str | None = None) -> list[SamplingParams]:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= P.MAX_N:
             raise P.invalid_request(f"'n' must be between 1 and {P.MAX_N}, got {n}", param="n")
@@ -316,6 +319,7 @@ class _Server:
                         frequency_penalty=req.frequency_penalty or 0.0,
                         presence_penalty=req.presence_penalty or 0.0,
                         logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
                         json_schema=json_schema,
                     )
                 )
@@ -373,13 +377,20 @@ class _Server:
         start = time.perf_counter()
         req: P.CompletionRequest = self.parse(P.CompletionRequest, await self.read_json(request))
         req.check_unsupported()
-        if req.echo and req.logprobs is not None:
-            raise P.invalid_request("'echo' with 'logprobs' needs the prompt's log-probabilities, which this server "
-                                    "does not compute yet; send one or the other", param="echo")
         prompts = self.completion_prompts(req.prompt)
         max_tokens = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        # As vLLM (and OpenAI's legacy API): echo with max_tokens 0 returns the prompt alone
+        # (its log-probabilities, lm-eval's loglikelihood request); the engine still samples
+        # one token, which is dropped but counted in usage, as vLLM counts it.
+        echo_only = bool(req.echo) and max_tokens == 0
+        if echo_only:
+            max_tokens = 1
+        elif max_tokens < 1:
+            raise P.invalid_request(f"'max_tokens' must be at least 1, got {max_tokens} (0 only with 'echo': true, "
+                                    "which returns the prompt)", param="max_tokens")
         _, json_schema = await self.output_constraint(req)
-        params = self.sampling_params(req, max_tokens, "max_tokens", logprobs=req.logprobs, json_schema=json_schema)
+        params = self.sampling_params(req, max_tokens, "max_tokens", logprobs=req.logprobs,
+                                      prompt_logprobs=req.logprobs if req.echo else None, json_schema=json_schema)
         if len(prompts) * len(params) > P.MAX_CHOICES:
             raise P.invalid_request(f"{len(prompts)} prompts x n={len(params)} is more than {P.MAX_CHOICES} choices "
                                     "in one request", param="prompt")
@@ -390,6 +401,7 @@ class _Server:
         if req.echo:
             texts = [text if text is not None else self.client.tokenizer.decode(ids) for ids, text in prompts]
             job.echo = [text for text in texts for _ in range(len(params))]
+            job.echo_only = echo_only
         return await self.run(request, job, bool(req.stream))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -495,16 +507,27 @@ class _Server:
     def token_text(self, token: int) -> str:
         return self.client.tokenizer.decode([token], skip_special_tokens=False)
 
-    def logprobs_object(self, job: _Job, i: int, entries: P.TokenLogprobs | None) -> dict[str, Any] | None:
-        """The logprobs of choice i's new tokens, in the endpoint's shape (None: not asked)."""
+    def logprobs_object(self, job: _Job, i: int, entries: P.TokenLogprobs | None,
+                        prompt_entries: P.TokenLogprobs | None = None) -> dict[str, Any] | None:
+        """The logprobs of choice i's new tokens, in the endpoint's shape (None: not asked);
+        `prompt_entries` (echo): its prompt's, from the second token on, go first."""
         if job.params[i].logprobs is None:
             return None
         entries = entries or []
         if job.chat:
             return P.chat_logprobs(entries, self.token_text)
         if not job.text_offsets:
-            job.text_offsets = [len(job.echo[c]) if job.echo else 0 for c in range(job.n)]
-        body = P.completion_logprobs(entries, self.token_text, job.text_offsets[i])
+            job.text_offsets = [0] * job.n  # echo: the prompt's tokens come first, from offset 0
+        first_prompt_token = None
+        if prompt_entries is not None:
+            prompt = job.prompts[i]
+            if len(prompt_entries) != len(prompt) - 1:
+                raise P.APIError(500, f"the engine returned {len(prompt_entries)} prompt log-probabilities for a "
+                                 f"{len(prompt)}-token prompt (not computed under pipeline parallelism)",
+                                 type="server_error", code="generation_error")
+            first_prompt_token = prompt[0]
+            entries = [*prompt_entries, *entries]
+        body = P.completion_logprobs(entries, self.token_text, job.text_offsets[i], first_prompt_token)
         job.text_offsets[i] += sum(len(t) for t in body["tokens"])
         return body
 
@@ -594,10 +617,14 @@ class _Server:
         texts = list(job.echo) if job.echo else [""] * job.n
         reasons: list[str | None] = [None] * job.n
         logprobs: list[P.TokenLogprobs] = [[] for _ in range(job.n)]
+        prompt_logprobs: list[P.TokenLogprobs | None] = [None] * job.n
         async for i, out in fanout.events():
             self.account(job, i, out)
-            texts[i] += out.new_text
-            logprobs[i] += out.new_logprobs or []
+            if out.prompt_logprobs is not None and job.echo:
+                prompt_logprobs[i] = out.prompt_logprobs
+            if not job.echo_only:
+                texts[i] += out.new_text
+                logprobs[i] += out.new_logprobs or []
             if out.finished:
                 if out.finish_reason == "error":
                     raise P.APIError(500, f"generation failed: {out.error or 'engine error'}", type="server_error",
@@ -613,7 +640,7 @@ class _Server:
                 reasons[i] = finish_reason(job.tool_mode, reasons[i], len(calls[i]))
         choices = list(zip(texts, reasons))
         build = P.chat_response if job.chat else P.completion_response
-        objects = [self.logprobs_object(job, i, logprobs[i]) for i in range(job.n)]
+        objects = [self.logprobs_object(job, i, logprobs[i], prompt_logprobs[i]) for i in range(job.n)]
         body = build(job.request_id, job.created, job.model, choices, usage, objects)
         for choice, made in zip(body["choices"], calls):
             if made:
@@ -649,7 +676,10 @@ class _Server:
                 reason = out.finish_reason if out.finished else None
                 if out.finished:
                     reasons[i] = reason
-                logprobs = self.logprobs_object(job, i, out.new_logprobs) if out.new_logprobs else None
+                new_logprobs = None if job.echo_only else out.new_logprobs
+                prompt_logprobs = out.prompt_logprobs if job.echo else None
+                logprobs = (self.logprobs_object(job, i, new_logprobs, prompt_logprobs)
+                            if new_logprobs or prompt_logprobs is not None else None)
                 if job.chat and tool_streams is not None:
                     stream = tool_streams[i]
                     deltas = stream.feed(out.new_text) + (stream.finish() if out.finished else [])
@@ -669,7 +699,7 @@ class _Server:
                     if out.finished:
                         yield chunk([{"index": i, "delta": {}, "finish_reason": reason}])
                     continue
-                text = out.new_text
+                text = "" if job.echo_only else out.new_text
                 if echo_pending and i in echo_pending:
                     echo_pending.discard(i)
                     text = job.echo[i] + text

@@ -5,7 +5,7 @@ server does not know is a 400 naming it, never silently ignored. A few fields th
 and common tools send are accepted as long as they ask for the default behaviour
 (`user`, `presence_penalty`/`frequency_penalty` of 0, an empty `logit_bias`, `echo` false,
 `suffix` null, `best_of` 1); asking for anything else from them is a 400 saying it is not
-supported. `logprobs` is not implemented: requesting log-probabilities is a 400.
+supported.
 
 Extensions beyond the OpenAI API: `top_k` (0 or -1: no cut), `stop_token_ids`, `ignore_eos`.
 
@@ -315,21 +315,28 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 TokenLogprobs = list[list[tuple[int, float]]]
 
 
-def completion_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str], offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str], offset: int,
+                        first_prompt_token: int | None = None) -> dict[str, Any]:
     """The legacy completions `logprobs` object; `offset` is the first token's `text_offset`.
-    As vLLM does, each `top_logprobs` dict holds the sampled token too."""
+    As vLLM does, each `top_logprobs` dict holds the sampled token too. `first_prompt_token`
+    (echo): the prompt's first token leads, with null `token_logprobs` and `top_logprobs`
+    (nothing precedes it), and `entries` continue from the prompt's second token."""
+    ids = [entry[0][0] for entry in entries]
+    token_logprobs: list[float | None] = [entry[0][1] for entry in entries]
+    top_logprobs: list[dict[str, float] | None] = [
+        {token_text(t): lp for t, lp in [*entry[1:], entry[0]]} for entry in entries
+    ]
+    if first_prompt_token is not None:
+        ids.insert(0, first_prompt_token)
+        token_logprobs.insert(0, None)
+        top_logprobs.insert(0, None)
     tokens, offsets = [], []
-    for entry in entries:
-        text = token_text(entry[0][0])
+    for token in ids:
+        text = token_text(token)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [entry[0][1] for entry in entries],
-        "top_logprobs": [{token_text(t): lp for t, lp in [*entry[1:], entry[0]]} for entry in entries],
-        "text_offset": offsets,
-    }
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
 def chat_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str]) -> dict[str, Any]:
