@@ -52,6 +52,12 @@ def test_model_runner_time_model_with_a_modelled_fabric():
 
 
 class _Client:
+    """What `ServingMetrics` reads of an `EngineClient`."""
+
+    model_name = "tiny-moe"
+    num_engines = 1
+    max_model_len = 2048
+
     def __init__(self, stats):
         self._stats = stats
 
