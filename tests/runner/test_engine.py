@@ -132,6 +132,21 @@ def test_requests_that_cannot_fit_are_rejected_with_a_reason():
     engine.close()
 
 
+def test_a_prompt_token_outside_the_vocabulary_is_refused_and_the_others_run_on():
+    engine = _engine(False)
+    vocab = engine.scheduler.vocab_size
+    assert vocab is not None
+    refused = engine.add_request("bad", [5, vocab, 7], SamplingParams(max_tokens=2))
+    assert refused.finish_reason == "error" and f"token id {vocab}" in refused.error
+    assert engine.add_request("negative", [-3], SamplingParams(max_tokens=2)).finish_reason == "error"
+    engine.add_request("good", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["good"] and outputs[-1].finish_reason == "length"
+    engine.close()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_request_event_times_for_the_metrics(overlap):
     """The scheduler times each request's events on its rank's clock: queued, first scheduled

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tandem.config import EngineConfig, SchedulerConfig
+from tandem.models.hf_config import config_value
 from tandem.runner.future_map import FutureMap
 from tandem.runner.model_runner import ModelRunner, StepResult
 from tandem.runner.sampling import SamplingParams
@@ -110,6 +111,7 @@ class Engine:
             decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
             generator_device=runner.device,
             grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids)),
+            vocab_size=_vocab_size(runner.model),
         )
         self.overlap_schedule = overlap_schedule
         self.lockstep = lockstep
@@ -327,6 +329,11 @@ class Engine:
         self.drain()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+def _vocab_size(model) -> int | None:
+    config = getattr(model, "config", None)
+    return None if config is None else config_value(config, "vocab_size", default=None)
 
 
 def run_to_completion(

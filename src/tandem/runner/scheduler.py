@@ -119,6 +119,7 @@ class Scheduler:
         decode: Callable[[list[int]], str] = lambda ids: "",
         generator_device: torch.device | str = "cpu",
         grammars: GrammarCompiler | None = None,
+        vocab_size: int | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -128,6 +129,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        #: Token ids a prompt may hold are [0, vocab_size): one outside would fail the whole step.
+        self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids or set()
         self.decode = decode
         #: Where requests' sampling generators live: the device their logits are on.
@@ -149,6 +152,12 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not request.prompt_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        bad = [t for t in request.prompt_ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt token id {bad[0]} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
         total = len(request.prompt_ids) + request.params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
