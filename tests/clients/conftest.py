@@ -1,7 +1,7 @@
-"""Real third-party clients (lm-eval, guidellm) against a real `tandem serve` on tiny-moe.
+"""Real third-party clients (lm-eval, guidellm, LangChain) against a real `tandem serve` on tiny-moe.
 
 Each client lives in its own virtualenv next to the repository (`.venv-lmeval`,
-`.venv-guidellm`: they pull conflicting dependencies); `.ci/run` makes them and runs
+`.venv-guidellm`, `.venv-langchain`: they pull conflicting dependencies); `.ci/run` makes them and runs
 `python -m pytest -m clients tests/clients`. Tests marked `clients` are skipped unless `-m`
 selects them, so the default `python -m pytest` stays quick and offline."""
 
