@@ -18,8 +18,10 @@ is not sent, and not logged unless `log_requests`).
 `max_streams_per_key` caps the streaming requests open at once per client: per API key (the
 bearer token, held only as a hash), or per client address when no key is sent.
 
-The OpenAPI schema (`/openapi.json`) documents the request bodies (from the pydantic models
-in `protocol`) and the error statuses, so a schema-driven fuzzer exercises the real parsing.
+The OpenAPI schema (`/openapi.json`, `serving/openapi.py`) documents the request bodies (from
+the pydantic models in `protocol`) and the error statuses, so a schema-driven fuzzer exercises
+the real parsing. The HTTP plumbing (errors, disconnects, SSE, middlewares) is
+`serving/asgi.py`; merging a request's engine requests, `serving/fanout.py`.
 
 A request with `n > 1` fans out to `n` engine requests `<id>-0 ... <id>-<n-1>` (with seeds
 `seed + i` when a seed is given). When the client goes away (mid-stream, or while waiting for
@@ -45,95 +47,27 @@ from starlette.responses import JSONResponse, Response
 from tandem.runner.sampling import SamplingParams
 from tandem.serving import protocol as P
 from tandem.serving.asgi import (
-    ABORT_TIMEOUT_S,
     AuthMiddleware,
     ClientGone,
     MetricsMiddleware,
     SSEResponse,
-    cancel_and_wait,
     error_response,
     exception_summary,
     until_disconnect,
 )
 from tandem.serving.chat import ChatTemplateError, compile_template, render_chat
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineUnavailableError
+from tandem.serving.fanout import RequestFanout
 from tandem.serving.metrics import ServingMetrics
+from tandem.serving.openapi import ERROR_RESPONSES, openapi_schema, request_body
 from tandem.serving.structured import ToolChoice, parse_tool_choice, parse_tools, response_format_schema
 from tandem.serving.tool_parser import TOOL_CALL_START, ToolCallStream, finish_reason, parse_tool_calls
-from tandem.serving.vllm_metrics import RequestTracker
 from tandem.runner.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 #: `Retry-After` of every 429 (seconds).
 RETRY_AFTER_S = "1"
-
-
-class _Fanout:
-    """The `n` engine requests of one HTTP request, merged into one stream of (index, output)."""
-
-    def __init__(self, client: EngineClient, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-                 trackers: list[RequestTracker]):
-        self.n = len(params)
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
-        self._buffer: list[tuple[int, RequestOutput]] = []
-        self._finished = 0
-        self._tasks = [
-            asyncio.ensure_future(self._pump(client, i, f"{request_id}-{i}", prompt_ids, p, tracker))
-            for i, (prompt_ids, p, tracker) in enumerate(zip(prompts, params, trackers))
-        ]
-
-    async def _pump(self, client: EngineClient, i: int, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    tracker: RequestTracker):
-        """Every output is observed here as it arrives, however fast the HTTP side consumes it."""
-        gen = None
-        try:
-            gen = client.generate(rid, list(prompt_ids), params)
-            async for out in gen:
-                tracker.observe(out)
-                self._queue.put_nowait((i, out, None))
-                if out.finished:
-                    return
-            self._queue.put_nowait((i, None, RuntimeError(f"the engine ended request {rid} without a final output")))
-        except asyncio.CancelledError:
-            tracker.abandoned()
-            raise
-        except Exception as exc:
-            self._queue.put_nowait((i, None, exc))
-        finally:
-            aclose = getattr(gen, "aclose", None)
-            if aclose is not None:
-                await aclose()  # aborts the request in the engine unless it finished
-
-    async def _next(self) -> tuple[int, RequestOutput]:
-        i, out, err = await self._queue.get()
-        if err is not None:
-            raise err
-        assert out is not None
-        if out.finished:
-            self._finished += 1
-        return i, out
-
-    async def prime(self) -> None:
-        """Wait until every engine request produced its first output (so was admitted); an
-        engine error raised before that propagates here."""
-        seen: set[int] = set()
-        while len(seen) < self.n:
-            i, out = await self._next()
-            if out.finished and out.finish_reason == "error":
-                raise P.APIError(500, f"generation failed: {out.error or 'engine error'}", type="server_error",
-                                 code="generation_error")
-            self._buffer.append((i, out))
-            seen.add(i)
-
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        while self._buffer:
-            yield self._buffer.pop(0)
-        while self._finished < self.n:
-            yield await self._next()
-
-    async def aclose(self) -> None:
-        await cancel_and_wait(self._tasks, ABORT_TIMEOUT_S, "engine request(s)")
 
 
 @dataclass
@@ -593,7 +527,7 @@ class _Server:
         per_prompt = job.n // job.num_prompts
         trackers = [tracker for i in range(0, job.n, per_prompt)
                     for tracker in self.metrics.vllm.track_prompt(job.start, job.params[i].max_tokens, per_prompt)]
-        fanout = _Fanout(self.client, job.request_id, job.prompts, job.params, trackers)
+        fanout = RequestFanout(self.client, job.request_id, job.prompts, job.params, trackers)
         if not stream:
             try:
                 body = await until_disconnect(request.receive, self.collect(job, fanout))
@@ -613,7 +547,7 @@ class _Server:
 
         return SSEResponse(self.stream_events(job, fanout), on_close=on_close)
 
-    async def collect(self, job: _Job, fanout: _Fanout) -> dict[str, Any]:
+    async def collect(self, job: _Job, fanout: RequestFanout) -> dict[str, Any]:
         texts = list(job.echo) if job.echo else [""] * job.n
         reasons: list[str | None] = [None] * job.n
         logprobs: list[P.TokenLogprobs] = [[] for _ in range(job.n)]
@@ -647,7 +581,7 @@ class _Server:
                 choice["message"]["tool_calls"] = [call.message_item() for call in made]
         return body
 
-    async def stream_events(self, job: _Job, fanout: _Fanout) -> AsyncIterator[bytes]:
+    async def stream_events(self, job: _Job, fanout: RequestFanout) -> AsyncIterator[bytes]:
         build = P.chat_chunk if job.chat else P.completion_chunk
         with_usage = job.include_usage
 
@@ -786,103 +720,6 @@ class _Server:
         return Response(content, headers={"Content-Type": content_type})
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"description": "Invalid request (malformed JSON, unknown field, wrong type, bad value, over the context length)"},
-    401: {"description": "Missing or invalid API key"},
-    404: {"description": "Unknown model"},
-    413: {"description": "Request body over the size limit"},
-    429: {"description": "Engine queue full, or too many concurrent streams for this API key"},
-    500: {"description": "Generation failed"},
-    503: {"description": "The engine is unavailable"},
-}
-
-
-def _body(model: str) -> dict[str, Any]:
-    ref = {"$ref": f"#/components/schemas/{model}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-
-# Limits the handlers enforce beyond the pydantic types, documented in the schema (the
-# errors stay the handlers' own): the non-null member of each field gets these keywords.
-_DOCUMENTED_LIMITS: dict[str, dict[str, Any]] = {
-    "max_tokens": {"minimum": 1},
-    "max_completion_tokens": {"minimum": 1},
-    "temperature": {"minimum": 0},
-    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"minimum": -1},
-    "n": {"minimum": 1, "maximum": P.MAX_N},
-    "seed": {"minimum": P.MIN_SEED, "maximum": P.MAX_SEED},
-    "presence_penalty": {"minimum": -2, "maximum": 2},
-    "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "repetition_penalty": {"exclusiveMinimum": 0},
-    "min_p": {"minimum": 0, "maximum": 1},
-    "min_tokens": {"minimum": 0},
-    "best_of": {"minimum": 1, "maximum": P.MAX_N},
-    "logit_bias": {"maxProperties": 0},
-    "stop_token_ids": {"items": {"type": "integer", "minimum": 0}},
-    "messages": {"minItems": 1},
-}
-# Accepted only at their default value (asking for more is a 400 "not supported").
-_DEFAULT_ONLY = {"logprobs", "echo", "suffix", "top_logprobs"}
-
-
-def _document_limits(body: dict[str, Any], vocab_size: int | None) -> None:
-    if "messages" in body["properties"]:
-        body.setdefault("required", []).append("messages")
-    for name, prop in body["properties"].items():
-        if name in _DEFAULT_ONLY:
-            body["properties"][name] = {"type": "null", "title": prop.get("title", name)}
-            continue
-        members = [m for m in prop.get("anyOf", [prop]) if m.get("type") != "null"]
-        for member in members:
-            member.update(_DOCUMENTED_LIMITS.get(name, {}))
-            if member.get("type") == "string" and name in ("prompt", "stop"):
-                member["minLength"] = 1
-            if member.get("type") != "array" or name not in ("prompt", "stop"):
-                continue
-            items = member.get("items", {})
-            if items.get("type") == "string":
-                items["minLength"] = 1
-            token_ids = items if items.get("type") == "integer" else items.get("items", {})
-            if token_ids.get("type") == "integer":
-                token_ids["minimum"] = 0
-                if vocab_size is not None:
-                    token_ids["maximum"] = vocab_size - 1
-            if name == "prompt":
-                if items.get("type") == "integer":
-                    member["minItems"] = 1
-                else:
-                    member.update(minItems=1)  # a batch of prompts
-                    if items.get("type") == "array":
-                        items["minItems"] = 1
-
-
-def _openapi_schema(app: FastAPI, served_model_name: str, vocab_size: int | None) -> dict[str, Any]:
-    """FastAPI's schema plus the request bodies the handlers parse themselves."""
-    if app.openapi_schema is not None:
-        return app.openapi_schema
-    from fastapi.openapi.utils import get_openapi
-
-    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in (P.CompletionRequest, P.ChatCompletionRequest):
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(body.pop("$defs", {}))
-        # This server serves exactly one model.
-        body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
-        _document_limits(body, vocab_size)
-        components[model.__name__] = body
-    for model in (P.TokenizeCompletionRequest, P.TokenizeChatRequest, P.DetokenizeRequest):
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(body.pop("$defs", {}))
-        body["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
-        components[model.__name__] = body
-    components["TokenizeRequest"] = {"anyOf": [{"$ref": "#/components/schemas/TokenizeCompletionRequest"},
-                                               {"$ref": "#/components/schemas/TokenizeChatRequest"}]}
-    app.openapi_schema = schema
-    return schema
-
-
 def create_app(
     client: EngineClient,
     *,
@@ -930,11 +767,11 @@ def create_app(
         logger.error("internal error on %s: %s", request.url.path, exception_summary(exc))
         return error_response(P.APIError(500, "internal server error", type="server_error", code="internal_error"))
 
-    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"), responses=_ERRORS)
+    @app.post("/v1/completions", openapi_extra=request_body("CompletionRequest"), responses=ERROR_RESPONSES)
     async def completions(request: Request) -> Response:
         return await server.guard(request, server.completions)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"), responses=_ERRORS)
+    @app.post("/v1/chat/completions", openapi_extra=request_body("ChatCompletionRequest"), responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         return await server.guard(request, server.chat_completions)
 
@@ -944,7 +781,7 @@ def create_app(
 
     model_id_param = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
-    @app.get("/v1/models/{model_id:path}", responses={404: _ERRORS[404]}, openapi_extra={"parameters": [model_id_param]})
+    @app.get("/v1/models/{model_id:path}", responses={404: ERROR_RESPONSES[404]}, openapi_extra={"parameters": [model_id_param]})
     async def model(request: Request) -> Response:
         return await server.guard(request, server.model)
 
@@ -962,11 +799,11 @@ def create_app(
     async def version(request: Request) -> Response:
         return JSONResponse({"version": tandem_version})
 
-    @app.post("/tokenize", responses=_ERRORS, openapi_extra=_body("TokenizeRequest"))
+    @app.post("/tokenize", responses=ERROR_RESPONSES, openapi_extra=request_body("TokenizeRequest"))
     async def tokenize(request: Request) -> Response:
         return await server.guard(request, server.tokenize)
 
-    @app.post("/detokenize", responses=_ERRORS, openapi_extra=_body("DetokenizeRequest"))
+    @app.post("/detokenize", responses=ERROR_RESPONSES, openapi_extra=request_body("DetokenizeRequest"))
     async def detokenize(request: Request) -> Response:
         return await server.guard(request, server.detokenize)
 
@@ -978,7 +815,7 @@ def create_app(
     async def metrics_route(request: Request) -> Response:
         return await server.metrics_endpoint(request)
 
-    app.openapi = lambda: _openapi_schema(app, server.served, server.vocab_size)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(app, server.served, server.vocab_size)  # type: ignore[method-assign]
     if api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: also counts 401s
