@@ -313,6 +313,7 @@ def bench_serve(server: ServerProcess, model_dir: Path, concurrency: int, args, 
                "--dataset-name", "random", "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
                "--max-concurrency", str(concurrency), "--seed", str(seed), "--ignore-eos",
+               "--percentile-metrics", "ttft,tpot,itl,e2el",
                "--save-result", "--result-dir", out, "--result-filename", "result.json", "--disable-tqdm"]
         run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **OFFLINE_ENV}, timeout=1800)
         result_file = Path(out) / "result.json"
