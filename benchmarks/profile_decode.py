@@ -4,7 +4,7 @@ Loads the checkpoint the way `tandem serve` does (`load_model`), prefills B sequ
 `--context` tokens over a paged KV cache, then times decode steps (B new tokens each):
 
 - the whole step (forward + logits), median over `--steps`;
-- per module, inclusive wall time from forward hooks (CPU is synchronous, so a hook pair brackets
+- per module, inclusive wall time from forward hooks (median over steps) (CPU is synchronous, so a hook pair brackets
   the module's work exactly), summed over layers: `layers.*.self_attn`, `layers.*.mlp`,
   `layers.*.mlp.experts`, ..., plus `compute_logits`;
 - the torch profiler's self-CPU time per ATen op, and the share of the step spent outside ATen
@@ -39,7 +39,9 @@ def module_timers(model: torch.nn.Module, totals: dict[str, float]) -> list:
     """Forward hooks adding each per-layer submodule's wall time to totals[name without index]."""
     handles = []
     for name, module in model.named_modules():
-        if not LAYER_INDEX.search(name) or name.count(".") > 4:
+        per_layer = LAYER_INDEX.search(name) and name.count(".") <= 4
+        outside_layers = name.count(".") <= 1 and name not in ("", "model", "model.layers")  # embed, norm, lm_head
+        if not (per_layer or outside_layers):
             continue
         key = LAYER_INDEX.sub("layers.*.", name)
         starts: list[float] = []
@@ -47,6 +49,19 @@ def module_timers(model: torch.nn.Module, totals: dict[str, float]) -> list:
         handles.append(module.register_forward_hook(
             lambda m, a, o, s=starts, k=key: totals.__setitem__(k, totals[k] + time.perf_counter() - s.pop())))
     return handles
+
+
+def timed_logits(model, totals: dict[str, float]):
+    """`model.compute_logits` (a plain linear on the weight, no module) with its time added to totals."""
+    original = model.compute_logits
+
+    def compute_logits(hidden):
+        start = time.perf_counter()
+        out = original(hidden)
+        totals["compute_logits"] += time.perf_counter() - start
+        return out
+
+    return compute_logits
 
 
 def profile_batch(model, batch: int, context: int, steps: int, vocab: int) -> dict:
@@ -70,12 +85,19 @@ def profile_batch(model, batch: int, context: int, steps: int, vocab: int) -> di
         decode()
     step_times = [decode() for _ in range(steps)]
 
-    totals: dict[str, float] = defaultdict(float)
-    handles = module_timers(model, totals)
-    hooked_steps = steps
-    hooked = [decode() for _ in range(hooked_steps)]
-    for h in handles:
-        h.remove()
+    # Medians per module over the steps: on a shared machine a mean soaks up other jobs' bursts.
+    per_step: dict[str, list[float]] = defaultdict(list)
+    hooked = []
+    for _ in range(steps):
+        totals: dict[str, float] = defaultdict(float)
+        handles = module_timers(model, totals)
+        model.compute_logits = timed_logits(model, totals)
+        hooked.append(decode())
+        del model.compute_logits
+        for h in handles:
+            h.remove()
+        for k, v in totals.items():
+            per_step[k].append(v)
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         profiled = [decode() for _ in range(steps)]
@@ -88,7 +110,7 @@ def profile_batch(model, batch: int, context: int, steps: int, vocab: int) -> di
         "step_ms": step_ms,
         "ms_per_token": step_ms / batch,
         "hooked_step_ms": 1000 * statistics.median(hooked),
-        "modules_ms_per_step": {k: 1000 * v / hooked_steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+        "modules_ms_per_step": dict(sorted(((k, 1000 * statistics.median(v)) for k, v in per_step.items()), key=lambda kv: -kv[1])),
         "profiled_step_ms": 1000 * statistics.median(profiled),
         "aten_self_ms_per_step": aten_ms,
         "ops_ms_per_step": {e.key: e.self_cpu_time_total / 1000 / steps for e in ops[:15]},
