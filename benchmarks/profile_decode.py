@@ -70,13 +70,17 @@ def profile_batch(model, batch: int, context: int, steps: int, vocab: int) -> di
     harness = GreedyHarness(model, num_blocks=blocks + 1, block_size=block_size)
     gen = torch.Generator().manual_seed(0)
     sequences = [{"tokens": torch.randint(2, vocab, (context,), generator=gen).tolist(), "computed": 0} for _ in range(batch)]
-    harness.step(sequences)
+    prefill_logits = harness.step(sequences)
+    last_rows = prefill_logits.view(batch, context, -1)[:, -1]
+    for seq, token in zip(sequences, last_rows.argmax(-1).tolist()):
+        seq["tokens"].append(token)  # every decode step then has one new token per sequence
 
     def decode() -> float:
         start = time.perf_counter()
         logits = harness.step(sequences)
         next_tokens = logits.argmax(-1).tolist()
         elapsed = time.perf_counter() - start
+        assert len(next_tokens) == batch, f"a decode step gave {len(next_tokens)} rows for {batch} sequences"
         for seq, token in zip(sequences, next_tokens):
             seq["tokens"].append(token)
         return elapsed
