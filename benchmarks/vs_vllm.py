@@ -486,7 +486,7 @@ def markdown(record: dict) -> str:
                 key = f"{metric}@{c}"
                 vllm_cell = "cannot load" if "vllm" in entry["unavailable"] else _fmt(v[key], digits)
                 ratio = _fmt(r[key], 2) + ("x" if r[key] else "")
-                if metric == "itl_ms" and min(t[key] or 0, v[key] or 0) < 0.5:
+                if metric == "itl_ms" and r[key] is not None and min(t[key], v[key]) < 0.5:
                     ratio = "bunched"  # tokens arrived several per chunk: the median gap is ~0
                 cells += [f"{_fmt(t[key], digits)} / {vllm_cell}", ratio]
             lines.append(f"| {name} | {c} | " + " | ".join(cells) + " |")
