@@ -431,7 +431,7 @@ def _median(values: list[float]) -> float | None:
 
 def summarise(entry: dict, concurrencies: list[int]) -> dict:
     def per_server(kind: str) -> dict:
-        runs = [r for r in entry["runs"][kind]]
+        runs = entry["runs"][kind]
         out = {"startup_s": _median([r["startup_s"] for r in runs]),
                "peak_rss_gb": _median([r["peak_rss_gb"] for r in runs]),
                "peak_pss_gb": _median([r["peak_pss_gb"] for r in runs])}
