@@ -371,9 +371,8 @@ class MoEStack:
         shape = StepShape(tokens)
         start = time.perf_counter()
         group = dist.group.WORLD if self.world > 1 else None
-        decision, planned = decide_overlap(overlap, planner, shape, group=group)
+        _, planned, k = decide_overlap(overlap, planner, shape, group=group)
         agree_s = time.perf_counter() - start
-        k = planned.choice.num_ubatches if planned is not None else overlap.num_ubatches if decision.should_ubatch else 1
         times = self.step("none" if k == 1 else "dbo", tokens, fabric, num_ubatches=k)
         # The agreement is part of the step (a synchronous collective: exposed communication).
         times = StepTimes(times.step_s + agree_s, times.compute_s, times.recv_wait_s + agree_s, times.comm_s + agree_s, times.switch_s)

@@ -187,11 +187,9 @@ class ModelRunner:
         planner = self.planner
         uniform_decode = bool(counts) and all(n == 1 for n in counts)
         shape = StepShape(num_tokens, attention_work(counts, contexts) if planner else 0, uniform_decode)
-        decision, planned = decide_overlap(o, planner, shape, group=self.dp_group, prefills=any(n != 1 for n in counts))
-        if planned is not None:
-            num_ubatches = planned.choice.num_ubatches
-        else:
-            num_ubatches = o.num_ubatches if decision.should_ubatch else 1
+        decision, planned, num_ubatches = decide_overlap(
+            o, planner, shape, group=self.dp_group, prefills=any(n != 1 for n in counts)
+        )
         if num_ubatches > 1 or o.graph_mode == "full":
             # Same shape on every rank: one graph per size, and ubatches cut at the same points.
             padded = decision.num_tokens_padded

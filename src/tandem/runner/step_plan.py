@@ -59,12 +59,13 @@ def decide_overlap(
     *,
     group=None,
     prefills: bool = False,
-) -> tuple[UBatchDecision, PlannedStep | None]:
+) -> tuple[UBatchDecision, PlannedStep | None, int]:
     """The step's overlap decision, agreed with the other ranks of `group` in one
     all-reduce: the static thresholds say whether this rank wants ubatches; under
     `--overlap-policy auto` the planner's predictions ride along and it picks the choice
-    whose slowest rank is fastest. Returns the agreed decision and the planner's choice
-    (None without a planner; the static rule's choice when the planner only observes)."""
+    whose slowest rank is fastest. Returns the agreed decision, the planner's choice (None
+    without a planner; the static rule's choice when the planner only observes) and the
+    number of ubatches the step runs (1: unsplit)."""
     wants = overlap.enable_dbo and check_ubatch_thresholds(
         shape.num_tokens, shape.decode, overlap.dbo_decode_token_threshold, overlap.dbo_prefill_token_threshold
     )
@@ -74,13 +75,15 @@ def decide_overlap(
             shape.num_tokens, wants, group=group, num_ubatches=overlap.num_ubatches, predicted_s=predicted,
             prefills=prefills,
         )
-    if planner is None:
-        return decision, None
     static_num_ubatches = overlap.num_ubatches if decision.should_ubatch else 1
+    if planner is None:
+        return decision, None, static_num_ubatches
     if predicted is None:  # a static policy: the planner only learns
         static = planner.static_choice(static_num_ubatches)
-        return decision, PlannedStep(static, planner.predict(shape)[planner.choices.index(static)], False)
-    return decision, planner.decide(decision, static_num_ubatches, predicted)
+        planned = PlannedStep(static, planner.predict(shape)[planner.choices.index(static)], False)
+    else:
+        planned = planner.decide(decision, static_num_ubatches, predicted)
+    return decision, planned, planned.choice.num_ubatches
 
 
 __all__ = ["StepPlan", "decide_overlap"]
