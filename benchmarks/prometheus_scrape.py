@@ -37,7 +37,7 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tandem.runner.launch import find_free_port  # noqa: E402
-from tests.serving.server_process import Server  # noqa: E402
+from tests.serving.server_process import Server, wait_ready  # noqa: E402
 
 SCRAPE_INTERVAL_S = 1
 
@@ -67,23 +67,10 @@ class Prometheus:
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:
-            self._wait_ready(timeout_s=60)
+            wait_ready(f"{self.base}/-/ready", 60, [self.proc], what="prometheus", detail=self.output)
         except BaseException:
             self.close()
             raise
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with code {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.base}/-/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"prometheus was not ready within {timeout_s:g} s:\n{self.output()}")
 
     def wait_scraped(self, timeout_s: float = 30) -> None:
         """Until the first scrape is in (Prometheus starts scraping a few seconds after it is
@@ -209,7 +196,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"prometheus": version, "requests": args.requests, "concurrency": args.concurrency,
                                     "max_tokens": args.max_tokens, "wall_s": wall, "rows": rows,
                                     "dashboard_panel_series": panels}, indent=2) + "\n")
-    print(f"wrote {args.out.relative_to(ROOT)}")
+    print(f"wrote {args.out}")
 
 
 def dashboard_panels(model: str) -> dict[str, str]:

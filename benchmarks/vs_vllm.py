@@ -45,6 +45,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.serving.server_process import wait_ready  # noqa: E402
+
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_BIN = VLLM_VENV / "bin"
 MODELS_DIR = ROOT / "build" / "vs_vllm_models"
@@ -255,7 +258,8 @@ class ServerProcess:
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
         try:
-            self._wait_healthy(startup_timeout_s)
+            wait_ready(f"{self.base}/health", startup_timeout_s, [self.proc], what=self.kind, detail=self.tail,
+                       interval_s=0.1)
         except BaseException:
             self.kill()
             raise
@@ -266,19 +270,6 @@ class ServerProcess:
             rss, pss = _memory_kb(_tree(self.proc.pid))
             self.peak_rss_kb, self.peak_pss_kb = max(self.peak_rss_kb, rss), max(self.peak_pss_kb, pss)
             time.sleep(0.5)
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.kind} exited with code {self.proc.returncode} before /health: {self.tail()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.kind} not healthy within {timeout_s:g} s: {self.tail()}")
 
     def tail(self, lines: int = 8) -> str:
         self.log.flush()

@@ -9,25 +9,46 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import httpx
 
 from tandem.runner.launch import find_free_port
 
 
-def wait_healthy(base: str, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+def wait_ready(
+    url: str,
+    timeout_s: float,
+    procs: list[subprocess.Popen],
+    *,
+    what: str = "server process",
+    detail: Callable[[], str] = lambda: "",
+    interval_s: float = 0.2,
+) -> None:
+    """Poll `url` until it answers 200. Raises RuntimeError as soon as one of `procs` (the
+    server's processes) exits, TimeoutError when `timeout_s` runs out; `detail()` (say, the
+    tail of the server's log) ends both messages."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"server process exited early with code {proc.returncode}")
+                raise RuntimeError(f"{what} exited early with code {proc.returncode}{_suffix(detail)}")
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{base} did not become healthy within {timeout_s:g} s")
+        time.sleep(interval_s)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s{_suffix(detail)}")
+
+
+def _suffix(detail: Callable[[], str]) -> str:
+    text = detail()
+    return f":\n{text}" if text else ""
+
+
+def wait_healthy(base: str, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+    wait_ready(f"{base}/health", timeout_s, procs)
 
 
 def rank_pids(parent_pids: list[int]) -> list[int]:
