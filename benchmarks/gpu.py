@@ -64,15 +64,15 @@ def _sweep(args, phase: str, tokens: list[int]) -> tuple[list[dict], dict | None
 def _loop_runner(args):
     """One model for both loops (a second copy of a 31 GB model would not fit beside it)."""
     from tandem.config import CacheConfig
-    from tandem.runner.offline import build_runner
+    from tandem.engine.offline import build_runner
 
     blocks = args.requests * -(-(args.prompt_len + args.max_tokens) // 16) + 1
     return build_runner(_engine(args, cache=CacheConfig(num_kv_blocks=blocks, block_size=16)))
 
 
 def _loop_throughput(args, runner, overlap_schedule: bool) -> float:
-    from tandem.runner.engine import Engine
-    from tandem.runner.sampling import SamplingParams
+    from tandem.engine.core import Engine
+    from tandem.worker.sampling import SamplingParams
 
     rates = []
     for run in range(args.warmup + args.repeat):

@@ -102,7 +102,7 @@ class _ModelSteps:
         self.fabric = None
 
     def chunks(self, step):
-        from tandem.runner.batch import ScheduledChunk
+        from tandem.worker.step_inputs import ScheduledChunk
 
         phase, tokens = step
         g = torch.Generator().manual_seed(tokens)
@@ -191,7 +191,7 @@ def split_on_rank(rank, world, rounds, warmup):
     from tandem.bench.sweep import calibrate_fabric
     from tandem.bench.workloads import ModelStepWorkload
     from tandem.config import CacheConfig, EngineConfig, OverlapConfig, ParallelConfig
-    from tandem.runner.batch import ScheduledChunk
+    from tandem.worker.step_inputs import ScheduledChunk
 
     torch.set_num_threads(1)
     config = EngineConfig(
@@ -300,7 +300,7 @@ def split_table(result: dict) -> tuple[str, dict]:
 
 
 def main() -> None:
-    from tandem.runner.launch import launch_ranks
+    from tandem.distributed.launch import launch_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6, help="Measured rounds over every step size.")

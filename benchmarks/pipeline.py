@@ -51,7 +51,7 @@ def make_model_dir(directory: Path, context: int) -> str:
 
 
 def _decode_run(engine, tokenizer, args, tag: str, stage_stats=None) -> dict:
-    from tandem.runner.sampling import SamplingParams
+    from tandem.worker.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     for i in range(args.streams):
@@ -83,7 +83,7 @@ def _window_idle(before: dict, after: dict) -> float:
 
 
 def _ttft(engine, args, tag: str) -> float:
-    from tandem.runner.sampling import SamplingParams
+    from tandem.worker.sampling import SamplingParams
 
     prompt = [(7 * i) % 250 + 1 for i in range(args.prompt_len)]
     start = time.perf_counter()
@@ -128,10 +128,10 @@ def bench_rank(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
     from tandem.config import CacheConfig, EngineConfig, ParallelConfig
-    from tandem.runner.chunking import fit_chunker
-    from tandem.runner.engine import Engine
-    from tandem.runner.build import build_runner
-    from tandem.runner.pipeline import PipelineEngine, build_pipeline_stage, run_stage
+    from tandem.engine.chunking import fit_chunker
+    from tandem.engine.core import Engine
+    from tandem.worker.build import build_runner
+    from tandem.engine.pipeline import PipelineEngine, build_pipeline_stage, run_stage
 
     torch.set_num_threads(1)
     blocks = (args.prompt_len + args.streams * 64) // 16 + 64

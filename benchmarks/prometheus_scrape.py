@@ -36,8 +36,8 @@ import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tandem.runner.launch import find_free_port  # noqa: E402
-from tests.serving.server_process import Server, wait_ready  # noqa: E402
+from tandem.distributed.launch import find_free_port  # noqa: E402
+from tests.support.server_process import Server, wait_ready  # noqa: E402
 
 SCRAPE_INTERVAL_S = 1
 

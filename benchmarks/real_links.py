@@ -299,7 +299,7 @@ def worker_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from tandem.runner.launch import init_rank
+    from tandem.distributed.launch import init_rank
 
     plan = json.loads(Path(args.plan).read_text())
     torch.set_num_threads(plan["threads"])
@@ -358,9 +358,9 @@ def scheduler_loops(model: str = "small-moe", streams: int = 64, max_tokens: int
     import torch
 
     from tandem.config import CacheConfig, EngineConfig
-    from tandem.runner.engine import Engine
-    from tandem.runner.offline import build_runner
-    from tandem.runner.sampling import SamplingParams
+    from tandem.engine.core import Engine
+    from tandem.engine.offline import build_runner
+    from tandem.worker.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     config = EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=streams * 4 + 8), device="cpu", dtype="float32")

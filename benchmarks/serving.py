@@ -30,7 +30,7 @@ import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.serving.server_process import Server  # noqa: E402
+from tests.support.server_process import Server  # noqa: E402
 
 CONFIGS = {
     "overlap loop (dp 1)": ("--kv-cache-tokens", "16384"),

@@ -1,4 +1,4 @@
-"""What constrained decoding costs a decode step (`tandem.runner.structured`), in one run:
+"""What constrained decoding costs a decode step (`tandem.worker.grammar`), in one run:
 
 - `mask`: the per-step grammar work alone — fill the token bitmask of R constrained rows on
   the host, copy it to the logits' device, mask the logits — median over steps;
@@ -34,7 +34,7 @@ SCHEMA = json.dumps({
 
 def mask_step_s(rows: int, steps: int) -> float:
     from tandem.models.tiny_moe import EOS_ID, build_tokenizer
-    from tandem.runner.structured import GrammarCompiler, mask_logits
+    from tandem.worker.grammar import GrammarCompiler, mask_logits
 
     compiler = GrammarCompiler(build_tokenizer(), [EOS_ID])
     constraints = [compiler.constraint(SCHEMA) for _ in range(rows)]
@@ -53,9 +53,9 @@ def mask_step_s(rows: int, steps: int) -> float:
 def engine_s_per_token(rows: int, constrained_share: float, tokens: int) -> float:
     from tandem.config import OverlapConfig
     from tandem.models.tiny_moe import build_tiny_moe
-    from tandem.runner.engine import Engine
-    from tandem.runner.model_runner import ModelRunner
-    from tandem.runner.sampling import SamplingParams
+    from tandem.engine.core import Engine
+    from tandem.worker.model_runner import ModelRunner
+    from tandem.worker.sampling import SamplingParams
 
     info = build_tiny_moe()
     runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=rows * 8 + 8, block_size=16)

@@ -48,9 +48,9 @@ def yield_switch_s(executor, switches: int, tracer) -> float:
 
 def tiny_moe_runner(tokens: int):
     from tandem.config import CacheConfig, EngineConfig, OverlapConfig
-    from tandem.runner.batch import ScheduledChunk
-    from tandem.runner.offline import build_runner
-    from tandem.runner.sampling import SamplingParams
+    from tandem.worker.step_inputs import ScheduledChunk
+    from tandem.engine.offline import build_runner
+    from tandem.worker.sampling import SamplingParams
 
     config = EngineConfig(
         model="tiny-moe",

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from tandem import ForwardContext, coordinate_ubatching, set_forward_context, split_by_tokens
 from tandem.modular_kernels import build_moe_kernel
-from tandem.runner.ubatch_wrapper import UBatchWrapper
+from tandem.worker.ubatch_wrapper import UBatchWrapper
 
 VOCAB, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, NUM_LAYERS = 256, 64, 96, 8, 2, 2
 WORLD_SIZE = 2

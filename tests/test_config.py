@@ -46,8 +46,8 @@ def test_a_default_lives_in_one_place():
     # The engine and the scheduler take their defaults from the config tree.
     import inspect
 
-    from tandem.runner.engine import Engine
-    from tandem.runner.scheduler import Scheduler
+    from tandem.engine.core import Engine
+    from tandem.engine.scheduler import Scheduler
 
     scheduler = inspect.signature(Scheduler.__init__).parameters
     assert scheduler["max_num_seqs"].default == SchedulerConfig().max_num_seqs
@@ -148,9 +148,9 @@ def test_every_backend_declares_its_options():
 def test_the_ranks_enforce_max_model_len():
     from tandem.config import OverlapConfig
     from tandem.models.tiny_moe import build_tiny_moe
-    from tandem.runner.engine import Engine
-    from tandem.runner.model_runner import ModelRunner
-    from tandem.runner.sampling import SamplingParams
+    from tandem.engine.core import Engine
+    from tandem.worker.model_runner import ModelRunner
+    from tandem.worker.sampling import SamplingParams
 
     runner = ModelRunner(build_tiny_moe(), overlap=OverlapConfig(), num_kv_blocks=64, block_size=4)
     config = EngineConfig(scheduler=SchedulerConfig(max_model_len=16, max_num_seqs=4), max_num_batched_tokens=32)

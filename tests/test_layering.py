@@ -3,8 +3,8 @@
 Every module is parsed (ast: nothing is imported, so no side effects), every `import` is
 an edge, including imports inside functions: an import deferred into a function to dodge
 a cycle is still a cycle in the design (modules named in strings for `importlib`, as the
-loader's family table does, are not seen). The layers are listed here, in one place, and
-DESIGN.md names the same order. They live in this test rather than in the package
+loader's family table does, are not seen). The layers are listed here, in one place;
+docs/layering.md and README's layout name the same order. They live in this test rather than in the package
 because nothing at run time needs them: the rule is a property of the source tree, and
 this test is the only reader.
 """
@@ -27,6 +27,11 @@ LAYERS: tuple[str, ...] = (
     "modular_kernels",
     "config",
     "models",
+    # One step of one rank (model runner, ubatch wrapper, sampler, KV cache).
+    "worker",
+    # The request loop (engine, scheduler, pipeline loop) over a worker.
+    "engine",
+    # DESIGN.md's import path for UBatchWrapper, ModelRunner, FutureMap, Scheduler, Engine.
     "runner",
     "serving",
     "bench",
@@ -169,8 +174,8 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
     """The graph code itself: a planted cycle and a planted upward edge are found."""
     graph = {"tandem.a": {"tandem.b"}, "tandem.b": {"tandem.c"}, "tandem.c": {"tandem.a"}, "tandem.d": set()}
     assert _cycles(graph) == [["tandem.a", "tandem.b", "tandem.c"]]
-    modules = {"tandem.contexts.dbo": Path(), "tandem.runner.engine": Path()}
-    assert _resolve("tandem.runner.engine.Engine", modules) == "tandem.runner.engine"
+    modules = {"tandem.contexts.dbo": Path(), "tandem.engine.core": Path()}
+    assert _resolve("tandem.engine.core.Engine", modules) == "tandem.engine.core"
     assert _layer("tandem.contexts.dbo") == "contexts" and _layer("tandem") == "api"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.runner.launch import find_free_port
+from tandem.distributed.launch import find_free_port
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

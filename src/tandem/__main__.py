@@ -2,7 +2,7 @@ import os
 import sys
 
 from tandem.cli import app
-from tandem.runner.torchrun import under_torchrun
+from tandem.distributed.torchrun import under_torchrun
 
 if under_torchrun():
     # A rank started by torchrun leaves through os._exit once its command has returned and

@@ -77,7 +77,7 @@ def _check_pipeline_partition(model: str, stages: int, partition) -> None:
 
 
 def _torchrun_world() -> tuple[int, int] | None:
-    from tandem.runner.torchrun import torchrun_world
+    from tandem.distributed.torchrun import torchrun_world
 
     return torchrun_world()
 
@@ -111,7 +111,7 @@ def generate(
     import json
     import time
 
-    from tandem.runner.sampling import SamplingParams
+    from tandem.worker.sampling import SamplingParams
 
     config = _build_config(flags, parallel=_torchrun_parallel(flags))
     try:
@@ -135,9 +135,9 @@ def generate(
         + (f" torchrun world={torchrun[1]}" if torchrun else "")
     )
     start = time.perf_counter()
-    from tandem.runner.launch import RankFailedError, launch_ranks
-    from tandem.runner.torchrun import run_torchrun_rank
-    from tandem.runner.offline import generate_on_rank
+    from tandem.distributed.launch import RankFailedError, launch_ranks
+    from tandem.distributed.torchrun import run_torchrun_rank
+    from tandem.engine.offline import generate_on_rank
 
     try:
         if torchrun is not None:
@@ -173,7 +173,7 @@ def generate(
 def serve(flags: Flags = None) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (also runs under torchrun, one
     process per rank, for several nodes)."""
-    from tandem.serving.rank import ServeOptions
+    from tandem.serving.ranks.rank import ServeOptions
     from tandem.serving.server import run_server, run_torchrun_rank, under_torchrun
 
     config = _build_config(flags, parallel=_torchrun_parallel(flags))
@@ -283,7 +283,7 @@ def _bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabr
 
 def _run_bench_sweep(spec):
     from tandem.bench import run_sweep
-    from tandem.runner.launch import RankFailedError
+    from tandem.distributed.launch import RankFailedError
 
     try:
         return run_sweep(spec)

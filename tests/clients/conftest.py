@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.server_process import Server
+from tests.support.server_process import Server
 
 MODEL = "tiny-moe"
 REPO = Path(__file__).resolve().parents[2]

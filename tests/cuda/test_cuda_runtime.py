@@ -29,8 +29,8 @@ from tandem.contexts import (
     set_forward_context,
 )
 from tandem.platform import get_platform
-from tandem.runner.offline import build_runner, generate
-from tandem.runner.sampling import SamplingParams
+from tandem.engine.offline import build_runner, generate
+from tandem.worker.sampling import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
@@ -159,7 +159,7 @@ def _tiny(all2all: str, moe_backend: str, group=None):
 
 def _decode_batch(model, tokens: list[int], positions: list[int]):
     """A decode step where every row is a request (no padding), with its KV cache."""
-    from tandem.runner import BlockAllocator, ScheduledChunk, allocate_kv_caches, build_step_inputs
+    from tandem.worker import BlockAllocator, ScheduledChunk, allocate_kv_caches, build_step_inputs
 
     if not hasattr(model, "_test_allocator"):
         model._test_allocator = BlockAllocator(64, reserve_null_block=True)
@@ -178,7 +178,7 @@ def _forward(wrapper, inputs, num_ubatches: int):
 
 
 def test_full_graph_of_a_dbo_decode_step_replays_without_workers(one_rank_nccl):
-    from tandem.runner.ubatch_wrapper import UBatchWrapper
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
 
     model = _tiny("torch_a2a_ll", "torch", one_rank_nccl)
     eager = UBatchWrapper(model, num_ubatches=2)
@@ -199,7 +199,7 @@ def test_full_graph_of_a_dbo_decode_step_replays_without_workers(one_rank_nccl):
 
 
 def test_capture_of_a_dbo_decode_step_has_no_host_sync(one_rank_nccl):
-    from tandem.runner.ubatch_wrapper import UBatchWrapper
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
 
     model = _tiny("torch_a2a_ll", "torch", one_rank_nccl)
     graphed = UBatchWrapper(model, num_ubatches=2, graph_mode="full", max_blocks_per_seq=4)
@@ -212,7 +212,7 @@ def test_capture_of_a_dbo_decode_step_has_no_host_sync(one_rank_nccl):
 
 @pytest.mark.parametrize("all2all, moe_backend", [("local", "triton"), ("torch_a2a_ll", "torch")])
 def test_eager_dbo_decode_step_has_no_host_sync(all2all, moe_backend, request, monkeypatch):
-    from tandem.runner.ubatch_wrapper import UBatchWrapper
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
 
     # Other test modules set TRITON_INTERPRET=1 at import; the interpreter copies every tensor
     # to the host (a sync), so the compiled kernels must run here (review N9).
@@ -244,7 +244,7 @@ def test_device_fabric_spin_occupies_the_comm_stream():
     the GPU (the host never blocks), and results are unchanged."""
     from tandem.modular_kernels import FabricModel
     from tandem.modular_kernels.device_fabric import install_device_fabric
-    from tandem.runner.ubatch_wrapper import UBatchWrapper
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
 
     model = _tiny("local", "torch")
     inputs = _decode_batch(model, [1, 2, 3, 4], [1, 1, 1, 1])

@@ -10,9 +10,9 @@ import torch
 from tandem.contexts import ForwardContext, set_forward_context
 from tandem.distributed import MissingLayer, stage_layers
 from tandem.models.loader import load_model, num_hidden_layers
-from tandem.runner.batch import ScheduledChunk, build_step_inputs
-from tandem.runner.kv_cache import allocate_kv_caches
-from tests.models.hf_checkpoints import FAMILIES, build_hf_model, save_checkpoint
+from tandem.worker.step_inputs import ScheduledChunk, build_step_inputs
+from tandem.worker.kv_cache import allocate_kv_caches
+from tests.support.hf_checkpoints import FAMILIES, build_hf_model, save_checkpoint
 
 BLOCK = 4
 

@@ -113,14 +113,14 @@ def on_fake_cuda(inputs, keep_on_host=()):
 def _host_inputs(chunks):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from tandem.runner import build_step_inputs
+    from tandem.worker import build_step_inputs
 
     with unset_fake_temporarily():
         return build_step_inputs(chunks, BLOCK)
 
 
 def _decode_inputs(model, step: int, keep_on_host=()):
-    from tandem.runner import BlockAllocator, ScheduledChunk, allocate_kv_caches
+    from tandem.worker import BlockAllocator, ScheduledChunk, allocate_kv_caches
 
     if not hasattr(model, "_fake_blocks"):
         allocator = BlockAllocator(32, reserve_null_block=True)
@@ -140,7 +140,7 @@ def _step(wrapper, inputs, num_ubatches: int):
 
 
 def _run_steps(all2all, moe_backend, group, *, graph_mode: str, steps: int = 2, keep_on_host=()):
-    from tandem.runner.ubatch_wrapper import UBatchWrapper
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _model(all2all, moe_backend, group)
@@ -169,8 +169,8 @@ def test_dbo_decode_step_on_fake_cuda(all2all, moe_backend, graph_mode, fake_cud
 
 
 def test_prefill_step_on_fake_cuda_without_dbo(fake_cuda, one_rank_group):
-    from tandem.runner import BlockAllocator, ScheduledChunk, allocate_kv_caches
-    from tandem.runner.ubatch_wrapper import UBatchWrapper
+    from tandem.worker import BlockAllocator, ScheduledChunk, allocate_kv_caches
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _model("torch_a2a_ll", "triton", one_rank_group)

@@ -10,8 +10,8 @@ from tandem.contexts import ForwardContext, execute_operations, set_forward_cont
 from tandem.contexts.operations import to_stages
 from tandem.models.qwen_moe import Qwen3MoeForCausalLM
 from tandem.models.tiny_moe import build_tiny_moe
-from tandem.runner import BlockAllocator, ScheduledChunk, allocate_kv_caches, build_step_inputs
-from tests.models.hf_checkpoints import COMMON, FAMILIES
+from tandem.worker import BlockAllocator, ScheduledChunk, allocate_kv_caches, build_step_inputs
+from tests.support.hf_checkpoints import COMMON, FAMILIES
 
 
 def stage_names(strategy) -> list[list[str]]:

@@ -16,7 +16,7 @@ from tandem.models import ModelInfo, MoEOptions
 from tandem.models.loader import load_model, supported_architectures
 from tandem.testing.model_harness import GreedyHarness
 from tandem.testing import run_distributed
-from tests.models.hf_checkpoints import EOS, build_hf_model, hf_logits, save_checkpoint, save_fused_checkpoint, shard_checkpoint
+from tests.support.hf_checkpoints import EOS, build_hf_model, hf_logits, save_checkpoint, save_fused_checkpoint, shard_checkpoint
 
 PROMPTS = ([72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33], [3, 141, 59, 26, 53, 58, 97])
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.models import paged_attention, write_to_cache
-from tandem.runner import BlockAllocator, ScheduledChunk, blocks_needed, build_step_inputs
+from tandem.worker import BlockAllocator, ScheduledChunk, blocks_needed, build_step_inputs
 from tandem.ubatch import slice_attention_metadata, split_by_tokens
 
 HQ, HKV, D, BS = 4, 2, 8, 4

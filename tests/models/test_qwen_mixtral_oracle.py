@@ -10,7 +10,7 @@ from tandem.models.loader import load_model
 from tandem.models.mixtral import MixtralForCausalLM
 from tandem.models.qwen_moe import Qwen2MoeForCausalLM, Qwen2MoeSparseBlock, Qwen3MoeForCausalLM
 from tandem.testing.model_harness import GreedyHarness
-from tests.models.hf_checkpoints import EOS, FAMILIES, build_hf_model, hf_logits, save_checkpoint, save_fused_checkpoint
+from tests.support.hf_checkpoints import EOS, FAMILIES, build_hf_model, hf_logits, save_checkpoint, save_fused_checkpoint
 
 TOL = 1e-4
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]  # "Hello, world!"

@@ -8,9 +8,9 @@ import torch
 from tandem.models.deepseek import DeepseekConfig
 from tandem.models.loader import BUILTIN_MODELS, load_tokenizer_info
 from tandem.models.random_deepseek import DEEPSEEK_V2_LITE, build_random_deepseek_v2_lite
-from tandem.runner.batch import ScheduledChunk
-from tandem.runner.model_runner import ModelRunner
-from tandem.runner.sampling import SamplingParams
+from tandem.worker.step_inputs import ScheduledChunk
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.sampling import SamplingParams
 
 TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
             num_key_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,

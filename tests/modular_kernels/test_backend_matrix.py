@@ -13,7 +13,7 @@ import torch
 
 from tandem.modular_kernels import ALL2ALL_BACKENDS, MOE_BACKENDS, build_moe_kernel
 from tandem.testing import run_distributed
-from tests.modular_kernels.moe_cases import dispatch_budget, NUM_EXPERTS, TOP_K, make_problem, run_kernel
+from tests.support.moe_cases import dispatch_budget, NUM_EXPERTS, TOP_K, make_problem, run_kernel
 
 pytest.importorskip("triton")
 

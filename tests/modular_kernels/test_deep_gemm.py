@@ -36,7 +36,7 @@ from tandem.modular_kernels import experts_deep_gemm
 from tandem.modular_kernels.experts_deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
 from tandem.modular_kernels.factory import _make_experts
 from tandem.testing import fake_deep_gemm
-from tests.modular_kernels.moe_cases import failing_import
+from tests.support.moe_cases import failing_import
 
 E, H, I, TOP_K, NUM_TOKENS = 4, 128, 128, 2, 16
 FP8 = torch.float8_e4m3fn
@@ -682,7 +682,7 @@ def test_masked_expected_m_is_an_estimate_of_rows_per_expert(deep_gemm):
 
 def _expected_m_on_two_ranks(rank, world):
     fake_deep_gemm.install()
-    from tests.modular_kernels.moe_cases import NUM_EXPERTS, TOP_K, make_problem, run_kernel
+    from tests.support.moe_cases import NUM_EXPERTS, TOP_K, make_problem, run_kernel
 
     kernel = build_moe_kernel(
         "torch_a2a_ll", "deep_gemm", num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=128,

@@ -29,7 +29,7 @@ from tandem.modular_kernels.prepare_deepep import (
 )
 from tandem.modular_kernels.sm_partition import comm_sm_partition
 from tandem.testing import fake_deep_ep, run_distributed
-from tests.modular_kernels.moe_cases import (
+from tests.support.moe_cases import (
     dispatch_budget,
     NUM_EXPERTS,
     TOP_K,
@@ -486,7 +486,7 @@ def test_low_latency_budget_is_the_one_dispatch_budget():
 
 def test_full_graphs_refuse_high_throughput():
     from tandem.config import EngineConfig, OverlapConfig, ParallelConfig
-    from tandem.runner.ubatch_wrapper import UBatchWrapper
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
 
     with pytest.raises(ValueError, match="graph-mode full cannot capture the deepep_high_throughput"):
         EngineConfig(overlap=OverlapConfig(graph_mode="full"), parallel=ParallelConfig(2, all2all_backend=HT))
@@ -579,7 +579,7 @@ def test_full_graphs_refuse_host_syncing_backends():
     from tandem.modular_kernels import TorchExperts
     from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
     from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
-    from tandem.runner.ubatch_wrapper import UBatchWrapper
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
 
     full = OverlapConfig(graph_mode="full")
     with pytest.raises(ValueError, match="cannot capture the torch moe backend in the standard layout.*nonzero"):
@@ -640,9 +640,9 @@ def test_a_failed_step_with_low_latency_buffers_stops_the_engine(overlap, monkey
     LL's is: DeepEP LL cannot run tiny-moe's hidden size.)"""
     from tandem.config import OverlapConfig
     from tandem.models.tiny_moe import build_tiny_moe
-    from tandem.runner.engine import Engine
-    from tandem.runner.model_runner import ModelRunner
-    from tandem.runner.sampling import SamplingParams
+    from tandem.engine.core import Engine
+    from tandem.worker.model_runner import ModelRunner
+    from tandem.worker.sampling import SamplingParams
 
     info = build_tiny_moe()
     kernels = [m for layer in info.model.modules() for m in vars(layer).values() if isinstance(m, FusedMoEModularKernel)]
@@ -681,7 +681,7 @@ def test_the_stall_watchdog_cannot_fire_during_the_cold_start(monkeypatch):
     libraries between two yields; its watchdog limit is the cold-start one, later runs get
     the normal limit."""
     from tandem.contexts import ForwardContext, set_forward_context
-    from tandem.runner import ubatch_wrapper
+    from tandem.worker import ubatch_wrapper
     from tandem.ubatch import split_by_tokens
 
     seen = []

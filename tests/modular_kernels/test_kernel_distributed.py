@@ -6,7 +6,7 @@ import torch
 from tandem.contexts import dbo_current_ubatch_id, run_ubatches
 from tandem.modular_kernels import build_moe_kernel, dequantize_fp8, quantize_fp8_per_token_group, torch_moe_reference
 from tandem.testing import run_distributed
-from tests.modular_kernels.moe_cases import (
+from tests.support.moe_cases import (
     dispatch_budget,
     HIDDEN,
     NUM_EXPERTS,

@@ -13,7 +13,7 @@ from tandem.modular_kernels import (
     quantize_fp8_per_token_group,
     torch_moe_reference,
 )
-from tests.modular_kernels.moe_cases import HIDDEN, NUM_EXPERTS, TOP_K, RecordingPrepareFinalize, make_problem, run_kernel
+from tests.support.moe_cases import HIDDEN, NUM_EXPERTS, TOP_K, RecordingPrepareFinalize, make_problem, run_kernel
 
 
 def local_kernel(**kwargs):

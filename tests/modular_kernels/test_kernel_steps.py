@@ -6,7 +6,7 @@ import torch
 
 from tandem.modular_kernels import MoEStepState, build_moe_kernel
 from tandem.testing import run_distributed
-from tests.modular_kernels.moe_cases import dispatch_budget, HIDDEN, NUM_EXPERTS, TOP_K, make_problem
+from tests.support.moe_cases import dispatch_budget, HIDDEN, NUM_EXPERTS, TOP_K, make_problem
 
 
 def _build(all2all="local", **kwargs):

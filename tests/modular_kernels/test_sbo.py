@@ -11,7 +11,7 @@ from tandem.modular_kernels.sbo import resolve_sbo_mode
 from tandem.contexts import current_ubatch_context
 from tandem.platform import get_platform
 from tandem.testing import run_distributed
-from tests.modular_kernels.moe_cases import dispatch_budget, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, make_problem, run_kernel
+from tests.support.moe_cases import dispatch_budget, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, make_problem, run_kernel
 
 BACKENDS = ("torch_a2a", "torch_a2a_ll")
 

@@ -17,11 +17,11 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from tandem.models.tiny_moe import EOS_ID, build_tokenizer
-from tandem.runner.sampling import SamplingParams
-from tandem.serving.app import create_app
-from tandem.serving.chat import ChatTemplateError, render_chat
+from tandem.worker.sampling import SamplingParams
+from tandem.serving.openai.api_server import create_app
+from tandem.serving.openai.chat_template import ChatTemplateError, render_chat
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
-from tandem.runner.outputs import RequestOutput
+from tandem.engine.outputs import RequestOutput
 
 MODEL = "tiny-fake"
 API_KEY = "sk-test-key"
@@ -322,7 +322,7 @@ def test_malformed_json_and_wrong_types_are_400(http):
 
 
 def test_unknown_fields_are_ignored_with_a_warning_except_in_messages(http, caplog):
-    with caplog.at_level(logging.WARNING, logger="tandem.serving.app"):
+    with caplog.at_level(logging.WARNING, logger="tandem.serving.openai.api_server"):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "frobnicate": True,
                                                "stream_options": {"include_usage": True, "extra": 1}})
     assert r.status_code == 200, r.text

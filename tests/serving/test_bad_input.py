@@ -12,8 +12,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tandem.serving.app import create_app
-from tests.serving.server_process import Server
+from tandem.serving.openai.api_server import create_app
+from tests.support.server_process import Server
 from tests.serving.test_app import MAX_MODEL_LEN, MODEL, FakeEngine, LiveServer, assert_openai_error, wait_until
 
 MAX_REQUEST_BYTES = 4096

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.serving.server_process import Server, pid_alive
+from tests.support.server_process import Server, pid_alive
 
 DBO_FLAGS = ("--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8")
 LONG_PROMPT = "a prompt long enough to split into two ubatches"  # well over 8 tokens: prefill uses DBO
@@ -133,7 +133,7 @@ def test_fault_on_one_rank_only_is_bounded_by_the_step_timeout():
 
 
 def test_watchdog_fires_once_when_the_loop_stops_beating():
-    from tandem.serving.rank import Watchdog
+    from tandem.serving.ranks.rank import Watchdog
 
     fired: list[float] = []
     watchdog = Watchdog(0.4, fired.append).start()

@@ -11,7 +11,7 @@ import sys
 import httpx
 
 from tandem.testing.load import LoadConfig, format_round, metric, run_load
-from tests.serving.server_process import Server, rank_pids
+from tests.support.server_process import Server, rank_pids
 
 FLAGS = (
     "--data-parallel-size", "2", "--enable-dbo", "--dbo-decode-token-threshold", "8",

@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.serving.server_process import Server
+from tests.support.server_process import Server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402

@@ -13,10 +13,10 @@ import time
 import httpx
 
 from tandem.models.tiny_moe import build_tiny_moe
-from tandem.runner.engine import Engine
-from tandem.runner.model_runner import ModelRunner
-from tandem.runner.sampling import SamplingParams
-from tests.serving.server_process import Server
+from tandem.engine.core import Engine
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.sampling import SamplingParams
+from tests.support.server_process import Server
 from tests.serving.test_faults import _complete, _stop_and_check_no_orphans, _wait_unhealthy
 
 PROMPT = "Stages pass hidden states"

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.server_process import Server, pid_alive, rank_pids, wait_healthy
-from tandem.runner.launch import find_free_port
+from tests.support.server_process import Server, pid_alive, rank_pids, wait_healthy
+from tandem.distributed.launch import find_free_port
 
 DBO_FLAGS = ("--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8")
 

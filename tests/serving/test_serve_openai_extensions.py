@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.server_process import Server
+from tests.support.server_process import Server
 
 MODEL = "tiny-moe"
 

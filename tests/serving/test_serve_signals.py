@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from tests.serving.server_process import Server, pid_alive
+from tests.support.server_process import Server, pid_alive
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

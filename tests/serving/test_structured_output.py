@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serving.server_process import Server
+from tests.support.server_process import Server
 
 MODEL = "tiny-moe"
 
@@ -201,8 +201,8 @@ def test_a_bad_constraint_is_a_400_naming_the_field(oai, body, param, words):
 
 
 def test_without_xgrammar_a_constraint_is_a_400_naming_the_package(monkeypatch):
-    from tandem.serving.protocol import APIError
-    from tandem.serving.structured import parse_tool_choice, parse_tools, response_format_schema
+    from tandem.serving.openai.protocol import APIError
+    from tandem.serving.openai.structured import parse_tool_choice, parse_tools, response_format_schema
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now fails
     with pytest.raises(APIError) as info:

@@ -11,9 +11,9 @@ from typing import AsyncIterator
 import openai
 import pytest
 
-from tandem.runner.outputs import RequestOutput
-from tandem.runner.sampling import SamplingParams
-from tandem.serving.app import create_app
+from tandem.engine.outputs import RequestOutput
+from tandem.worker.sampling import SamplingParams
+from tandem.serving.openai.api_server import create_app
 from tests.serving.test_app import MODEL, FakeEngine, LiveServer
 
 REPLY = ('I will look. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>\n'

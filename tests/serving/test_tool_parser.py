@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tandem.serving.tool_parser import ToolCallStream, finish_reason, parse_hermes, parse_tool_calls
+from tandem.serving.openai.tool_parser import ToolCallStream, finish_reason, parse_hermes, parse_tool_calls
 
 TWO_CALLS = (
     'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>\n'

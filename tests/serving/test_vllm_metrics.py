@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serving.server_process import Server
+from tests.support.server_process import Server
 
 SERVED = "tiny-served"
 MODEL_LABELS = {"model_name": SERVED, "engine": "0"}

@@ -175,8 +175,8 @@ def run_sweep(spec: BenchSpec, *, show_progress: bool = True, timeout_s: float =
     import torch.multiprocessing as mp
     from tqdm import tqdm
 
-    from tandem.runner.launch import launch_ranks
-    from tandem.runner.torchrun import run_torchrun_rank, under_torchrun
+    from tandem.distributed.launch import launch_ranks
+    from tandem.distributed.torchrun import run_torchrun_rank, under_torchrun
 
     if under_torchrun():
         # One rank of torchrun's world; rank 0 gets the results (every rank's are the same).

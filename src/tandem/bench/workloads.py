@@ -40,8 +40,8 @@ from tandem.modular_kernels import (
 )
 from tandem.config import OverlapConfig
 from tandem.modular_kernels.factory import DISPATCH_OPTIONS
-from tandem.runner.model_runner import StepTimes
-from tandem.runner.step_plan import decide_overlap
+from tandem.worker.model_runner import StepTimes
+from tandem.worker.step_plan import decide_overlap
 from tandem.ubatch.planner import OverlapPlanner, StepMeasurement, StepShape, TunePrior, overlap_choices
 
 #: SGLang's SBO modes, each as its own bench mode (`sbo` and `dbo+sbo` run `auto`).
@@ -82,7 +82,7 @@ def _gather(times: StepTimes, distributed: bool) -> Sample:
     mine = torch.tensor(times.as_tuple(), dtype=torch.float64)
     if not distributed:
         return Sample(times.step_s, [times])
-    from tandem.runner.launch import cpu_group
+    from tandem.distributed.launch import cpu_group
 
     world = dist.get_world_size()
     everyone = [torch.empty_like(mine) for _ in range(world)]
@@ -93,7 +93,7 @@ def _gather(times: StepTimes, distributed: bool) -> Sample:
 
 def _barrier(distributed: bool) -> None:
     if distributed:
-        from tandem.runner.launch import cpu_group
+        from tandem.distributed.launch import cpu_group
 
         dist.barrier(group=cpu_group())
 
@@ -135,8 +135,8 @@ class ModelStepWorkload:
     """One `ModelRunner` step of the model in `config` on this rank."""
 
     def __init__(self, config, *, phase: str, context_len: int, prefill_len: int, max_tokens: int, distributed: bool):
-        from tandem.runner.offline import build_runner
-        from tandem.runner.sampling import SamplingParams
+        from tandem.engine.offline import build_runner
+        from tandem.worker.sampling import SamplingParams
 
         if phase not in PHASES:
             raise ValueError(f"--phase must be one of {PHASES}, got {phase!r}")
@@ -178,7 +178,7 @@ class ModelStepWorkload:
                 k.prepare_finalize.fabric = fabric
 
     def _chunks(self, tokens: int):
-        from tandem.runner.batch import ScheduledChunk
+        from tandem.worker.step_inputs import ScheduledChunk
 
         g = torch.Generator().manual_seed(tokens)
         if self.phase == "decode":

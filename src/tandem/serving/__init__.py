@@ -4,11 +4,11 @@ OpenAI-compatible HTTP app on top of it."""
 # The HTTP app is re-exported lazily: engine-side code importing `tandem.serving.*` does not
 # pay for FastAPI / prometheus_client.
 _LAZY = {
-    "create_app": "tandem.serving.app",
-    "render_chat": "tandem.serving.chat",
-    "ChatTemplateError": "tandem.serving.chat",
+    "create_app": "tandem.serving.openai.api_server",
+    "render_chat": "tandem.serving.openai.chat_template",
+    "ChatTemplateError": "tandem.serving.openai.chat_template",
     "ServingMetrics": "tandem.serving.metrics",
-    "APIError": "tandem.serving.protocol",
+    "APIError": "tandem.serving.openai.protocol",
 }
 
 

@@ -11,8 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from tandem.runner.sampling import SamplingParams
-from tandem.runner.outputs import RequestOutput
+from tandem.worker.sampling import SamplingParams
+from tandem.engine.outputs import RequestOutput
 
 
 class EngineUnavailableError(RuntimeError):

@@ -16,8 +16,8 @@ import signal
 import sys
 
 from tandem.config import HttpOptions
-from tandem.runner.torchrun import under_torchrun
-from tandem.serving.rank import ServeOptions
+from tandem.distributed.torchrun import under_torchrun
+from tandem.serving.ranks.rank import ServeOptions
 
 
 def _log(message: str) -> None:
@@ -54,7 +54,7 @@ def _is_loopback(host: str) -> bool:
 def _serve_http(client, http: HttpOptions) -> None:
     import uvicorn
 
-    from tandem.serving.app import create_app
+    from tandem.serving.openai.api_server import create_app
 
     if not _is_loopback(http.host) and not http.api_key:
         _log(f"warning: binding {http.host} without --api-key: anyone who can reach this port can use the server")
@@ -81,7 +81,7 @@ def _sigterm_like_sigint() -> None:
 
 def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
     """Local mode: start the ranks, serve until interrupted, stop everything."""
-    from tandem.serving.process_client import ProcessEngineClient
+    from tandem.serving.ranks.process_client import ProcessEngineClient
 
     _sigterm_like_sigint()
 
@@ -97,7 +97,7 @@ def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
 
 
 def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, world_size: int) -> None:
-    from tandem.serving.process_client import ProcessEngineClient
+    from tandem.serving.ranks.process_client import ProcessEngineClient
     _sigterm_like_sigint()
 
     # No death signal from the head: a head that dies (even by os._exit) is noticed by the
@@ -118,9 +118,9 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from tandem.runner.launch import init_rank
-    from tandem.serving.process_client import ATTACHED_FAILURE_LINGER_S
-    from tandem.serving.rank import serve_rank
+    from tandem.distributed.launch import init_rank
+    from tandem.serving.ranks.process_client import ATTACHED_FAILURE_LINGER_S
+    from tandem.serving.ranks.rank import serve_rank
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if config.parallel.world_size != world_size:
@@ -159,7 +159,7 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
         if failed:
             import traceback
 
-            from tandem.serving.rank import hard_exit
+            from tandem.serving.ranks.rank import hard_exit
 
             traceback.print_exc()
             hard_exit(1)  # a forward stuck in a collective would block a normal exit

@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.runner.outputs import RequestOutput
+from tandem.engine.outputs import RequestOutput
 from tandem.serving.engine_client import EngineClient
 
 LABELS = ("model_name", "engine")

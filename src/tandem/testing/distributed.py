@@ -1,11 +1,11 @@
 """Run a test function on N local gloo ranks on loopback, every wait bounded (see
-`tandem.runner.launch`)."""
+`tandem.distributed.launch`)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from tandem.runner.launch import RankFailedError, find_free_port, launch_ranks
+from tandem.distributed.launch import RankFailedError, find_free_port, launch_ranks
 
 DistributedTestError = RankFailedError
 

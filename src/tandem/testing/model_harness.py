@@ -7,8 +7,8 @@ import torch
 
 from tandem.contexts import ForwardContext, set_forward_context
 from tandem.models.base import CausalLM
-from tandem.runner.batch import ScheduledChunk, build_step_inputs
-from tandem.runner.kv_cache import BlockAllocator, allocate_kv_caches, blocks_needed
+from tandem.worker.step_inputs import ScheduledChunk, build_step_inputs
+from tandem.worker.kv_cache import BlockAllocator, allocate_kv_caches, blocks_needed
 
 
 class GreedyHarness:

@@ -1,0 +1,382 @@
+"""`Engine`: one rank's serving loop, scheduler + model runner, in one of two shapes.
+
+- normal: schedule step N → run its forward → apply its tokens.
+- overlap (default): schedule step N and hand it to the forward worker thread, then apply
+  step N-1's tokens (stop checks, detokenization, freeing KV) while N runs. Step N's inputs
+  name N-1's not-yet-known tokens by `FutureMap` placeholders. The worker runs steps one
+  at a time in order, so the pipeline is exactly one step deep.
+
+Both shapes give the same tokens for the same seeds: a request's sampling stream is its own
+generator, and a request that finished at step N-1 but was already planned into step N
+only has its late token dropped.
+
+With `lockstep=True` (several DP ranks) every `step()` runs one forward even when this
+rank has nothing scheduled: the MoE all-to-alls span all ranks, so an idle rank joins with
+a dummy batch. The caller must call `step()` on every rank or on none: the rank loop steps
+all ranks while any rank `has_work`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tandem.config import EngineConfig, SchedulerConfig
+from tandem.models.hf_config import config_value
+from tandem.worker.future_map import FutureMap
+from tandem.worker.model_runner import ModelRunner, StepResult
+from tandem.worker.sampling import SamplingParams
+from tandem.engine.scheduler import Request, Scheduler, SchedulerStep
+from tandem.worker.grammar import GrammarCompiler, advance_constraints
+from tandem.engine.outputs import Completion, RequestOutput
+
+#: How long the scheduler waits for a forward before declaring the engine stuck.
+DEFAULT_STEP_TIMEOUT_S = SchedulerConfig.step_timeout_s
+
+
+class StepTimeoutError(RuntimeError):
+    """A forward did not finish within the step timeout: it is stuck (a hung collective, a
+    dead or hung peer rank). Its thread cannot be reclaimed, so the engine cannot go on."""
+
+
+@dataclass
+class RankCounters:
+    """One rank's engine counters; the front end sums them into `serving.EngineStats`."""
+
+    waiting: int
+    running: int
+    kv_usage: float
+    steps: int
+    ubatched_steps: int
+    ubatch_yields: int
+    step_time_s: float
+    forward_busy_s: float
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    # The time model, summed over steps (see tandem.worker.model_runner.StepTimes).
+    compute_time_s: float = 0.0
+    recv_wait_s: float = 0.0
+    comm_time_s: float = 0.0
+    ubatch_switch_s: float = 0.0
+    failed_steps: int = 0
+    #: Pipeline parallelism: each stage's idle (bubble) fraction, stage order; None without PP.
+    pipeline_stage_idle_fraction: list | None = None
+    #: The overlap planner's counters (`tandem.ubatch.planner.PlannerStats` as a dict), if one runs.
+    planner: dict | None = None
+
+
+class Engine:
+    """One rank's serving loop. Its settings are `tandem.config`'s (`Engine.from_config`);
+    a keyword left unset takes that tree's default, so no default lives here."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        overlap_schedule: bool | None = None,
+        lockstep: bool = False,
+        step_timeout_s: float | None = None,
+        max_model_len: int | None = None,
+    ):
+        defaults = SchedulerConfig()
+        max_num_seqs = defaults.max_num_seqs if max_num_seqs is None else max_num_seqs
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = EngineConfig.max_num_batched_tokens
+        overlap_schedule = defaults.overlap_schedule if overlap_schedule is None else overlap_schedule
+        step_timeout_s = defaults.step_timeout_s if step_timeout_s is None else step_timeout_s
+        self.runner = runner
+        info = runner.info
+        if max_model_len is not None and max_model_len > info.max_model_len:
+            raise ValueError(f"--max-model-len {max_model_len} is over the model's context length {info.max_model_len}")
+        if runner.compiles_on_first_use:
+            runner.warm_up()  # every rank builds its engine at the same point
+        self.future_map = FutureMap(max_num_seqs, device=runner.device)
+        runner.future_map = self.future_map
+        self.scheduler = Scheduler(
+            runner.allocator,
+            runner.block_size,
+            self.future_map,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            # The ranks enforce --max-model-len too, not only the front end that admits requests.
+            max_model_len=info.max_model_len if max_model_len is None else max_model_len,
+            eos_token_ids=info.eos_token_ids,
+            decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
+            generator_device=runner.device,
+            grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids)),
+            vocab_size=_vocab_size(runner.model),
+        )
+        self.overlap_schedule = overlap_schedule
+        self.lockstep = lockstep
+        self.step_timeout_s = step_timeout_s
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if overlap_schedule else None
+        self._pending: tuple[SchedulerStep, Future] | None = None
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.forward_busy_s = 0.0
+        #: Steps whose forward raised (their requests were failed; the engine went on).
+        self.failed_steps = 0
+        self.last_failure: str | None = None
+        #: Set when a failed step left state that later steps cannot trust (DeepEP's
+        #: low-latency buffers): every request is refused with this message from then on.
+        self.stopped: str | None = None
+        #: The last applied step found every DP rank idle (its agreed padded size was 0): in
+        #: lockstep, the one signal all ranks see alike that the work is done everywhere.
+        self.idle_everywhere = False
+
+    @classmethod
+    def from_config(cls, runner: ModelRunner, config: EngineConfig, **kwargs) -> "Engine":
+        """The engine `config` describes (its scheduler section and step token budget);
+        `kwargs` are the process's own (e.g. `lockstep`)."""
+        s = config.scheduler
+        settings = dict(
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            overlap_schedule=s.overlap_schedule,
+            step_timeout_s=s.step_timeout_s,
+            max_model_len=s.max_model_len,
+        )
+        return cls(runner, **{**settings, **kwargs})
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
+        """Queue a request; a request that can never run comes back at once as an error output."""
+        if self.stopped is not None:
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=self.stopped)
+        try:
+            self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
+        except Exception as exc:  # noqa: BLE001 - a bad request must never take the rank down
+            message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
+        self.prompt_tokens += len(prompt_ids)
+        return None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to run, or a step in flight whose tokens are still to be applied. (A
+        dummy step in flight is not work: in lockstep, every rank runs one more step only
+        when some rank has work.)"""
+        return self.scheduler.has_unfinished or (self._pending is not None and bool(self._pending[0].scheduled))
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration of the loop; returns the output deltas it produced."""
+        if self.stopped is not None:
+            if self._pending is not None:  # a step already in flight: its results are not trusted either
+                _, future = self._pending
+                self._pending = None
+                try:
+                    self._result(future)
+                except Exception:  # noqa: BLE001 - its requests are failed below regardless
+                    pass
+            return self._refuse_all()
+        return self._step_overlap() if self.overlap_schedule else self._step_normal()
+
+    def _step_normal(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if not step.scheduled and not self.lockstep:
+            return []
+        return self._apply(step, self._forward(step))
+
+    def _step_overlap(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        running = None
+        if step.scheduled or self.lockstep:
+            running = (step, self._worker.submit(self._forward, step))
+        outputs = []
+        if self._pending is not None:
+            previous, future = self._pending
+            outputs = self._apply(previous, self._result(future))
+        self._pending = running
+        return outputs
+
+    def idle(self) -> None:
+        """Called by the rank loop while no rank has work (the pipeline engine keeps its
+        stages' links alive from here)."""
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step in flight (overlap loop) and apply it."""
+        if self._pending is None:
+            return []
+        previous, future = self._pending
+        self._pending = None
+        return self._apply(previous, self._result(future))
+
+    def _forward(self, step: SchedulerStep) -> StepResult | BaseException:
+        start = time.perf_counter()
+        try:
+            result = self.runner.execute(
+                [entry.chunk for entry in step.scheduled],
+                [entry.request.params for entry in step.scheduled],
+                [entry.request.sampler for entry in step.scheduled],
+                finishes_prompt=[entry.slot is not None for entry in step.scheduled],
+                future_slots=[entry.slot for entry in step.scheduled],
+            )
+            # Here, on the forward thread, so the next step's grammar masks (planned before
+            # these tokens were applied) already see them.
+            advance_constraints([entry.request.sampler.constraint for entry in step.scheduled], result.tokens)
+            return result
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            return exc
+        finally:
+            self.forward_busy_s += time.perf_counter() - start
+
+    def _result(self, future: Future) -> StepResult | BaseException:
+        try:
+            return future.result(timeout=self.step_timeout_s)
+        except TimeoutError:
+            raise StepTimeoutError(
+                f"a model step did not finish within {self.step_timeout_s:g} s (a hung collective, "
+                "or a dead or hung peer rank)"
+            ) from None
+
+    def _apply(self, step: SchedulerStep, result: StepResult | BaseException) -> list[RequestOutput]:
+        self.idle_everywhere = not isinstance(result, BaseException) and result.num_tokens_padded == 0
+        if isinstance(result, BaseException):
+            return self._fail(step, result)
+        outputs = self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs)
+        self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs
+
+    def _fail(self, step: SchedulerStep, error: BaseException) -> list[RequestOutput]:
+        self.failed_steps += 1
+        message = f"model step failed: {type(error).__name__}: {error}"
+        self.last_failure = message
+        from tandem.modular_kernels.capturable import state_lost_by_a_failed_step
+
+        lost = state_lost_by_a_failed_step(getattr(self.runner, "model", None) or [])
+        if lost and self.stopped is None:
+            self.stopped = (
+                f"engine stopped: a model step failed ({type(error).__name__}: {error}) and the {', '.join(lost)} "
+                "all2all backend cannot run on after a failed step (its buffers are out of step with the peer "
+                "ranks and the captured graphs); restart the server"
+            )
+        outputs = []
+        for entry in step.scheduled:
+            request = entry.request
+            if entry.slot is not None:
+                request.in_flight -= 1
+            if request.finished:
+                continue
+            self.scheduler._finish(request, "error")
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    [],
+                    "",
+                    finished=True,
+                    finish_reason="error",
+                    num_prompt_tokens=len(request.prompt_ids),
+                    num_output_tokens=len(request.output_ids),
+                    error=message,
+                )
+            )
+        return outputs
+
+    def _refuse_all(self) -> list[RequestOutput]:
+        """A stopped engine fails every request it still holds, once."""
+        outputs = []
+        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+            if request.finished:
+                continue
+            self.scheduler._finish(request, "error")
+            outputs.append(
+                RequestOutput(
+                    request.request_id, [], "", finished=True, finish_reason="error",
+                    num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),
+                    error=self.stopped,
+                )
+            )
+        return outputs
+
+    # -- state ----------------------------------------------------------------------------
+
+    def stats(self) -> RankCounters:
+        runner = self.runner
+        return RankCounters(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_usage=self.scheduler.kv_usage,
+            steps=runner.steps,
+            ubatched_steps=runner.ubatched_steps,
+            ubatch_yields=runner.ubatch_yields,
+            step_time_s=runner.step_time_s,
+            forward_busy_s=self.forward_busy_s,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            compute_time_s=runner.total_step_times.compute_s,
+            recv_wait_s=runner.total_step_times.recv_wait_s,
+            comm_time_s=runner.total_step_times.comm_s,
+            ubatch_switch_s=runner.total_step_times.switch_s,
+            failed_steps=self.failed_steps,
+            planner=dataclasses.asdict(runner.planner.stats) if runner.planner is not None else None,
+        )
+
+    def close(self) -> None:
+        self.drain()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+
+def _vocab_size(model) -> int | None:
+    config = getattr(model, "config", None)
+    return None if config is None else config_value(config, "vocab_size", default=None)
+
+
+def run_to_completion(
+    engine: Engine,
+    prompts: Sequence[tuple[int, list[int], SamplingParams]],
+    *,
+    keep_going: Callable[[Engine], bool] | None = None,
+) -> list[Completion]:
+    """Offline generation through the serving loop: add `prompts` (`(index, prompt token
+    ids, params)`) to `engine`, step it until they finish, and return their completions in
+    input order. `keep_going(engine)` says whether to step again; by default while the
+    engine has work, or, in lockstep with other DP ranks, until a step finds every rank idle
+    (the signal every rank sees alike, so all leave the loop after the same step)."""
+    if keep_going is None:
+        keep_going = (lambda e: not e.idle_everywhere) if engine.lockstep else (lambda e: e.has_work)
+    completions: dict[str, Completion] = {}
+    for index, ids, params in prompts:
+        request_id = str(index)
+        rejected = engine.add_request(request_id, list(ids), params)
+        if rejected is not None:
+            raise ValueError(f"prompt {index}: {rejected.error}")
+        completions[request_id] = Completion(index, "", [], "")
+    try:
+        while keep_going(engine):
+            _collect(completions, engine.step())
+        _collect(completions, engine.drain())
+    finally:
+        engine.close()
+    unfinished = [c.index for c in completions.values() if not c.finish_reason]
+    if unfinished:
+        raise RuntimeError(f"prompts {unfinished} were left unfinished when every rank stopped stepping")
+    return sorted(completions.values(), key=lambda c: c.index)
+
+
+def _collect(completions: dict[str, Completion], outputs: list[RequestOutput]) -> None:
+    for output in outputs:
+        completion = completions[output.request_id]
+        completion.text += output.new_text
+        completion.token_ids += output.new_token_ids
+        if output.finished:
+            if output.finish_reason == "error":
+                raise RuntimeError(f"prompt {completion.index}: {output.error}")
+            completion.finish_reason = output.finish_reason
+
+
+__all__ = ["Engine", "RankCounters", "StepTimeoutError", "run_to_completion"]

@@ -1,0 +1,538 @@
+"""Pipeline parallelism: P stage processes, several micro-batches in flight (SGLang's
+`event_loop_pp` semantics).
+
+The first stage owns the scheduler. Each `PipelineEngine.step()` plans one micro-batch (a
+scheduler step capped to about 1/S of the live requests, S = P + async depth, skipping
+requests whose sampled token is still in flight), runs the stage's layers on it and sends
+the hidden states on with an asynchronous send, then, once S micro-batches are in flight
+(or when it had nothing to launch), receives the sampled ids of the oldest one from the
+last stage and applies them (stop checks, detokenization, freeing KV) while the later
+stages work on the younger micro-batches.
+
+Every stage learns a micro-batch's requests by *forwarding*: the plan (each request's chunk
+tokens, positions and KV block ids, its sampling parameters, the padded size and the ubatch
+decision the first stage's DP group agreed on) travels as the metadata of the tensor dict
+that carries the hidden states. No stage schedules or allocates: every stage has a KV cache
+of the same block count for its own layers and writes the blocks the first stage chose.
+Micro-batches flow in order through every stage, so a block freed and reused by a later
+micro-batch is always written after the earlier one read it, and successive chunks of one
+prompt can ride back-to-back micro-batches (chunked pipeline prefill).
+
+The last stage samples with per-request generators it keeps (created from the request's
+seed on first sight, dropped when the first stage reports the request finished) and sends
+the ids back to the first stage, with only the outcome and the stages' counters (the first
+stage kept the plan). Every transfer is one message into a receive posted in advance
+(`tandem.distributed.StageLink`). `choose_micro_batches` measures at start-up whether the
+micro-batch ring beats one micro-batch in flight (it does not on a model whose step costs the
+same whatever its size) and keeps the faster. A stage whose forward raises passes the error on instead
+of hidden states; the first stage fails that micro-batch's requests and goes on. A dead
+stage breaks the links: its neighbours' transfers fail (or time out after the step
+timeout), they exit, and the front end reports the engine unavailable. While idle the first
+stage sends heartbeats down the pipeline so an idle stage's bounded receive never expires.
+
+Send buffers are released only when a micro-batch's results came back around the ring (the
+first stage) or S sends later (the other stages), when the receiver has surely read them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.distributed import StageGroups, StageLink, StageLinkError
+from tandem.worker.step_inputs import ScheduledChunk
+from tandem.engine.core import DEFAULT_STEP_TIMEOUT_S, Engine, RankCounters, run_to_completion
+from tandem.worker.model_runner import ModelRunner, StepResult
+from tandem.worker.sampling import SamplingParams
+from tandem.engine.scheduler import SchedulerStep
+from tandem.worker.step_plan import StepPlan
+from tandem.engine.outputs import RequestOutput
+
+#: How often an idle first stage tells the others it is alive.
+HEARTBEAT_INTERVAL_S = 1.0
+
+STEP, HEARTBEAT, STOP = "step", "heartbeat", "stop"
+
+
+@dataclass
+class MicroBatchPlan:
+    """What every stage needs to run one micro-batch; the metadata of its tensor dict."""
+
+    kind: str = STEP
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    sampling: list[SamplingParams] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    #: The step as the first stage's DP ranks planned it (padding, ubatch cut, TBO strategy,
+    #: SBO): every later stage runs it the same way rather than deciding again.
+    step: StepPlan = field(default_factory=lambda: StepPlan(num_tokens=0, num_tokens_padded=0))
+    #: Requests finished since the previous micro-batch (the last stage drops their generators).
+    finished_ids: list[str] = field(default_factory=list)
+    #: A start-up measurement (`choose_micro_batches`), not serving work: no stage counts it
+    #: among its runner's steps (fault injection and the step counters see serving steps only).
+    probe: bool = False
+    error: str | None = None
+    #: stage -> its counters, filled in on the way (the first stage reads them at the end).
+    stage_stats: dict[int, dict] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    """What the last stage sends back to the first beside the sampled ids: the first stage
+    kept the plan, so only the outcome and the stages' counters travel back."""
+
+    error: str | None
+    stage_stats: dict[int, dict]
+
+
+@dataclass
+class StageCounters:
+    """Where one stage's time went while the pipeline had work: `busy_s` running its layers
+    (and sampling), `idle_s` waiting for its next micro-batch (for the first stage: for the
+    results of its oldest one). Waits that follow an idle pipeline are not bubbles."""
+
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    micro_batches: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"busy_s": self.busy_s, "idle_s": self.idle_s, "micro_batches": self.micro_batches,
+                "idle_fraction": self.idle_fraction}
+
+
+class StageWorker:
+    """One stage's model work on a micro-batch, on top of a `ModelRunner` whose model holds
+    only the stage's layers."""
+
+    def __init__(self, runner: ModelRunner, groups: StageGroups, *, timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+        self.runner = runner
+        self.groups = groups
+        self.topology = groups.topology
+        self.rank = groups.rank
+        self.stage = groups.stage
+        self.is_first = self.topology.is_first_stage(self.rank)
+        self.is_last = self.topology.is_last_stage(self.rank)
+        self.next_rank = self.topology.next_rank(self.rank)
+        self.prev_rank = self.topology.prev_rank(self.rank)
+        self.timeout_s = timeout_s
+        self.counters = StageCounters()
+        self.device = next(iter(runner.model.parameters())).device
+        self.hidden_size = int(runner.model.config.hidden_size)
+        self.dtype = runner.model.dtype
+        self._links: dict[int, StageLink] = {}
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def link(self, peer: int) -> StageLink:
+        """The link to `peer` (one per peer: with two stages the next rank is the previous one)."""
+        if peer not in self._links:
+            self._links[peer] = StageLink(peer, cpu_group=self.groups.cpu_group, device_group=self.groups.device_group,
+                                          device=self.device)
+        return self._links[peer]
+
+    def send(self, data: dict, dst: int):
+        return self.link(dst).send(data)
+
+    def expect(self, src: int) -> None:
+        """Post the receive of the next message from `src` before it is sent."""
+        self.link(src).expect()
+
+    def recv(self, src: int) -> dict:
+        return self.link(src).recv(self.timeout_s)
+
+    # -- compute --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_first(self, chunks: list[ScheduledChunk], probe: bool = False) -> tuple[torch.Tensor, StepPlan]:
+        """Embed and run the first stage's layers. The step is planned here, with the stage's
+        other DP ranks, and its `StepPlan` is forwarded to the later stages."""
+        runner = self.runner
+        step = runner.plan_step(chunks)
+        if step.num_tokens_padded == 0:
+            return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), step
+        inputs = runner.step_inputs(chunks, step)
+        return runner.forward(inputs.input_ids, inputs, step, count=not probe), step
+
+    @torch.no_grad()
+    def forward_later(self, plan: MicroBatchPlan, hidden: torch.Tensor):
+        """Run this stage's layers on the previous stage's hidden states as the first stage
+        planned; returns the hidden states and the step inputs (the last stage samples from both)."""
+        inputs = self.runner.step_inputs(plan.chunks, plan.step)
+        if plan.step.num_tokens_padded == 0:
+            return hidden, inputs
+        return self.runner.forward(hidden, inputs, plan.step, count=not plan.probe), inputs
+
+
+class PipelineEngine(Engine):
+    """The first stage's loop: an `Engine` whose steps are micro-batches in a ring of
+    `num_micro_batches` (P + async depth; 1 is the no-overlap baseline)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        groups: StageGroups,
+        *,
+        num_micro_batches: int,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        lockstep: bool = False,
+        step_timeout_s: float | None = None,
+        max_model_len: int | None = None,
+        chunk_limit=None,
+    ):
+        if num_micro_batches < 1:
+            raise ValueError(f"the pipeline needs at least one micro-batch in flight, got {num_micro_batches}")
+        super().__init__(
+            runner, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, overlap_schedule=False,
+            lockstep=lockstep, step_timeout_s=step_timeout_s, max_model_len=max_model_len,
+        )
+        if chunk_limit is not None:
+            self.scheduler.chunk_limit = chunk_limit
+        self.worker = StageWorker(runner, groups, timeout_s=self.step_timeout_s)
+        if not self.worker.is_first:
+            raise ValueError("PipelineEngine runs on the first pipeline stage; later stages run run_stage()")
+        self.num_micro_batches = num_micro_batches
+        self._in_flight: deque[tuple[SchedulerStep, MicroBatchPlan, object]] = deque()
+        self._finished: list[str] = []
+        self._last_send = time.monotonic()
+        #: stage -> that stage's latest counters (this stage's own under index 0).
+        self.stage_stats: dict[int, dict] = {}
+        self._closed = False
+        #: Set while `choose_micro_batches` measures: its micro-batches are marked as probes.
+        self.probing = False
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished or any(step.scheduled for step, _, _ in self._in_flight)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
+        if params.json_schema is not None:
+            # The last stage samples, away from the first stage's scheduler where grammars live.
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                                 error="structured output (a JSON schema constraint) is not supported with "
+                                       "pipeline parallelism yet")
+        return super().add_request(request_id, prompt_ids, params)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        output = super().abort(request_id)
+        if output is not None:
+            self._finished.append(request_id)
+        return output
+
+    def step(self) -> list[RequestOutput]:
+        live = len(self.scheduler.running) + len(self.scheduler.waiting)
+        planned = self.scheduler.schedule(
+            max_requests=max(1, math.ceil(live / self.num_micro_batches)), skip_in_flight=True
+        )
+        launched = bool(planned.scheduled) or self.lockstep  # DP peers of a stage run every micro-batch together
+        if launched:
+            self._launch(planned)
+        outputs: list[RequestOutput] = []
+        while self._in_flight and (len(self._in_flight) >= self.num_micro_batches or not launched):
+            outputs += self._retire()
+            if not launched:
+                break
+        self._finished += [o.request_id for o in outputs if o.finished]
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while self._in_flight:
+            outputs += self._retire()
+        self._finished += [o.request_id for o in outputs if o.finished]
+        return outputs
+
+    def _launch(self, planned: SchedulerStep) -> None:
+        worker = self.worker
+        chunks = [entry.chunk for entry in planned.scheduled]
+        plan = MicroBatchPlan(
+            chunks=chunks,
+            request_ids=[entry.request.request_id for entry in planned.scheduled],
+            sampling=[entry.request.params for entry in planned.scheduled],
+            samples=[entry.slot is not None for entry in planned.scheduled],
+            finished_ids=self._finished,
+            probe=self.probing,
+        )
+        self._finished = []
+        start = time.perf_counter()
+        try:
+            hidden, plan.step = worker.forward_first(chunks, self.probing)
+        except Exception as exc:  # noqa: BLE001 - the micro-batch's requests fail, the pipeline goes on
+            plan.error = f"stage 0: {type(exc).__name__}: {exc}"
+            hidden = torch.empty(0, dtype=worker.dtype, device=worker.device)
+        worker.counters.busy_s += time.perf_counter() - start
+        worker.counters.micro_batches += 1
+        self.forward_busy_s += time.perf_counter() - start
+        self._in_flight.append((planned, plan, worker.send({"plan": plan, "hidden": hidden}, worker.next_rank)))
+        worker.expect(worker.prev_rank)  # its results will come back: be ready for them
+        self._last_send = time.monotonic()
+
+    def _retire(self) -> list[RequestOutput]:
+        planned, plan, send = self._in_flight.popleft()
+        worker = self.worker
+        start = time.perf_counter()
+        try:
+            message = worker.recv(worker.prev_rank)
+        except StageLinkError as exc:
+            last = worker.topology.pipeline_parallel_size - 1
+            raise StageLinkError(
+                f"pipeline stage {last} ({worker.topology.describe(worker.prev_rank)}) returned no results within "
+                f"{self.step_timeout_s:g} s: it, or a stage before it, is dead or hung ({exc})"
+            ) from exc
+        waited = time.perf_counter() - start
+        worker.counters.idle_s += waited
+        if self._in_flight:
+            worker.expect(worker.prev_rank)
+        send.wait(self.step_timeout_s)  # the micro-batch came back: every stage has read its inputs
+        result: MicroBatchResult = message["result"]
+        self.stage_stats.update(result.stage_stats)
+        self.stage_stats[0] = worker.counters.as_dict()
+        if result.error is not None:
+            return self._fail(planned, RuntimeError(result.error))
+        tokens = [int(t) if t >= 0 else None for t in message["tokens"].tolist()]
+        return self._apply(planned, StepResult(tokens, 0, plan.step.num_tokens_padded, plan.step.ubatched))
+
+    def idle(self) -> None:
+        if self._in_flight or time.monotonic() - self._last_send < HEARTBEAT_INTERVAL_S:
+            return
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Tell the later stages the pipeline is alive and idle (their next wait is no bubble).
+        Sent only with nothing in flight, so the next stage is waiting for it: completed here."""
+        self.worker.send({"plan": MicroBatchPlan(kind=HEARTBEAT)}, self.worker.next_rank).wait(self.step_timeout_s)
+        self._last_send = time.monotonic()
+
+    def stats(self) -> RankCounters:
+        stats = super().stats()
+        stats.pipeline_stage_idle_fraction = [
+            self.stage_stats.get(s, {}).get("idle_fraction", 0.0) for s in range(self.worker.topology.pipeline_parallel_size)
+        ]
+        return stats
+
+    def close(self) -> None:
+        """Finish what is in flight and stop the later stages."""
+        if self._closed:
+            return
+        self._closed = True
+        self.drain()
+        self.worker.send({"plan": MicroBatchPlan(kind=STOP)}, self.worker.next_rank).wait(self.step_timeout_s)
+
+
+def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: int,
+              step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S, on_message=None) -> StageCounters:
+    """The loop of a stage after the first: receive a micro-batch, run the stage's layers,
+    send the hidden states on (the last stage: sample and send the ids back to the first
+    stage), until the first stage says stop. `on_message()` is called on every message
+    (a watchdog beat). Returns the stage's counters."""
+    worker = StageWorker(runner, groups, timeout_s=step_timeout_s)
+    if worker.is_first:
+        raise ValueError("run_stage runs the stages after the first; the first runs a PipelineEngine")
+    generators: dict[str, torch.Generator | None] = {}
+    pending: deque = deque()
+    counters = worker.counters
+    previous_was_step = False
+    while True:
+        start = time.perf_counter()
+        message = worker.recv(worker.prev_rank)
+        waited = time.perf_counter() - start
+        if on_message is not None:
+            on_message()
+        plan: MicroBatchPlan = message["plan"]
+        if plan.kind != STOP:
+            worker.expect(worker.prev_rank)  # the first stage sends until it says stop
+        if plan.kind != STEP:
+            previous_was_step = False
+            if not worker.is_last:
+                pending.append(worker.send(message, worker.next_rank))
+            if plan.kind == STOP:
+                break
+            continue
+        if previous_was_step:
+            counters.idle_s += waited
+        previous_was_step = True
+        start = time.perf_counter()
+        for request_id in plan.finished_ids:
+            generators.pop(request_id, None)
+        out: dict = {"plan": plan}
+        if plan.error is None:
+            try:
+                hidden, inputs = worker.forward_later(plan, message["hidden"])
+                if worker.is_last:
+                    out["tokens"] = _sample(worker, plan, hidden, inputs, generators)
+                else:
+                    out["hidden"] = hidden
+            except Exception as exc:  # noqa: BLE001 - reported to the first stage, which fails the requests
+                plan.error = f"stage {worker.stage}: {type(exc).__name__}: {exc}"
+        if plan.error is not None:
+            out = {"plan": plan, "hidden" if not worker.is_last else "tokens": torch.empty(0, dtype=torch.int64)}
+        counters.busy_s += time.perf_counter() - start
+        counters.micro_batches += 1
+        plan.stage_stats[worker.stage] = counters.as_dict()
+        if worker.is_last:  # the first stage kept the plan: send back only the outcome
+            out = {"result": MicroBatchResult(plan.error, plan.stage_stats), "tokens": out["tokens"]}
+        pending.append(worker.send(out, worker.next_rank))
+        while len(pending) > num_micro_batches:
+            pending.popleft().wait(step_timeout_s)
+    for send in pending:
+        send.wait(step_timeout_s)
+    return counters
+
+
+def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, generators) -> torch.Tensor:
+    if not plan.chunks:
+        return torch.empty(0, dtype=torch.int64)
+    for request_id, params in zip(plan.request_ids, plan.sampling):
+        if request_id not in generators:
+            generators[request_id] = params.make_sampler(worker.runner.device)
+    tokens = worker.runner.sample_tokens(
+        hidden, inputs, plan.sampling, [generators[r] for r in plan.request_ids], plan.samples
+    )
+    return torch.tensor([-1 if t is None else t for t in tokens], dtype=torch.int64)
+
+
+
+
+def build_pipeline_stage(config, *, timeout_s: float = 600.0) -> tuple[ModelRunner, StageGroups]:
+    """This rank's groups and its stage's model (its layers, and its experts of the MoE
+    layers sharded over the stage's DP ranks). The default process group must be up."""
+    from tandem.distributed import Topology, init_stage_groups, stage_layers
+    from tandem.models.loader import num_hidden_layers
+    from tandem.worker.build import build_runner
+
+    import torch.distributed as dist
+
+    from tandem.distributed.launch import local_rank
+
+    par = config.parallel
+    device = config.resolve_device(local_rank(dist.get_rank()))
+    topology = Topology(par.pipeline_parallel_size, par.data_parallel_size)
+    groups = init_stage_groups(topology, device=device, timeout_s=timeout_s)
+    stage = stage_layers(num_hidden_layers(config.model), groups.stage, par.pipeline_parallel_size, par.pp_layer_partition)
+    # The stage's DP agreement runs on its own gloo group: the other stages never join it.
+    return build_runner(config, group=groups.dp_group, cpu_group=groups.dp_cpu_group, stage=stage), groups
+
+
+def pipeline_engine(runner: ModelRunner, groups: StageGroups, config, **options) -> PipelineEngine:
+    """The first stage's engine for `config` (ring size, lockstep over the stage's DP ranks;
+    with `enable_dynamic_chunking`, prompt chunks sized from a latency model fitted here)."""
+    par, s = config.parallel, config.scheduler
+    settings = dict(
+        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        step_timeout_s=s.step_timeout_s, max_model_len=s.max_model_len,
+    )
+    engine = PipelineEngine(
+        runner, groups, num_micro_batches=par.num_micro_batches, lockstep=par.data_parallel_size > 1,
+        **{**settings, **options},
+    )
+    if par.enable_dynamic_chunking:
+        from tandem.engine.chunking import fit_chunker
+
+        # Only this stage's layers are timed: the stages are assumed balanced.
+        engine.scheduler.chunk_limit = fit_chunker(runner, config.max_num_batched_tokens, engine.worker.forward_first)
+    return engine
+
+
+def _decode_burst_s(engine: PipelineEngine, tag: str, num_requests: int, decode_tokens: int) -> float:
+    """Seconds for `num_requests` short prompts to decode `decode_tokens` tokens each."""
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(f"__{tag}_{i}__", [1, 2, 3, 4], params)
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return time.perf_counter() - start
+
+
+def choose_micro_batches(engine: PipelineEngine, num_requests: int, decode_tokens: int = 8) -> str:
+    """Measure, on a short decode burst of `num_requests` requests, the configured ring
+    (M micro-batches in flight) against one micro-batch in flight (the stages take turns);
+    keep the faster and return the reason in words.
+
+    M micro-batches pay only when a step's cost grows with its size: the busiest stage runs
+    M steps of N/M requests per round where one process runs one step of N. On a small model
+    a step costs about the same whatever its size (Python and kernel launches, not
+    arithmetic), so splitting multiplies that cost by M and the ring loses to one process;
+    one micro-batch in flight then costs only the transfers. Run on the first stage of a
+    pipeline without DP (DP peers would have to agree on the choice), before serving."""
+    configured = engine.num_micro_batches
+    if configured == 1:
+        return "one micro-batch in flight (configured)"
+    num_requests = max(1, min(num_requests, engine.scheduler.max_num_seqs))
+    timings = {}
+    engine.probing = True
+    try:
+        for trial, micro_batches in enumerate((configured, 1, configured, 1)):
+            engine.num_micro_batches = micro_batches
+            seconds = _decode_burst_s(engine, f"probe{trial}", num_requests, decode_tokens)
+            timings[micro_batches] = min(timings.get(micro_batches, math.inf), seconds)
+    finally:
+        engine.probing = False
+    rate = {m: num_requests * decode_tokens / s for m, s in timings.items()}
+    measured = (f"{num_requests} decode streams at start-up: {configured} micro-batches in flight "
+                f"{rate[configured]:.0f} tok/s, one in flight {rate[1]:.0f} tok/s")
+    engine.worker.counters = StageCounters()  # the probe is no serving work
+    if rate[1] > rate[configured]:
+        engine.num_micro_batches = 1
+        return (f"pipeline parallelism will not pay for this model here ({measured}): a step costs about the same "
+                f"whatever its size, so splitting the batch over {configured} micro-batches loses; serving with one "
+                "micro-batch in flight (serve without --pipeline-parallel-size to save the transfers)")
+    engine.num_micro_batches = configured
+    return f"pipeline parallelism pays ({measured}): serving with {configured} micro-batches in flight"
+
+
+def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
+    """Whether `flag` holds on any rank of the first stage (one small gloo all-reduce)."""
+    import torch.distributed as dist
+
+    if groups.topology.data_parallel_size == 1:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=groups.first_stage_cpu_group)
+    return bool(value.item())
+
+
+def generate_pipeline_rank(
+    rank: int, world_size: int, config, prompts: list[str], params: SamplingParams, *, on_finish=None
+):
+    """One rank of `tandem generate --pipeline-parallel-size P`: prompt i runs on DP column
+    i % D; the first stage returns its completions, the other stages an empty list.
+    `on_finish(runner)` is called at the end (its counters: steps, ubatched steps)."""
+
+    runner, groups = build_pipeline_stage(config)
+    if groups.stage != 0:
+        run_stage(runner, groups, num_micro_batches=config.parallel.num_micro_batches)
+        if on_finish is not None:
+            on_finish(runner)
+        return []
+    engine = pipeline_engine(runner, groups, config)
+    tokenizer = runner.info.tokenizer
+    mine = [(i, tokenizer.encode(p).ids, params) for i, p in enumerate(prompts)
+            if i % groups.topology.data_parallel_size == groups.dp_rank]
+    completions = run_to_completion(engine, mine, keep_going=lambda e: any_first_stage_rank(groups, e.has_work))
+    if on_finish is not None:
+        on_finish(runner)
+    return completions
+
+
+__all__ = [
+    "choose_micro_batches",
+    "MicroBatchPlan",
+    "MicroBatchResult",
+    "PipelineEngine",
+    "StageCounters",
+    "StageWorker",
+    "build_pipeline_stage",
+    "generate_pipeline_rank",
+    "pipeline_engine",
+    "run_stage",
+]

@@ -1,0 +1,363 @@
+"""`ProcessEngineClient`: the front end's handle on the engine rank processes.
+
+It starts the DP ranks (or, under `torchrun`, attaches to the head rank that started it),
+assigns each request to the rank with the fewest requests in flight, and turns the head's
+output stream into one asyncio queue per request. A pump thread reads the head's queue and
+watches the rank processes: a rank that dies (or a head that reports a fatal error, or says
+nothing for longer than the step timeout plus `HEARTBEAT_GRACE_S`: the idle head reports
+stats four times a second) fails every request in flight with an error and makes `health()`
+report it; new requests then get `EngineUnavailableError`, and the ranks still alive are
+stopped (the engine does not restart itself: restart the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import sys
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+import torch.multiprocessing as mp
+
+from tandem.models.loader import load_tokenizer_info
+from tandem.distributed.launch import find_free_port
+from tandem.worker.sampling import SamplingParams
+from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
+from tandem.engine.outputs import RequestOutput
+from tandem.serving.ranks.rank import ServeOptions, local_rank_main
+from tandem.serving.ranks.messages import AbortRequest, AddRequest, Fatal, Outputs, Progress, Ready, Shutdown, Stats
+
+#: Silence from the head beyond the step timeout before the front end declares it hung.
+HEARTBEAT_GRACE_S = 10.0
+#: After a failure, how long the surviving ranks get to report and exit on their own.
+FAILURE_GRACE_S = 2.0
+#: Attached to a head started by torchrun: how long the front end keeps answering 503 (with
+#: the reason) after an engine failure before it exits, so that a supervisor polling
+#: /health sees why and torchrun then sees the node fail.
+ATTACHED_FAILURE_LINGER_S = 5.0
+
+
+def _stderr(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)
+
+
+class ProcessEngineClient(EngineClient):
+    def __init__(
+        self,
+        config,
+        options: ServeOptions | None = None,
+        *,
+        max_queue_len: int | None = None,
+        startup_timeout_s: float = 600.0,
+        log: Callable[[str], None] = _stderr,
+        queues: tuple | None = None,
+        world_size: int | None = None,
+    ):
+        """`queues=(inbox, outbox)` attaches to a head rank started elsewhere (torchrun)
+        instead of starting the ranks here."""
+        self.config = config
+        self.options = options or ServeOptions()
+        self.max_queue_len = max_queue_len
+        self.startup_timeout_s = startup_timeout_s
+        self.log = log
+        info = load_tokenizer_info(config.model)
+        self.tokenizer = info.tokenizer
+        self.eos_token_ids = info.eos_token_ids
+        # A request must fit in one rank's KV cache (the runner keeps one block for padding).
+        kv_tokens = (config.cache.num_kv_blocks - 1) * config.cache.block_size
+        wanted = info.max_model_len if config.scheduler.max_model_len is None else config.scheduler.max_model_len
+        if wanted > info.max_model_len:
+            raise ValueError(f"--max-model-len {wanted} is over the model's context length {info.max_model_len}")
+        self.max_model_len = min(wanted, kv_tokens)
+        if kv_tokens < wanted:
+            log(f"context length limited to {kv_tokens} tokens by the KV cache size (asked for {wanted})")
+        self.chat_template = info.chat_template
+        self.model_name = info.name
+        from tandem.distributed import Topology
+
+        par = config.parallel
+        self.topology = Topology(par.pipeline_parallel_size, world_size // par.pipeline_parallel_size if world_size else par.data_parallel_size)
+        self.world_size = self.topology.world_size
+        #: Requests go to the first pipeline stage's ranks (global ranks 0 .. D-1).
+        self.num_request_ranks = self.topology.data_parallel_size
+        self.num_engines = self.num_request_ranks
+        self._attached = queues is not None
+        #: Attached front ends are children of the head rank: a new parent means it died.
+        self._head_pid = os.getppid() if self._attached else None
+        self._ctx = mp.get_context("spawn")
+        self._inbox, self._outbox = queues if queues is not None else (self._ctx.Queue(), self._ctx.Queue())
+        self._procs: list = []
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, int]] = {}
+        self._in_flight = [0] * self.num_request_ranks
+        self._lock = threading.Lock()
+        self._rank_stats: list[dict] = []
+        self._last_heard = time.monotonic()
+        self._failure: str | None = None
+        self._failed_at: float | None = None
+        self._reaped = False
+        self.heartbeat_timeout_s = self.config.scheduler.step_timeout_s + HEARTBEAT_GRACE_S
+        self._stopping = False
+        self._pump: threading.Thread | None = None
+        self.ready = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the ranks (unless attached) and block until the head reports ready."""
+        if not self._attached:
+            env = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(find_free_port()),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            }
+            for rank in range(self.world_size):
+                proc = self._ctx.Process(
+                    target=local_rank_main,
+                    args=(rank, self.world_size, env, self.config, self.options, self._inbox, self._outbox),
+                    name=f"tandem-rank-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                self._procs.append(proc)
+            self.log("rank processes: " + ", ".join(f"{self.topology.describe(r)} pid {p.pid}" for r, p in enumerate(self._procs)))
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if time.monotonic() > deadline:
+                self._kill_ranks()
+                raise RuntimeError(f"the engine ranks did not become ready within {self.startup_timeout_s:g} s")
+            dead = self._dead_rank()
+            try:
+                message = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                if dead:
+                    self._kill_ranks()
+                    raise RuntimeError(f"engine start failed: {dead}") from None
+                continue
+            if isinstance(message, Progress):
+                self.log(message.text)
+            elif isinstance(message, Fatal):
+                self._kill_ranks()
+                raise RuntimeError(f"engine start failed: {message.message}")
+            elif isinstance(message, Ready):
+                break
+        self.ready = True
+        self._last_heard = time.monotonic()
+        self._pump = threading.Thread(target=self._pump_outputs, name="tandem-output-pump", daemon=True)
+        self._pump.start()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask the ranks to stop, wait for them, kill what is left."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._inbox.put(Shutdown())
+        except (OSError, ValueError):
+            pass
+        if self._failure is not None:
+            timeout_s = min(timeout_s, FAILURE_GRACE_S)  # a broken group cannot process "shutdown"
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._kill_ranks()
+        self._fail_all("the server is shutting down")
+
+    def _kill_ranks(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5)
+
+    def _dead_rank(self) -> str | None:
+        if self._attached and os.getppid() != self._head_pid:
+            return f"the head rank (pid {self._head_pid}) exited"
+        # A rank killed by a signal is a root cause; a rank that exited with an error code
+        # may only be reporting a lost peer, so signals are named first.
+        exited = [(rank, proc) for rank, proc in enumerate(self._procs) if proc.exitcode is not None]
+        exited.sort(key=lambda item: item[1].exitcode >= 0)
+        for rank, proc in exited:
+            code = proc.exitcode
+            if code is not None:
+                if code < 0:
+                    try:
+                        import signal
+
+                        name = signal.Signals(-code).name
+                    except ValueError:
+                        name = f"signal {-code}"
+                    return f"{self.topology.describe(rank)} (pid {proc.pid}) was killed by {name}"
+                return f"{self.topology.describe(rank)} (pid {proc.pid}) exited with code {code}"
+        return None
+
+    # -- output pump ----------------------------------------------------------------------
+
+    def _pump_outputs(self) -> None:
+        while not self._stopping:
+            try:
+                message = self._outbox.get(timeout=0.1)
+            except queue.Empty:
+                message = None
+            except (OSError, EOFError, ValueError):
+                message = Fatal("the head rank's output queue closed")
+            if message is not None:
+                self._last_heard = time.monotonic()
+                if isinstance(message, Outputs):
+                    for output in message.outputs:
+                        self._deliver(output)
+                elif isinstance(message, Stats):
+                    self._rank_stats = message.per_rank
+                elif isinstance(message, Fatal):
+                    self._set_failure(self._root_cause(message.message.splitlines()[0]))
+            if self._stopping:
+                break
+            dead = self._dead_rank()
+            if dead:
+                self._set_failure(dead)
+            silent = time.monotonic() - self._last_heard
+            if silent > self.heartbeat_timeout_s:
+                self._set_failure(
+                    f"the head rank has sent nothing for {silent:.0f} s (step timeout "
+                    f"{self.config.scheduler.step_timeout_s:g} s): it is hung or unreachable"
+                )
+            if self._failed_at is not None and not self._reaped and time.monotonic() - self._failed_at > FAILURE_GRACE_S:
+                self._reaped = True
+                self._kill_ranks()  # the survivors cannot serve without the lost rank
+            if self._attached and self._failed_at is not None and time.monotonic() - self._failed_at > ATTACHED_FAILURE_LINGER_S:
+                import signal
+
+                self.log("stopping the front end after the engine failure")
+                os.kill(os.getpid(), signal.SIGINT)  # the HTTP server's own graceful stop
+                return
+
+    def _root_cause(self, reported: str, grace_s: float = 1.0) -> str:
+        """A head that fails because a peer vanished (gloo read error) reports first; give
+        the vanished rank's exit a moment to show, and name it rather than the symptom."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            for rank, proc in enumerate(self._procs):
+                if rank != 0 and proc.exitcode is not None:
+                    return f"{self._dead_rank()} ({reported})"
+            time.sleep(0.05)
+        return reported
+
+    def _set_failure(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+            self._failed_at = time.monotonic()
+            self.log(f"engine failure: {reason}; new requests get 503 until the server is restarted")
+            self._fail_all(f"engine failure: {reason}")
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            entry = self._streams.get(output.request_id)
+            if entry is None:
+                return  # the client already left
+            stream, loop, rank = entry
+            output.engine_index = rank
+            if output.finished:
+                del self._streams[output.request_id]
+                self._in_flight[rank] -= 1
+        loop.call_soon_threadsafe(stream.put_nowait, output)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            entries = list(self._streams.items())
+            self._streams.clear()
+            self._in_flight = [0] * self.num_request_ranks
+        for request_id, (stream, loop, _) in entries:
+            output = RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, output)
+            except RuntimeError:
+                pass  # that request's event loop is gone
+
+    # -- EngineClient ---------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self._failure is not None:
+            raise EngineUnavailableError(f"{self._failure} (restart the server)")
+        if self._stopping or not self.ready:
+            raise EngineUnavailableError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self.max_queue_len is not None and sum(self._in_flight) >= self.max_queue_len:
+                raise EngineOverloadedError(
+                    f"the server is at capacity ({self.max_queue_len} requests in flight); retry later"
+                )
+            rank = min(range(self.num_request_ranks), key=lambda r: self._in_flight[r])
+            self._in_flight[rank] += 1
+            self._streams[request_id] = (stream, loop, rank)
+        self._inbox.put(AddRequest(rank, request_id, list(prompt_ids), params))
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._streams.pop(request_id, None)
+            if entry is None:
+                return
+            self._in_flight[entry[2]] -= 1
+        if not self._stopping:
+            self._inbox.put(AbortRequest(entry[2], request_id))
+
+    def health(self) -> tuple[bool, str]:
+        if self._failure is not None:
+            return False, self._failure
+        if not self.ready:
+            return False, "starting"
+        if self._stopping:
+            return False, "shutting down"
+        return True, "ok"
+
+    def stats(self) -> EngineStats:
+        per_rank = [s for s in self._rank_stats if s]
+        total = lambda key: sum(s.get(key, 0) for s in per_rank)  # noqa: E731
+        return EngineStats(
+            num_ranks=self.world_size,
+            waiting=total("waiting"),
+            running=total("running"),
+            kv_usage=max((s.get("kv_usage", 0.0) for s in per_rank), default=0.0),
+            steps=total("steps"),
+            ubatched_steps=total("ubatched_steps"),
+            ubatch_yields=total("ubatch_yields"),
+            step_time_s=total("step_time_s"),
+            forward_busy_s=total("forward_busy_s"),
+            failed_steps=total("failed_steps"),
+            compute_time_s=total("compute_time_s"),
+            recv_wait_s=total("recv_wait_s"),
+            comm_time_s=total("comm_time_s"),
+            ubatch_switch_s=total("ubatch_switch_s"),
+            generated_tokens=total("generated_tokens"),
+            prompt_tokens=total("prompt_tokens"),
+            per_rank=per_rank,
+            pipeline_stage_idle_fraction=_mean_per_stage([s.get("pipeline_stage_idle_fraction") for s in per_rank]),
+        )
+
+    @property
+    def in_flight(self) -> list[int]:
+        return list(self._in_flight)
+
+
+def _mean_per_stage(rows: list) -> list[float]:
+    rows = [row for row in rows if row]
+    return [sum(column) / len(rows) for column in zip(*rows)] if rows else []
+
+
+__all__ = ["ProcessEngineClient"]

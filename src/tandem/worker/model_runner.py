@@ -1,0 +1,424 @@
+"""`ModelRunner`: one step of one rank — plan it (agree with the other DP ranks on the
+padding and the overlap, cut the ubatches: a `StepPlan`), build the batch, run the model
+through the `UBatchWrapper` as the plan says, sample, and feed the measured step back to the
+planner.
+
+Every DP rank calls `execute` the same number of times in the same order: the MoE layers'
+all-to-alls span all ranks, so a rank with nothing scheduled still runs a dummy batch (all
+padding) whenever any other rank has work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tandem.config import OverlapConfig
+from tandem.contexts import CommCounters, set_forward_context, time_model
+from tandem.models.base import ModelInfo
+from tandem.worker.step_inputs import ScheduledChunk, StepInputs, build_step_inputs
+from tandem.worker.future_map import FutureMap
+from tandem.worker.kv_cache import BlockAllocator, allocate_kv_caches
+from tandem.platform import get_platform
+from tandem.platform.device import host_buffer, to_device_async
+from tandem.worker.sampling import SampleOutput, SamplingParams, sample_step, token_logprobs
+from tandem.worker.step_plan import StepPlan, decide_overlap
+from tandem.worker.ubatch_wrapper import UBatchWrapper
+from tandem.ubatch import attention_work, balanced_split, split_by_cost, split_by_tokens
+from tandem.ubatch.cost_split import DEFAULT_ATTENTION_WEIGHT
+from tandem.ubatch.planner import OverlapPlanner, StepMeasurement, StepShape, TunePrior, overlap_choices
+
+
+@dataclass
+class StepTimes:
+    """Where the wall time of one step (or of many, summed) went: the time model.
+
+    `recv_wait_s` is communication left exposed (blocked receives and synchronous
+    collectives), `switch_s` the ubatch hand-over latency, `compute_s` the rest;
+    `comm_s` is the transfers' own duration, hidden or not.
+    """
+
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    recv_wait_s: float = 0.0
+    comm_s: float = 0.0
+    switch_s: float = 0.0
+
+    @property
+    def hidden_comm_s(self) -> float:
+        return max(self.comm_s - self.recv_wait_s, 0.0)
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """Hidden communication / total communication (0 when there was none)."""
+        return self.hidden_comm_s / self.comm_s if self.comm_s > 0 else 0.0
+
+    def __add__(self, other: "StepTimes") -> "StepTimes":
+        return StepTimes(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
+
+    def as_tuple(self) -> tuple[float, ...]:
+        return (self.step_s, self.compute_s, self.recv_wait_s, self.comm_s, self.switch_s)
+
+
+@dataclass
+class StepResult:
+    #: Sampled token per request, None where the chunk did not finish the prompt.
+    tokens: list[int | None]
+    num_tokens: int
+    num_tokens_padded: int
+    ubatched: bool
+    #: Per request that asked for them: (token id, log-probability) of the sampled token, then
+    #: of its `logprobs` most likely ones; None elsewhere (and when no request asked).
+    logprobs: list[list[tuple[int, float]] | None] | None = None
+    #: Per request whose chunk asked for prompt log-probabilities (`ScheduledChunk.
+    #: prompt_targets`): per target, [(token id, log-probability)] of it, then of the
+    #: `prompt_logprobs` most likely tokens at its place; None elsewhere (and when none asked).
+    prompt_logprobs: list[list[list[tuple[int, float]]] | None] | None = None
+
+
+@dataclass
+class PromptLogprobRows:
+    """A step's prompt log-probabilities on the device: `values`/`ids` `[P, 1 + K]`, the rows
+    of request `owners[i]` next to each other, `counts[i]` of them."""
+
+    owners: list[int]
+    counts: list[int]
+    values: torch.Tensor
+    ids: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_info: ModelInfo,
+        *,
+        overlap: OverlapConfig | None = None,
+        num_kv_blocks: int = 512,
+        block_size: int = 16,
+        dp_group=None,
+        future_map: FutureMap | None = None,
+        tracer=None,
+        config=None,
+    ):
+        self.info = model_info
+        #: The `EngineConfig` it was built from (`build_runner`), which an `Engine` around it
+        #: reads by default; None for a runner built by hand.
+        self.config = config
+        self.model = model_info.model
+        self.overlap = overlap or OverlapConfig()
+        self.block_size = block_size
+        self.dp_group = dp_group
+        #: Where the model lives; everything the runner makes goes there too.
+        self.device = next(self.model.parameters()).device
+        self.platform = get_platform(self.device)
+        self.allocator = BlockAllocator(num_kv_blocks, reserve_null_block=True)
+        self.model.bind_kv_cache(
+            allocate_kv_caches(self.model.kv_cache_specs(), num_kv_blocks, block_size, device=self.device)
+        )
+        self.wrapper = UBatchWrapper(
+            self.model,
+            num_ubatches=self.overlap.num_ubatches,
+            executor=self.overlap.executor,
+            graph_mode=self.overlap.graph_mode,
+            max_blocks_per_seq=-(-model_info.max_model_len // block_size),
+            platform=self.platform,
+            comm_sms=self.overlap.comm_sms,
+        )
+        self.future_map = future_map
+        #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`), or None.
+        self.tracer = tracer
+        self.steps = 0
+        self.ubatched_steps = 0
+        #: Steps that found every DP rank idle (counted in `steps`; nothing ran).
+        self.idle_steps = 0
+        #: Wall time spent in the model's forward, over the runner's life.
+        self.step_time_s = 0.0
+        #: The time model: the last step's and the running totals.
+        self.last_step_times = StepTimes()
+        self.total_step_times = StepTimes()
+        # Reliability tests only: nothing is installed unless TANDEM_FAULT_INJECT is set.
+        from tandem.worker.faults import install_from_env
+
+        self.fault_hooks = install_from_env(self)
+        #: Whether the MoE kernels run single-batch overlap: each step's SBO choice unless the
+        #: planner picks per step (a benchmark mode swaps it, as it swaps `overlap`).
+        self.sbo = any(k.enable_sbo for k in self._moe_kernels())
+        #: Overlap planners by the settings they plan for: whoever swaps `overlap` (bench
+        #: modes) gets back the planner, and what it learnt, of each setting.
+        self._planners: dict[tuple, OverlapPlanner] = {}
+
+    def _moe_kernels(self) -> list:
+        return [m.kernel for m in self.model.modules() if hasattr(getattr(m, "kernel", None), "enable_sbo")]
+
+    @property
+    def planner(self) -> OverlapPlanner | None:
+        """The overlap planner under `--overlap-policy auto`; under `--ubatch-split
+        balanced-cost` too, where it only observes (its fit prices attention for the cut)."""
+        o = self.overlap
+        if o.overlap_policy != "auto" and o.ubatch_split != "balanced-cost":
+            return None
+        auto = o.overlap_policy == "auto"
+        key = (auto, o.num_ubatches, o.enable_dbo, self.sbo, o.thresholds_file, o.planner_explore_share)
+        if key not in self._planners:
+            self._planners[key] = OverlapPlanner(
+                overlap_choices(o.num_ubatches, dbo=o.enable_dbo, sbo=self.sbo),
+                explore_share=o.planner_explore_share if auto else 0.0,
+                prior=TunePrior.from_file(o.thresholds_file) if auto and o.thresholds_file else None,
+            )
+        return self._planners[key]
+
+    @property
+    def ubatch_yields(self) -> int:
+        return self.wrapper.executor.switches
+
+    # -- one step: plan, inputs, forward, observe ------------------------------------------
+
+    def plan_step(self, chunks: Sequence[ScheduledChunk]) -> StepPlan:
+        """Agree with the other DP ranks on the step's padded size and overlap choice, and
+        cut its ubatches. Collective: every DP rank calls it once per step."""
+        counts = [len(c.token_ids) for c in chunks]
+        contexts = [c.num_computed for c in chunks]
+        num_tokens = sum(counts)
+        o = self.overlap
+        planner = self.planner
+        uniform_decode = bool(counts) and all(n == 1 for n in counts)
+        shape = StepShape(num_tokens, attention_work(counts, contexts) if planner else 0, uniform_decode)
+        decision, planned, num_ubatches = decide_overlap(
+            o, planner, shape, group=self.dp_group, prefills=any(n != 1 for n in counts)
+        )
+        if num_ubatches > 1 or o.graph_mode == "full":
+            # Same shape on every rank: one graph per size, and ubatches cut at the same points.
+            padded = decision.num_tokens_padded
+        elif decision.num_tokens_padded == 0:
+            padded = 0  # every rank is idle
+        else:
+            # Own tokens only; an idle rank runs one padding token to join the collectives.
+            padded = max(num_tokens, 1)
+        slices = tuple(self._split(counts, contexts, num_ubatches, padded)) if num_ubatches > 1 else None
+        # TBO's decode strategy (delta 2) and prefill strategy (delta 0) issue their all-to-alls
+        # in different orders: decode only if no rank prefills (an idle rank follows the others,
+        # as in SGLang).
+        tbo_decode = not decision.any_rank_prefills if slices is not None and o.executor == "stages" else None
+        learns = planned is not None and num_tokens > 0  # an idle rank's step is all waiting for the others
+        return StepPlan(
+            num_tokens=num_tokens,
+            num_tokens_padded=padded,
+            ubatch_slices=slices,
+            tbo_decode=tbo_decode,
+            sbo=planned.choice.sbo if planned is not None else self.sbo,
+            planned=planned if learns else None,
+            shape=shape if learns else None,
+        )
+
+    def _split(self, counts: list[int], contexts: list[int], num_ubatches: int, padded: int):
+        if self.overlap.ubatch_split == "tokens":
+            return split_by_tokens(
+                counts, num_ubatches, num_tokens_padded=padded, split_point=self._tbo_split_point(counts, num_ubatches)
+            )
+        weight = self.planner.model.attention_weight if self.planner is not None else None
+        return split_by_cost(
+            counts, contexts, num_ubatches, num_tokens_padded=padded,
+            attention_weight=DEFAULT_ATTENTION_WEIGHT if weight is None else weight,
+        )
+
+    def _tbo_split_point(self, counts: list[int], num_ubatches: int) -> int | None:
+        """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split
+        by sequences, or inside one sequence when no boundary is balanced enough; None (cut
+        by tokens) for decode batches and for the other executors."""
+        num_tokens = sum(counts)
+        if self.overlap.executor != "stages" or num_ubatches != 2 or all(n == 1 for n in counts):
+            return None
+        split = balanced_split(counts, self.overlap.tbo_token_distribution_threshold)
+        return split.token_index if 0 < split.token_index < num_tokens else None
+
+    def step_inputs(self, chunks: Sequence[ScheduledChunk], plan: StepPlan) -> StepInputs:
+        """The step's input ids, positions and attention metadata, padded as `plan` says."""
+        return build_step_inputs(chunks, self.block_size, plan.num_tokens_padded, device=self.device)
+
+    def forward(self, x: torch.Tensor, inputs: StepInputs, plan: StepPlan, *, count: bool = True) -> torch.Tensor:
+        """Run the model on `x` (the step's input ids, or a pipeline stage's incoming hidden
+        states) as `plan` says. `count`: a serving step, which the step counters and the fault
+        injection's step index see; False for a start-up measurement."""
+        start = time.perf_counter()
+        if count:
+            self.steps += 1
+            self.ubatched_steps += plan.ubatched
+        try:
+            with set_forward_context(plan.forward_context(inputs.attn_metadata)):
+                return self.wrapper(x, inputs.positions)
+        finally:
+            if count:
+                self.step_time_s += time.perf_counter() - start
+
+    @property
+    def compiles_on_first_use(self) -> bool:
+        """Whether a MoE kernel's backend initialises or compiles on its first call."""
+        return any(
+            k.experts.compiles_on_first_use or k.prepare_finalize.compiles_on_first_use for k in self._moe_kernels()
+        )
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """One unsplit step of one padding token, the dummy an idle rank runs, uncounted.
+        Collective: every DP rank calls it at the same point. Library init and kernel JIT
+        (Triton, DeepGEMM, DeepEP) happen here, outside DBO, rather than inside a ubatch, where
+        they would hold the other ubatches at a yield for minutes."""
+        plan = StepPlan(num_tokens=0, num_tokens_padded=1, sbo=self.sbo)
+        inputs = self.step_inputs([], plan)
+        with self.platform.use_device(self.device):
+            self.forward(inputs.input_ids, inputs, plan, count=False)
+
+    def observe(self, plan: StepPlan, times: StepTimes) -> None:
+        """Feed a completed step's time model back to the planner that chose its overlap."""
+        if plan.planned is not None:
+            self.planner.observe(
+                plan.planned, plan.shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s)
+            )
+
+    @torch.no_grad()
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        sampling: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        finishes_prompt: Sequence[bool] | None = None,
+        future_slots: Sequence[int | None] | None = None,
+    ) -> StepResult:
+        """Run one step: plan, forward, sample, observe. `finishes_prompt[r]` says whether
+        request r's chunk ends at the last known token (so a new token is sampled); default:
+        every request samples. Negative input ids are `FutureMap` placeholders, resolved here;
+        `future_slots[r]` is where request r's sampled token is published for the next step's
+        placeholders."""
+        if self.future_map is None and any(t < 0 for c in chunks for t in c.token_ids):
+            raise ValueError("input ids hold FutureMap placeholders but this ModelRunner has no future_map")
+        counters = CommCounters(tracer=self.tracer)
+        switch_before = self.wrapper.executor.switch_time_s
+        start = time.perf_counter()
+        plan: StepPlan | None = None
+        completed = False
+        try:
+            with time_model(counters), self.platform.use_device(self.device):
+                plan = self.plan_step(chunks)
+                result = self._run(plan, chunks, sampling, generators, finishes_prompt, future_slots)
+            completed = True
+            return result
+        finally:
+            elapsed = time.perf_counter() - start
+            if self.tracer is not None:
+                self.tracer.step(start, start + elapsed, tokens=sum(len(c.token_ids) for c in chunks))
+            switch = self.wrapper.executor.switch_time_s - switch_before
+            times = StepTimes(
+                step_s=elapsed,
+                compute_s=max(elapsed - counters.recv_wait_s - switch, 0.0),
+                recv_wait_s=counters.recv_wait_s,
+                comm_s=counters.comm_s,
+                switch_s=switch,
+            )
+            self.last_step_times = times
+            self.total_step_times = self.total_step_times + times
+            if completed:
+                self.observe(plan, times)
+
+    def _run(self, plan: StepPlan, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
+        inputs = self.step_inputs(chunks, plan)
+        if self.future_map is not None:
+            inputs.input_ids = self.future_map.resolve(inputs.input_ids)
+        if plan.num_tokens_padded == 0:  # every DP rank is idle
+            self.steps += 1
+            self.idle_steps += 1
+            return StepResult([], 0, 0, False)
+        hidden = self.forward(inputs.input_ids, inputs, plan)
+        if not chunks:
+            return StepResult([], 0, plan.num_tokens_padded, plan.ubatched)
+        wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
+        rows = [r for r, w in enumerate(wanted) if w]
+        sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
+        prompt = self._prompt_logprobs(hidden, inputs, chunks, sampling)
+        if self.future_map is not None and future_slots is not None:
+            published = [(i, future_slots[r]) for i, r in enumerate(rows) if future_slots[r] is not None]
+            if published:
+                picked = sampled.tokens[to_device_async(torch.tensor([i for i, _ in published]), self.device)]
+                self.future_map.store([slot for _, slot in published], picked)
+        read, logprobs, prompt_read = self._read_samples(sampled, [sampling[r] for r in rows], prompt, sampling)
+        tokens = _scatter_rows(len(chunks), rows, read)
+        step_logprobs = _scatter_rows(len(chunks), rows, logprobs) if logprobs is not None else None
+        prompt_logprobs = _scatter_rows(len(chunks), prompt.owners, prompt_read) if prompt is not None else None
+        return StepResult(
+            tokens, inputs.num_tokens, plan.num_tokens_padded, plan.ubatched, step_logprobs, prompt_logprobs
+        )
+
+    def sample_tokens(self, hidden, inputs: StepInputs, sampling, generators, wanted: Sequence[bool]) -> list[int | None]:
+        """The next token of every request whose `wanted` is set (None elsewhere), from the
+        final hidden state of its last scheduled token."""
+        rows = [r for r, w in enumerate(wanted) if w]
+        sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
+        return _scatter_rows(len(wanted), rows, self._read_samples(sampled, [sampling[r] for r in rows])[0])
+
+    def _sample_rows(self, hidden, inputs: StepInputs, sampling, generators, rows: list[int]) -> SampleOutput:
+        """The samples of requests `rows`, on the device."""
+        # The last row of each sampling request, found on the host: no device read.
+        ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
+        return sample_step(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
+
+    def _prompt_logprobs(self, hidden, inputs: StepInputs, chunks, sampling) -> PromptLogprobRows | None:
+        """The log-probabilities of the prompt tokens the chunks ask for (`ScheduledChunk.
+        prompt_targets`), from the hidden states of the rows that prefill them, on the device."""
+        owners = [r for r, c in enumerate(chunks) if c.prompt_targets]
+        if not owners:
+            return None
+        starts = [0, *itertools.accumulate(inputs.num_scheduled_tokens)]
+        rows: list[int] = []
+        targets: list[int] = []
+        for r in owners:
+            first = starts[r] + chunks[r].prompt_targets_row
+            rows += range(first, first + len(chunks[r].prompt_targets))
+            targets += chunks[r].prompt_targets
+        logits = self.model.compute_logits(hidden[to_device_async(torch.tensor(rows), self.device)])
+        top = max(sampling[r].prompt_logprobs or 0 for r in owners)
+        values, ids = token_logprobs(logits, to_device_async(torch.tensor(targets), self.device), top)
+        return PromptLogprobRows(owners, [len(chunks[r].prompt_targets) for r in owners], values, ids)
+
+    def _read_samples(self, sampled: SampleOutput, params: Sequence[SamplingParams],
+                      prompt: PromptLogprobRows | None = None, sampling: Sequence[SamplingParams] = ()):
+        """The step's one host read: the sampled ids, and the log-probabilities some request
+        asked for (of its samples, of its prompt), copied without blocking into page-locked
+        memory behind one event (the overlapped loop's scheduler thread runs meanwhile).
+        Returns (ids, per sampled row [(id, logprob), ...] trimmed to its `logprobs` or None,
+        per `prompt.owners` entry its targets' lists trimmed to its `prompt_logprobs` or None)."""
+        tensors = [sampled.tokens]
+        if sampled.logprobs is not None:
+            tensors += [sampled.logprobs, sampled.logprob_ids]
+        if prompt is not None:
+            tensors += [prompt.values, prompt.ids]
+        hosts = [host_buffer(t) for t in tensors]
+        for host, tensor in zip(hosts, tensors):
+            host.copy_(tensor, non_blocking=True)
+        copied = self.platform.new_event()
+        copied.record()
+        copied.synchronize()
+        tokens = hosts[0].tolist()
+        logprobs = None
+        if sampled.logprobs is not None:
+            rows = zip(hosts[2].tolist(), hosts[1].tolist(), params)
+            logprobs = [None if p.logprobs is None else list(zip(ids, lps))[: 1 + p.logprobs] for ids, lps, p in rows]
+        prompt_logprobs = None
+        if prompt is not None:
+            entries = [list(zip(ids, lps)) for ids, lps in zip(hosts[-1].tolist(), hosts[-2].tolist())]
+            bounds = [0, *itertools.accumulate(prompt.counts)]
+            prompt_logprobs = [
+                [entry[: 1 + (sampling[r].prompt_logprobs or 0)] for entry in entries[lo:hi]]
+                for r, lo, hi in zip(prompt.owners, bounds, bounds[1:])
+            ]
+        return tokens, logprobs, prompt_logprobs
+
+
+def _scatter_rows(num_requests: int, rows: list[int], values: list[int]) -> list[int | None]:
+    tokens: list[int | None] = [None] * num_requests
+    for r, token in zip(rows, values):
+        tokens[r] = token
+    return tokens

@@ -1,0 +1,128 @@
+"""Constrained decoding in the engine (tiny-moe): the grammar state lives with the request, so
+the overlapped and the normal loop, with and without preemption, give the same JSON, every
+reply validates and ends with "stop", and unconstrained requests in the same steps keep the
+tokens they get alone."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tandem.config import OverlapConfig
+from tandem.models.tiny_moe import build_tiny_moe
+from tandem.engine.core import Engine
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.sampling import SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "bb"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"],
+}
+PROMPTS = ["A person:", "Another one, with a much longer prompt than the first one has", "x", "Who?"]
+
+
+def _params(i: int) -> SamplingParams:
+    if i == 2:  # an unconstrained neighbour
+        return SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    sampled = dict(temperature=1.0, seed=i) if i % 2 else dict(temperature=0)
+    return SamplingParams(max_tokens=80, json_schema=json.dumps(SCHEMA), **sampled)
+
+
+def _run(overlap: bool, num_kv_blocks: int, which=range(len(PROMPTS))) -> tuple[dict, int]:
+    info = build_tiny_moe()
+    runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=num_kv_blocks, block_size=4)
+    engine = Engine(runner, max_num_seqs=8, max_num_batched_tokens=32, overlap_schedule=overlap)
+    for i in which:
+        assert engine.add_request(f"r{i}", info.tokenizer.encode(PROMPTS[i]).ids, _params(i)) is None
+    outputs = {f"r{i}": ["", None] for i in which}
+    for _ in range(3000):
+        for out in engine.step():
+            outputs[out.request_id][0] += out.new_text
+            outputs[out.request_id][1] = out.finish_reason
+        if not engine.has_work:
+            break
+    preemptions = engine.scheduler.num_preemptions
+    engine.close()
+    return outputs, preemptions
+
+
+@pytest.mark.parametrize("num_kv_blocks", [256, 48], ids=["roomy", "preempting"])
+def test_constrained_replies_validate_and_match_across_loops(num_kv_blocks):
+    normal, _ = _run(False, num_kv_blocks)
+    overlapped, preemptions = _run(True, num_kv_blocks)
+    if num_kv_blocks < 256:
+        assert preemptions > 0
+    assert overlapped == normal
+    for rid, (text, reason) in normal.items():
+        if rid == "r2":
+            assert reason == "length"
+            continue
+        assert reason == "stop", (rid, text)
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_an_unconstrained_request_is_unchanged_by_constrained_neighbours():
+    alone, _ = _run(True, 256, which=[2])
+    together, _ = _run(True, 256)
+    assert together["r2"] == alone["r2"]
+
+
+def test_min_tokens_with_a_schema_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, json_schema=json.dumps(SCHEMA))
+
+
+@pytest.mark.parametrize("schema, where, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "#", "uniqueItems"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "#/properties/n", "multipleOf"),
+    ({"anyOf": [{"type": "string"}, {"not": {"type": "null"}}]}, "#/anyOf/1", "not"),
+    ({"$defs": {"a": {"if": {"type": "string"}}}, "$ref": "#/$defs/a"}, "#/$defs/a", "if"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "#", "allOf"),
+])
+def test_keywords_constrained_decoding_would_ignore_are_refused(schema, where, keyword):
+    import re
+
+    from tandem.worker.grammar import check_json_schema
+
+    with pytest.raises(ValueError, match=re.escape(f"'{keyword}' (at {where})")):
+        check_json_schema(schema)
+
+
+def test_enforced_keywords_and_properties_named_like_keywords_are_accepted():
+    from tandem.worker.grammar import check_json_schema
+
+    check_json_schema({"type": "object", "properties": {"not": {"type": "integer", "multipleOf": 3},
+                                                        "if": {"oneOf": [{"const": 1}, {"const": 2}]}}})
+
+
+def test_length_bounded_strings_never_hold_raw_control_characters():
+    """xgrammar 0.2 lets raw control characters into strings with minLength/maxLength (invalid
+    JSON); the grammar tandem compiles does not. Random walks through the masks, seeded."""
+    import random
+
+    import torch
+
+    from tandem.models.tiny_moe import EOS_ID, build_tokenizer
+    from tandem.worker.grammar import GrammarCompiler
+
+    tokenizer = build_tokenizer()
+    compiler = GrammarCompiler(tokenizer, [EOS_ID])
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4}},
+                         "required": ["s"]})
+    pick = random.Random(0)
+    for _ in range(100):
+        constraint = compiler.constraint(schema)
+        bitmask = torch.full((1, -(-constraint.vocab_size // 32)), -1, dtype=torch.int32)
+        out = []
+        while not constraint.terminated:
+            constraint.fill(bitmask, 0)
+            allowed = ((bitmask[0][:, None] >> torch.arange(32)) & 1).flatten()[: constraint.vocab_size].nonzero()
+            token = int(allowed[pick.randrange(len(allowed))])
+            constraint.advance(token)
+            out.append(token)
+        assert out[-1] == EOS_ID and not any(t < 0x20 for t in out)
+        assert isinstance(json.loads(tokenizer.decode(out[:-1]))["s"], str)

@@ -1,0 +1,1 @@
+"""Shared test helpers and doubles: real servers, tiny HF checkpoints, MoE problems."""

@@ -1,0 +1,135 @@
+"""Start `tandem serve` (or torchrun ranks running it) as real subprocesses for tests,
+with every wait bounded and every process reaped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import httpx
+
+from tandem.distributed.launch import find_free_port
+
+
+def wait_ready(
+    url: str,
+    timeout_s: float,
+    procs: list[subprocess.Popen],
+    *,
+    what: str = "server process",
+    detail: Callable[[], str] = lambda: "",
+    interval_s: float = 0.2,
+) -> None:
+    """Poll `url` until it answers 200. Raises RuntimeError as soon as one of `procs` (the
+    server's processes) exits, TimeoutError when `timeout_s` runs out; `detail()` (say, the
+    tail of the server's log) ends both messages."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited early with code {proc.returncode}{_suffix(detail)}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s{_suffix(detail)}")
+
+
+def _suffix(detail: Callable[[], str]) -> str:
+    text = detail()
+    return f":\n{text}" if text else ""
+
+
+def wait_healthy(base: str, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+    wait_ready(f"{base}/health", timeout_s, procs)
+
+
+def rank_pids(parent_pids: list[int]) -> list[int]:
+    """Live descendants of the given processes (the rank and front-end processes)."""
+    found, frontier = [], list(parent_pids)
+    while frontier:
+        pid = frontier.pop()
+        try:
+            children = subprocess.run(
+                ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, timeout=10
+            ).stdout.split()
+        except subprocess.TimeoutExpired:
+            children = []
+        for child in map(int, children):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+class Server:
+    """`tandem serve ARGS` on a free loopback port; `stop()` sends SIGINT like Ctrl-C."""
+
+    def __init__(self, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None):
+        self.port = find_free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem", "serve", *args, "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # a test's Ctrl-C goes only where the test sends it
+        )
+        try:
+            wait_healthy(self.base, startup_timeout_s, [self.proc])
+        except BaseException:
+            self.kill()
+            raise
+        self.children = rank_pids([self.proc.pid])
+
+    @property
+    def url(self) -> str:
+        return f"{self.base}/v1"
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, timeout_s: float = 45.0, sig: signal.Signals = signal.SIGINT) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            self.kill()

@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+from tandem.worker.sampling import SamplingParams, sample, sample_one
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    assert sample_one(logits, SamplingParams(temperature=0), None) == 1
+    assert sample_one(logits, SamplingParams(temperature=5.0, top_k=1), None) == 1
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(10, 50)
+    params = SamplingParams(temperature=0.8, seed=1234)
+    g = params.make_generator()
+    again = [sample_one(row, params, g) for row in logits]
+    g2 = params.make_generator()
+    other = SamplingParams(temperature=0.8, seed=99)
+    g_other = other.make_generator()
+    interleaved = []
+    for row in logits:  # another request sampling between our draws does not disturb them
+        sample_one(row, other, g_other)
+        interleaved.append(sample_one(row, params, g2))
+    assert again == interleaved
+    assert len(set(again)) > 1  # it really sampled
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([5.0, 4.0, 0.0, -1.0, -2.0])
+    g = torch.Generator().manual_seed(0)
+    picks = {sample_one(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
+    assert picks <= {0, 1} and len(picks) == 2
+    # exp(5) / (exp(5) + exp(4) + ...) ≈ 0.71: top_p 0.5 keeps only the first token.
+    picks = {sample_one(logits, SamplingParams(temperature=1.0, top_p=0.5), g) for _ in range(50)}
+    assert picks == {0}
+    picks = {sample_one(logits, SamplingParams(temperature=1.0, top_p=0.9), g) for _ in range(300)}
+    assert picks == {0, 1}
+
+
+def test_batch_sampling_uses_each_requests_params():
+    logits = torch.tensor([[0.0, 9.0], [9.0, 0.0]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    assert sample(logits, params, [None, None]) == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -3}, "top_k")],
+)
+def test_bad_params_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_extreme_temperature_and_top_p_never_break_a_step():
+    # logits / 1e-300 overflows to inf (softmax NaN); top_p=5e-324 is 0 in float32. Both must
+    # still give a token (the greedy one), not raise and fail every request of the step.
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    for params in (SamplingParams(temperature=1e-300, seed=1), SamplingParams(top_p=5e-324, seed=1)):
+        assert sample_one(logits, params, params.make_generator()) == 1
