@@ -1,0 +1,225 @@
+"""Split-KV ("flash-decoding") decode attention over the paged KV cache, in Triton.
+
+A decode batch has one query row per request. Stage 1 runs one program per
+(request, head group, KV split): the split is a slice of the request's `seq_len` cached
+tokens, read in place through `block_table` (no gather, no float32 copy of the cache), and
+the loop over it stops at `seq_len`, so the work follows the tokens actually cached and not
+the table's width (a captured graph keeps a table as wide as `max_model_len`). It writes the
+split's softmax-normalised partial output and its log-sum-exp in float32. Stage 2 merges
+the splits of each (request, head) by their log-sum-exp. The semantics follow vLLM's
+`decode_attention_fwd_grouped` (two stages, grouped heads, LSE merge).
+
+Both layouts of the cache take the same kernels:
+- GQA: K `[blocks, block_size, Hkv, Dk]`, V `[.., Hkv, Dv]`; the query heads of one KV head
+  (`Hq // Hkv` of them) share each K/V tile.
+- MLA latent (DeepSeek): one KV head whose row is `kv_c (kv_lora_rank) + k_pe (rope)`;
+  V is the `kv_c` prefix of the same rows (a view), the query is the absorbed
+  `q_latent + q_pe`. Query/key columns past `Dv` (the rope part) are a second, narrower dot.
+
+No host reads of device values: the grid comes from shapes and the split count is a host
+setting, so the launch can be captured in a CUDA graph. Operands stay in the model dtype,
+accumulators are float32. The split layout depends only on `seq_len` (never on the table's
+width), so eager and captured steps give the same bits.
+
+Triton is imported when this module is, and `triton.jit` fixes interpreted vs compiled mode
+then: tests set `TRITON_INTERPRET=1` before importing it and run the kernels on CPU tensors.
+`paged_attention` imports this module only for CUDA caches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+#: KV splits per request: the most programs one request's tokens are spread over. A short
+#: request uses fewer (each split is at least one `BLOCK_N` tile).
+DEFAULT_KV_SPLITS = 8
+#: Query heads per program (`tl.dot` needs at least 16 rows); a KV head whose group is
+#: larger takes several programs.
+HEADS_PER_PROGRAM = 16
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _split_bounds(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Token range `[start, end)` of one split; both stages derive it the same way."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = per_split * split
+    return start, tl.minimum(start + per_split, seq_len)
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # The interpreter multiplies bfloat16's raw bits in tl.dot (triton-lang/triton#11584):
+    # there the operands are widened first, after any rounding the GPU path also does.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, partial_ptr, scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_table, stride_pr, stride_ph, stride_ps,
+    kv_group, main_dim, rope_dim, value_dim,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    request = tl.program_id(0)
+    programs_per_kv_head = tl.cdiv(kv_group, BLOCK_H)
+    kv_head = tl.program_id(1) // programs_per_kv_head
+    group_row = (tl.program_id(1) % programs_per_kv_head) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = group_row < kv_group
+    heads = kv_head * kv_group + group_row
+    start, end = _split_bounds(tl.load(seq_lens_ptr + request), tl.program_id(2), NUM_SPLITS, BLOCK_N)
+    if end > start:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_DV)
+        q_rows = q_ptr + request * stride_qt + heads[:, None] * stride_qh
+        # Rows of padding heads load zeros: finite scores, never stored.
+        q = tl.load(q_rows + offs_d[None, :], mask=head_ok[:, None] & (offs_d[None, :] < main_dim), other=0.0)
+        if BLOCK_DR > 0:
+            offs_r = tl.arange(0, BLOCK_DR)
+            rope_ok = offs_r < rope_dim
+            q_rope = tl.load(q_rows + main_dim + offs_r[None, :], mask=head_ok[:, None] & rope_ok[None, :], other=0.0)
+        e_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        e_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        table_row = block_table_ptr + request * stride_table
+        for first in range(start, end, BLOCK_N):
+            offs_n = first + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            block = tl.load(table_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            in_block = offs_n % PAGE_SIZE
+            k_rows = k_ptr + block * stride_kb + in_block * stride_ks + kv_head * stride_kh
+            k = tl.load(k_rows[None, :] + offs_d[:, None], mask=n_ok[None, :] & (offs_d[:, None] < main_dim), other=0.0)
+            scores = _dot(q, k, UPCAST, PRECISION)
+            if BLOCK_DR > 0:
+                k_rope = tl.load(k_rows[None, :] + main_dim + offs_r[:, None], mask=n_ok[None, :] & rope_ok[:, None], other=0.0)
+                scores += _dot(q_rope, k_rope, UPCAST, PRECISION)
+            scores = tl.where(n_ok[None, :], scores * scale, float("-inf"))
+            new_max = tl.maximum(tl.max(scores, 1), e_max)
+            rescale = tl.exp(e_max - new_max)
+            p = tl.exp(scores - new_max[:, None])
+            v_rows = v_ptr + block * stride_vb + in_block * stride_vs + kv_head * stride_vh
+            v = tl.load(v_rows[:, None] + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < value_dim), other=0.0)
+            acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+            e_sum = e_sum * rescale + tl.sum(p, 1)
+            e_max = new_max
+        out_rows = partial_ptr + request * stride_pr + heads * stride_ph + tl.program_id(2) * stride_ps
+        out_ok = head_ok[:, None] & (offs_v[None, :] < value_dim)
+        tl.store(out_rows[:, None] + offs_v[None, :], acc / e_sum[:, None], mask=out_ok)
+        tl.store(out_rows + value_dim, e_max + tl.log(e_sum), mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_ptr, seq_lens_ptr, out_ptr,
+    stride_pr, stride_ph, stride_ps, stride_ot, stride_oh, value_dim,
+    BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    request = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + request)
+    offs_v = tl.arange(0, BLOCK_DV)
+    v_ok = offs_v < value_dim
+    rows = partial_ptr + request * stride_pr + head * stride_ph
+    e_max = -float("inf")
+    e_sum = 0.0
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for split in range(NUM_SPLITS):
+        start, end = _split_bounds(seq_len, split, NUM_SPLITS, BLOCK_N)
+        # Splits past the request's length wrote nothing (their partial rows are garbage).
+        if end > start:
+            part = tl.load(rows + split * stride_ps + offs_v, mask=v_ok, other=0.0)
+            lse = tl.load(rows + split * stride_ps + value_dim)
+            new_max = tl.maximum(lse, e_max)
+            rescale = tl.exp(e_max - new_max)
+            weight = tl.exp(lse - new_max)
+            acc = acc * rescale + weight * part
+            e_sum = e_sum * rescale + weight
+            e_max = new_max
+    # A padding request (seq_len 0) has no split: its row is zero.
+    out = acc / tl.where(e_sum > 0, e_sum, 1.0)
+    tl.store(out_ptr + request * stride_ot + head * stride_oh + offs_v, out.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def _check_operands(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if query.device.type == "cpu" and not _INTERPRETING:
+        raise RuntimeError(
+            "triton decode attention got CPU tensors: Triton runs on CPU only under the interpreter "
+            "(TRITON_INTERPRET=1 set before this module is imported)"
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's last dimension must be contiguous")
+    if query.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"{query.shape[1]} query heads do not group over {key_cache.shape[2]} KV heads")
+
+
+def triton_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    num_kv_splits: int = DEFAULT_KV_SPLITS,
+) -> torch.Tensor:
+    """Decode attention of `query [T, Hq, Dk]` (row r is request r's one query; rows past
+    `block_table.shape[0]` are padding) over K `[blocks, block_size, Hkv, Dk]` and V
+    `[.., Hkv, Dv]`, each request reading its first `seq_lens[r]` tokens through
+    `block_table[r]`. Returns `[T, Hq, Dv]` in the query's dtype, zero on padding rows and
+    on requests of length 0."""
+    _check_operands(query, key_cache, value_cache)
+    num_tokens, num_heads, key_dim = query.shape
+    requests = block_table.shape[0]
+    _, page_size, kv_heads, _ = key_cache.shape
+    value_dim = value_cache.shape[-1]
+    kv_group = num_heads // kv_heads
+    # Key columns past the value width (MLA's rope part) take their own, narrower dot.
+    main_dim = min(key_dim, value_dim)
+    rope_dim = key_dim - main_dim
+    out = query.new_empty((num_tokens, num_heads, value_dim))
+    if num_tokens > requests:
+        out[requests:].zero_()
+    if requests == 0:
+        return out
+    q = query.to(key_cache.dtype)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    partial = torch.empty((requests, num_heads, num_kv_splits, value_dim + 1), dtype=torch.float32, device=query.device)
+    # Wide heads (MLA's 512 + 64) take shorter token tiles, to keep K and V tiles in shared memory.
+    block_n = 16 if main_dim > 256 else 32
+    dtype = key_cache.dtype
+    upcast = _INTERPRETING and dtype == torch.bfloat16
+    precision = "ieee" if upcast or dtype == torch.float32 else "tf32"
+    grid = (requests, kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM), num_kv_splits)
+    _decode_split_kernel[grid](
+        q, key_cache, value_cache, block_table, seq_lens, partial, scale,
+        q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
+        block_table.stride(0), *partial.stride()[:3],
+        kv_group, main_dim, rope_dim, value_dim,
+        PAGE_SIZE=page_size, BLOCK_H=HEADS_PER_PROGRAM, BLOCK_N=block_n, BLOCK_D=_pow2(main_dim),
+        BLOCK_DR=_pow2(rope_dim) if rope_dim else 0, BLOCK_DV=_pow2(value_dim), NUM_SPLITS=num_kv_splits,
+        UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
+    )
+    _merge_splits_kernel[(requests, num_heads)](
+        partial, seq_lens, out,
+        *partial.stride()[:3], out.stride(0), out.stride(1), value_dim,
+        BLOCK_N=block_n, BLOCK_DV=_pow2(value_dim), NUM_SPLITS=num_kv_splits, num_warps=4, num_stages=2,
+    )
+    return out
+
+
+__all__ = ["DEFAULT_KV_SPLITS", "HEADS_PER_PROGRAM", "triton_decode_attention"]
