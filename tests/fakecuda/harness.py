@@ -81,7 +81,8 @@ class _Launch:
 
 
 def stub_triton(monkeypatch) -> list:
-    """Triton kernels that check their tensors and launch nothing; returns the launch log."""
+    """Triton kernels (the experts' GEMMs, the split-KV decode attention) that check their
+    tensors and launch nothing; returns the launch log."""
     import triton
 
     from tandem.modular_kernels import experts_triton
@@ -91,6 +92,10 @@ def stub_triton(monkeypatch) -> list:
         triton=triton, grouped_gemm=_Launch("grouped_gemm", launches), masked_gemm=_Launch("masked_gemm", launches)
     )
     monkeypatch.setattr(experts_triton, "_kernels", lambda interpret: kernels)
+    from tandem.models import triton_decode_attention
+
+    monkeypatch.setattr(triton_decode_attention, "_decode_split_kernel", _Launch("decode_split", launches))
+    monkeypatch.setattr(triton_decode_attention, "_merge_splits_kernel", _Launch("merge_splits", launches))
     return launches
 
 

@@ -162,10 +162,23 @@ def test_dbo_decode_step_on_fake_cuda(all2all, moe_backend, graph_mode, fake_cud
     assert wrapper.ubatched_runs >= 1 or wrapper.graph_captures >= 1
     if graph_mode == "full":
         assert wrapper.graph_captures == 1
-    if moe_backend in ("triton", "deep_gemm"):
+    if moe_backend == "triton":  # the log also holds the decode attention's launches
+        assert {"grouped_gemm", "masked_gemm"} & set(fake_cuda["triton"]), "no triton expert launch reached the stub"
+    if moe_backend == "deep_gemm":
         assert fake_cuda[moe_backend], f"no {moe_backend} launch reached the stub"
     if all2all == "deepep_low_latency":
         assert "dispatch" in fake_cuda["deep_ep"] and "combine" in fake_cuda["deep_ep"]
+
+
+@pytest.mark.parametrize("graph_mode", ["none", "full"])
+def test_decode_attention_takes_the_triton_split_kv_kernels_on_cuda(graph_mode, fake_cuda, one_rank_group):
+    """Each MLA layer of each ubatch launches the split stage then the merge, and no torch
+    gather of the whole block table runs (a host read or a CPU tensor fails the stub)."""
+    wrapper, _ = _run_steps("local", "deep_gemm", one_rank_group, graph_mode=graph_mode, steps=1)
+    from tandem.models.tiny_moe import CONFIG
+
+    ubatches = 2
+    assert fake_cuda["triton"] == ["decode_split", "merge_splits"] * (CONFIG["num_hidden_layers"] * ubatches)
 
 
 def test_prefill_step_on_fake_cuda_without_dbo(fake_cuda, one_rank_group):

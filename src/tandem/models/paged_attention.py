@@ -17,6 +17,8 @@ drop padding rows by a boolean mask (a data-dependent shape); they write them in
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from importlib.util import find_spec
 
 import torch
 
@@ -131,6 +133,10 @@ def paged_attention(
     and V `[.., Hkv, Dv]` (grouped-query when Hq > Hkv); returns `[T, Hq, Dv]`, zero on
     padding rows. The caller has already written this step's K/V to the cache."""
     if metadata.decode_only:
+        if _triton_decode_applies(key_cache):
+            from tandem.models.triton_decode_attention import triton_decode_attention
+
+            return triton_decode_attention(query, key_cache, value_cache, metadata.seq_lens, metadata.block_table, scale)
         return _decode_attention(query, key_cache, value_cache, metadata, scale)
     num_tokens, num_heads, _ = query.shape
     out = query.new_zeros((num_tokens, num_heads, value_cache.shape[-1]))
@@ -150,6 +156,22 @@ def paged_attention(
         scores = scores.masked_fill(torch.arange(seq_len, device=query.device).unsqueeze(0) > q_pos, float("-inf"))
         out[start:stop] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
     return out
+
+
+@lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    return find_spec("triton") is not None
+
+
+def _triton_decode_applies(cache: torch.Tensor) -> bool:
+    """A CUDA cache takes the Triton split-KV kernels (`triton_decode_attention`), which read
+    each request's blocks in place up to its `seq_len`; the gather below reads the table's
+    whole width (under a graph: `max_model_len`) and stays for CPU and Triton-less hosts."""
+    return (
+        cache.device.type == "cuda"
+        and cache.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and _triton_importable()
+    )
 
 
 def _decode_attention(
