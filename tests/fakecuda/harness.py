@@ -94,8 +94,10 @@ def stub_triton(monkeypatch) -> list:
     monkeypatch.setattr(experts_triton, "_kernels", lambda interpret: kernels)
     from tandem.models import triton_decode_attention
 
-    monkeypatch.setattr(triton_decode_attention, "_decode_split_kernel", _Launch("decode_split", launches))
-    monkeypatch.setattr(triton_decode_attention, "_merge_splits_kernel", _Launch("merge_splits", launches))
+    attention = SimpleNamespace(
+        decode_split=_Launch("decode_split", launches), merge_splits=_Launch("merge_splits", launches)
+    )
+    monkeypatch.setattr(triton_decode_attention, "_kernels", lambda interpret: attention)
     return launches
 
 

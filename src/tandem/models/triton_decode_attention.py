@@ -21,14 +21,15 @@ setting, so the launch can be captured in a CUDA graph. Operands stay in the mod
 accumulators are float32. The split layout depends only on `seq_len` (never on the table's
 width), so eager and captured steps give the same bits.
 
-Triton is imported when this module is, and `triton.jit` fixes interpreted vs compiled mode
-then: tests set `TRITON_INTERPRET=1` before importing it and run the kernels on CPU tensors.
-`paged_attention` imports this module only for CUDA caches.
+`paged_attention` imports this module (and Triton) only for CUDA caches. Under
+`TRITON_INTERPRET=1` the same kernels run on CPU tensors (the tests).
 """
 
 from __future__ import annotations
 
 import os
+from functools import lru_cache
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -41,29 +42,7 @@ DEFAULT_KV_SPLITS = 8
 #: larger takes several programs.
 HEADS_PER_PROGRAM = 16
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _split_bounds(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Token range `[start, end)` of one split; both stages derive it the same way."""
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = per_split * split
-    return start, tl.minimum(start + per_split, seq_len)
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # The interpreter multiplies bfloat16's raw bits in tl.dot (triton-lang/triton#11584):
-    # there the operands are widened first, after any rounding the GPU path also does.
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _decode_split_kernel(
+def _decode_split(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, partial_ptr, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_table, stride_pr, stride_ph, stride_ps,
@@ -72,13 +51,20 @@ def _decode_split_kernel(
     BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Stage 1 (grid: requests x head groups x splits). `UPCAST`: the interpreter multiplies
+    bfloat16's raw bits in tl.dot (triton-lang/triton#11584), so there operands are widened
+    to float32 after the rounding the GPU path also does."""
     request = tl.program_id(0)
     programs_per_kv_head = tl.cdiv(kv_group, BLOCK_H)
     kv_head = tl.program_id(1) // programs_per_kv_head
     group_row = (tl.program_id(1) % programs_per_kv_head) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = group_row < kv_group
     heads = kv_head * kv_group + group_row
-    start, end = _split_bounds(tl.load(seq_lens_ptr + request), tl.program_id(2), NUM_SPLITS, BLOCK_N)
+    # The split's token range; stage 2 derives it the same way.
+    seq_len = tl.load(seq_lens_ptr + request)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = per_split * tl.program_id(2)
+    end = tl.minimum(start + per_split, seq_len)
     if end > start:
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_DV)
@@ -89,6 +75,10 @@ def _decode_split_kernel(
             offs_r = tl.arange(0, BLOCK_DR)
             rope_ok = offs_r < rope_dim
             q_rope = tl.load(q_rows + main_dim + offs_r[None, :], mask=head_ok[:, None] & rope_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            if BLOCK_DR > 0:
+                q_rope = q_rope.to(tl.float32)
         e_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
         e_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -100,17 +90,24 @@ def _decode_split_kernel(
             in_block = offs_n % PAGE_SIZE
             k_rows = k_ptr + block * stride_kb + in_block * stride_ks + kv_head * stride_kh
             k = tl.load(k_rows[None, :] + offs_d[:, None], mask=n_ok[None, :] & (offs_d[:, None] < main_dim), other=0.0)
-            scores = _dot(q, k, UPCAST, PRECISION)
+            v_rows = v_ptr + block * stride_vb + in_block * stride_vs + kv_head * stride_vh
+            v = tl.load(v_rows[:, None] + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < value_dim), other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            scores = tl.dot(q, k, input_precision=PRECISION)
             if BLOCK_DR > 0:
                 k_rope = tl.load(k_rows[None, :] + main_dim + offs_r[:, None], mask=n_ok[None, :] & rope_ok[:, None], other=0.0)
-                scores += _dot(q_rope, k_rope, UPCAST, PRECISION)
+                if UPCAST:
+                    k_rope = k_rope.to(tl.float32)
+                scores += tl.dot(q_rope, k_rope, input_precision=PRECISION)
             scores = tl.where(n_ok[None, :], scores * scale, float("-inf"))
             new_max = tl.maximum(tl.max(scores, 1), e_max)
             rescale = tl.exp(e_max - new_max)
             p = tl.exp(scores - new_max[:, None])
-            v_rows = v_ptr + block * stride_vb + in_block * stride_vs + kv_head * stride_vh
-            v = tl.load(v_rows[:, None] + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < value_dim), other=0.0)
-            acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+            # P @ V in the cache dtype, as the GPU does.
+            p_cast = p.to(v_ptr.dtype.element_ty).to(v.dtype)
+            acc = acc * rescale[:, None] + tl.dot(p_cast, v, input_precision=PRECISION)
             e_sum = e_sum * rescale + tl.sum(p, 1)
             e_max = new_max
         out_rows = partial_ptr + request * stride_pr + heads * stride_ph + tl.program_id(2) * stride_ps
@@ -119,15 +116,16 @@ def _decode_split_kernel(
         tl.store(out_rows + value_dim, e_max + tl.log(e_sum), mask=head_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(
+def _merge_splits(
     partial_ptr, seq_lens_ptr, out_ptr,
     stride_pr, stride_ph, stride_ps, stride_ot, stride_oh, value_dim,
     BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
+    """Stage 2 (grid: requests x heads): the log-sum-exp merge of the splits."""
     request = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + request)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_v = tl.arange(0, BLOCK_DV)
     v_ok = offs_v < value_dim
     rows = partial_ptr + request * stride_pr + head * stride_ph
@@ -135,9 +133,8 @@ def _merge_splits_kernel(
     e_sum = 0.0
     acc = tl.zeros([BLOCK_DV], tl.float32)
     for split in range(NUM_SPLITS):
-        start, end = _split_bounds(seq_len, split, NUM_SPLITS, BLOCK_N)
         # Splits past the request's length wrote nothing (their partial rows are garbage).
-        if end > start:
+        if tl.minimum(per_split * (split + 1), seq_len) > per_split * split:
             part = tl.load(rows + split * stride_ps + offs_v, mask=v_ok, other=0.0)
             lse = tl.load(rows + split * stride_ps + value_dim)
             new_max = tl.maximum(lse, e_max)
@@ -151,15 +148,29 @@ def _merge_splits_kernel(
     tl.store(out_ptr + request * stride_ot + head * stride_oh + offs_v, out.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@lru_cache(maxsize=None)
+def _kernels(interpret: bool) -> SimpleNamespace:
+    """The two stages as Triton kernels, wrapped on first use in the mode the environment
+    asks for (`triton.jit` fixes it when it wraps). Triton's own library functions
+    (`tl.max`, `tl.cdiv`) keep the mode triton was imported in, so one process runs one
+    mode: the CPU tests start a subprocess with `TRITON_INTERPRET=1`."""
+    del interpret  # only the cache key
+    return SimpleNamespace(decode_split=triton.jit(_decode_split), merge_splits=triton.jit(_merge_splits))
+
+
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
 def _check_operands(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    if query.device.type == "cpu" and not _INTERPRETING:
+    if query.device.type == "cpu" and not _interpreting():
         raise RuntimeError(
             "triton decode attention got CPU tensors: Triton runs on CPU only under the interpreter "
-            "(TRITON_INTERPRET=1 set before this module is imported)"
+            "(TRITON_INTERPRET=1)"
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("the KV cache's last dimension must be contiguous")
@@ -202,10 +213,12 @@ def triton_decode_attention(
     # Wide heads (MLA's 512 + 64) take shorter token tiles, to keep K and V tiles in shared memory.
     block_n = 16 if main_dim > 256 else 32
     dtype = key_cache.dtype
-    upcast = _INTERPRETING and dtype == torch.bfloat16
+    interpret = _interpreting()
+    upcast = interpret and dtype == torch.bfloat16
     precision = "ieee" if upcast or dtype == torch.float32 else "tf32"
     grid = (requests, kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM), num_kv_splits)
-    _decode_split_kernel[grid](
+    kernels = _kernels(interpret)
+    kernels.decode_split[grid](
         q, key_cache, value_cache, block_table, seq_lens, partial, scale,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_table.stride(0), *partial.stride()[:3],
@@ -214,7 +227,7 @@ def triton_decode_attention(
         BLOCK_DR=_pow2(rope_dim) if rope_dim else 0, BLOCK_DV=_pow2(value_dim), NUM_SPLITS=num_kv_splits,
         UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
     )
-    _merge_splits_kernel[(requests, num_heads)](
+    kernels.merge_splits[(requests, num_heads)](
         partial, seq_lens, out,
         *partial.stride()[:3], out.stride(0), out.stride(1), value_dim,
         BLOCK_N=block_n, BLOCK_DV=_pow2(value_dim), NUM_SPLITS=num_kv_splits, num_warps=4, num_stages=2,

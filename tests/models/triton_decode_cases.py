@@ -1,0 +1,141 @@
+"""Cases run by `test_triton_decode_attention.py` in a subprocess started with
+`TRITON_INTERPRET=1` (Triton's own library functions take their mode when triton is
+imported, so the interpreter must be on before that; the name keeps pytest's main run from
+collecting this module).
+
+The Triton split-KV decode attention, run on CPU under the Triton interpreter, against a
+plain torch reference: GQA and the MLA latent cache, float32 and bfloat16, requests of
+length 1, on a block boundary and over several splits, a block table wider than needed.
+
+Every cache slot that no request owns holds NaN (the unused blocks the table's spare
+columns point at, and the tail of each request's last block): one read of them would make
+the output NaN, so the kernel provably stops at `seq_lens`."""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run under TRITON_INTERPRET=1 by test_triton_decode_attention.py", allow_module_level=True)
+pytest.importorskip("triton")
+
+from tandem.models import triton_decode_attention as tda  # noqa: E402
+from tandem.models.paged_attention import AttentionMetadata, _decode_attention  # noqa: E402
+
+BLOCK = 4
+#: 1 token; exactly two blocks; 37 = two 32-token tiles (two splits); 70 = three splits.
+LENGTHS = [1, 2 * BLOCK, 37, 70]
+TABLE_WIDTH = 24  # blocks: wider than the longest request's 18
+
+
+def paged_cache(lengths, kv_heads, dim, dtype, seed=0):
+    """A NaN-filled cache with each request's tokens written through a scattered block table;
+    returns `(cache, block_table, per-request dense rows)`."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 1 + TABLE_WIDTH * len(lengths)
+    cache = torch.full((num_blocks, BLOCK, kv_heads, dim), float("nan"), dtype=dtype)
+    order = torch.randperm(num_blocks - 1, generator=g) + 1  # block 0 stays all NaN
+    table = torch.zeros((len(lengths), TABLE_WIDTH), dtype=torch.int32)  # spare columns -> block 0
+    dense = []
+    for r, n in enumerate(lengths):
+        rows = torch.randn(n, kv_heads, dim, generator=g).to(dtype)
+        used = -(-n // BLOCK)
+        table[r, :used] = order[r * TABLE_WIDTH : r * TABLE_WIDTH + used].to(torch.int32)
+        for p in range(n):
+            cache[table[r, p // BLOCK], p % BLOCK] = rows[p]
+        dense.append(rows)
+    return cache, table, dense
+
+
+def reference(query, keys, values, scale):
+    """float32 softmax attention of each request's one query row over its dense K/V."""
+    outs = []
+    for q, k, v in zip(query, keys, values):
+        if k.shape[0] == 0:
+            outs.append(torch.zeros(q.shape[0], v.shape[-1]))
+            continue
+        group = q.shape[0] // k.shape[1]
+        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,khd->hk", q.float(), k) * scale
+        outs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+    return torch.stack(outs)
+
+
+def tolerance(dtype):
+    # bfloat16: the kernel rounds the softmax weights to bf16 before P @ V, as on a GPU.
+    return {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, kv_heads", [(4, 1), (4, 2), (24, 1)])
+def test_gqa_matches_reference_and_reads_only_cached_tokens(num_heads, kv_heads, dtype):
+    dim = 8
+    k_cache, table, keys = paged_cache(LENGTHS, kv_heads, dim, dtype, seed=1)
+    # Distinct values in the same slots (NaN stays NaN where no token is).
+    v_cache = k_cache.flip(-1) * 0.5 + 1
+    values = [k.flip(-1) * 0.5 + 1 for k in keys]
+    query = torch.randn(len(LENGTHS), num_heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    seq_lens = torch.tensor(LENGTHS, dtype=torch.int32)
+
+    out = tda.triton_decode_attention(query, k_cache, v_cache, seq_lens, table, dim**-0.5)
+
+    assert out.shape == (len(LENGTHS), num_heads, dim) and out.dtype == dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), reference(query, keys, values, dim**-0.5), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_latent_cache_matches_reference_and_the_torch_decode_path(dtype):
+    """One latent KV head, row `kv_c (32) + k_pe (8)`; V is the `kv_c` prefix view."""
+    lora, rope, num_heads = 32, 8, 16
+    cache, table, rows = paged_cache(LENGTHS, 1, lora + rope, dtype, seed=3)
+    query = torch.randn(len(LENGTHS), num_heads, lora + rope, generator=torch.Generator().manual_seed(4)).to(dtype)
+    seq_lens = torch.tensor(LENGTHS, dtype=torch.int32)
+    scale = (lora + rope) ** -0.5
+
+    out = tda.triton_decode_attention(query, cache, cache[..., :lora], seq_lens, table, scale)
+
+    assert out.shape == (len(LENGTHS), num_heads, lora) and not out.isnan().any()
+    expected = reference(query, rows, [r[..., :lora] for r in rows], scale)
+    torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
+    if dtype == torch.float32:  # the torch path reads the NaN slots (then masks): compare on a clean cache
+        clean = cache.nan_to_num(0.0)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.arange(len(LENGTHS) + 1, dtype=torch.int32), seq_lens=seq_lens, max_query_len=1,
+            slot_mapping=torch.zeros(len(LENGTHS), dtype=torch.int64), block_table=table, block_size=BLOCK,
+            decode_only=True,
+        )
+        torch.testing.assert_close(out, _decode_attention(query, clean, clean[..., :lora], metadata, scale))
+
+
+def test_split_count_does_not_change_the_result():
+    k_cache, table, _ = paged_cache(LENGTHS, 2, 8, torch.float32, seed=5)
+    query = torch.randn(len(LENGTHS), 4, 8, generator=torch.Generator().manual_seed(6))
+    seq_lens = torch.tensor(LENGTHS, dtype=torch.int32)
+    outs = [tda.triton_decode_attention(query, k_cache, k_cache, seq_lens, table, 0.3, num_kv_splits=n) for n in (1, 3, 8)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-6, rtol=1e-5)
+
+
+def test_padding_requests_and_padding_rows_are_zero():
+    """As in a captured graph: padding requests of length 0 (table pointing at NaN blocks)
+    and query rows past the requests."""
+    lengths = [5, 0, 3]
+    k_cache, table, keys = paged_cache(lengths, 1, 8, torch.float32, seed=7)
+    query = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(8))  # rows 3, 4: no request
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+
+    out = tda.triton_decode_attention(query, k_cache, k_cache, seq_lens, table, 0.5)
+
+    assert out.shape == (5, 2, 8)
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[3:]) == 0
+    torch.testing.assert_close(out[:3], reference(query[:3], keys, keys, 0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_heads_that_do_not_group():
+    cache = torch.zeros(2, BLOCK, 3, 8)
+    with pytest.raises(ValueError, match="group"):
+        tda.triton_decode_attention(
+            torch.zeros(1, 4, 8), cache, cache, torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1.0
+        )
