@@ -22,44 +22,11 @@ pytest.importorskip("triton")
 
 from tandem.models import triton_decode_attention as tda  # noqa: E402
 from tandem.models.paged_attention import AttentionMetadata, _decode_attention  # noqa: E402
+from tests.support.paged_decode import paged_cache, reference  # noqa: E402
 
 BLOCK = 4
 #: 1 token; exactly two blocks; 37 = two 32-token tiles (two splits); 70 = three splits.
 LENGTHS = [1, 2 * BLOCK, 37, 70]
-TABLE_WIDTH = 24  # blocks: wider than the longest request's 18
-
-
-def paged_cache(lengths, kv_heads, dim, dtype, seed=0):
-    """A NaN-filled cache with each request's tokens written through a scattered block table;
-    returns `(cache, block_table, per-request dense rows)`."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = 1 + TABLE_WIDTH * len(lengths)
-    cache = torch.full((num_blocks, BLOCK, kv_heads, dim), float("nan"), dtype=dtype)
-    order = torch.randperm(num_blocks - 1, generator=g) + 1  # block 0 stays all NaN
-    table = torch.zeros((len(lengths), TABLE_WIDTH), dtype=torch.int32)  # spare columns -> block 0
-    dense = []
-    for r, n in enumerate(lengths):
-        rows = torch.randn(n, kv_heads, dim, generator=g).to(dtype)
-        used = -(-n // BLOCK)
-        table[r, :used] = order[r * TABLE_WIDTH : r * TABLE_WIDTH + used].to(torch.int32)
-        for p in range(n):
-            cache[table[r, p // BLOCK], p % BLOCK] = rows[p]
-        dense.append(rows)
-    return cache, table, dense
-
-
-def reference(query, keys, values, scale):
-    """float32 softmax attention of each request's one query row over its dense K/V."""
-    outs = []
-    for q, k, v in zip(query, keys, values):
-        if k.shape[0] == 0:
-            outs.append(torch.zeros(q.shape[0], v.shape[-1]))
-            continue
-        group = q.shape[0] // k.shape[1]
-        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-        scores = torch.einsum("hd,khd->hk", q.float(), k) * scale
-        outs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
-    return torch.stack(outs)
 
 
 def tolerance(dtype):
@@ -71,7 +38,7 @@ def tolerance(dtype):
 @pytest.mark.parametrize("num_heads, kv_heads", [(4, 1), (4, 2), (24, 1)])
 def test_gqa_matches_reference_and_reads_only_cached_tokens(num_heads, kv_heads, dtype):
     dim = 8
-    k_cache, table, keys = paged_cache(LENGTHS, kv_heads, dim, dtype, seed=1)
+    k_cache, table, keys = paged_cache(LENGTHS, BLOCK, kv_heads, dim, dtype, seed=1)
     # Distinct values in the same slots (NaN stays NaN where no token is).
     v_cache = k_cache.flip(-1) * 0.5 + 1
     values = [k.flip(-1) * 0.5 + 1 for k in keys]
@@ -89,7 +56,7 @@ def test_gqa_matches_reference_and_reads_only_cached_tokens(num_heads, kv_heads,
 def test_mla_latent_cache_matches_reference_and_the_torch_decode_path(dtype):
     """One latent KV head, row `kv_c (32) + k_pe (8)`; V is the `kv_c` prefix view."""
     lora, rope, num_heads = 32, 8, 16
-    cache, table, rows = paged_cache(LENGTHS, 1, lora + rope, dtype, seed=3)
+    cache, table, rows = paged_cache(LENGTHS, BLOCK, 1, lora + rope, dtype, seed=3)
     query = torch.randn(len(LENGTHS), num_heads, lora + rope, generator=torch.Generator().manual_seed(4)).to(dtype)
     seq_lens = torch.tensor(LENGTHS, dtype=torch.int32)
     scale = (lora + rope) ** -0.5
@@ -110,7 +77,7 @@ def test_mla_latent_cache_matches_reference_and_the_torch_decode_path(dtype):
 
 
 def test_split_count_does_not_change_the_result():
-    k_cache, table, _ = paged_cache(LENGTHS, 2, 8, torch.float32, seed=5)
+    k_cache, table, _ = paged_cache(LENGTHS, BLOCK, 2, 8, torch.float32, seed=5)
     query = torch.randn(len(LENGTHS), 4, 8, generator=torch.Generator().manual_seed(6))
     seq_lens = torch.tensor(LENGTHS, dtype=torch.int32)
     outs = [tda.triton_decode_attention(query, k_cache, k_cache, seq_lens, table, 0.3, num_kv_splits=n) for n in (1, 3, 8)]
@@ -122,7 +89,7 @@ def test_padding_requests_and_padding_rows_are_zero():
     """As in a captured graph: padding requests of length 0 (table pointing at NaN blocks)
     and query rows past the requests."""
     lengths = [5, 0, 3]
-    k_cache, table, keys = paged_cache(lengths, 1, 8, torch.float32, seed=7)
+    k_cache, table, keys = paged_cache(lengths, BLOCK, 1, 8, torch.float32, seed=7)
     query = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(8))  # rows 3, 4: no request
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
 
