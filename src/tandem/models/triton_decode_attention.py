@@ -166,6 +166,29 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
+def split_kernel_meta(
+    page_size: int, main_dim: int, rope_dim: int, value_dim: int, dtype: torch.dtype, num_kv_splits: int, interpret: bool
+) -> dict:
+    """Stage 1's compile-time parameters and launch options (also what the sm_90
+    ahead-of-time compile test builds)."""
+    upcast = interpret and dtype == torch.bfloat16
+    return dict(
+        PAGE_SIZE=page_size, BLOCK_H=HEADS_PER_PROGRAM,
+        # Wide heads (MLA's 512 + 64) take shorter token tiles: K and V tiles stay in shared memory.
+        BLOCK_N=16 if main_dim > 256 else 32,
+        BLOCK_D=_pow2(main_dim), BLOCK_DR=_pow2(rope_dim) if rope_dim else 0, BLOCK_DV=_pow2(value_dim),
+        NUM_SPLITS=num_kv_splits, UPCAST=upcast,
+        PRECISION="ieee" if upcast or dtype == torch.float32 else "tf32",
+        # 8 warps: at 4, ptxas spills registers for MLA's bf16 tiles and GQA's float32 ones (sm_90).
+        num_warps=8, num_stages=2,
+    )
+
+
+def merge_kernel_meta(split_meta: dict) -> dict:
+    keep = ("BLOCK_N", "BLOCK_DV", "NUM_SPLITS")
+    return {key: split_meta[key] for key in keep} | {"num_warps": 4, "num_stages": 2}
+
+
 def _check_operands(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     if query.device.type == "cpu" and not _interpreting():
         raise RuntimeError(
@@ -210,29 +233,22 @@ def triton_decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     partial = torch.empty((requests, num_heads, num_kv_splits, value_dim + 1), dtype=torch.float32, device=query.device)
-    # Wide heads (MLA's 512 + 64) take shorter token tiles, to keep K and V tiles in shared memory.
-    block_n = 16 if main_dim > 256 else 32
-    dtype = key_cache.dtype
     interpret = _interpreting()
-    upcast = interpret and dtype == torch.bfloat16
-    precision = "ieee" if upcast or dtype == torch.float32 else "tf32"
+    split_meta = split_kernel_meta(page_size, main_dim, rope_dim, value_dim, key_cache.dtype, num_kv_splits, interpret)
     grid = (requests, kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM), num_kv_splits)
     kernels = _kernels(interpret)
     kernels.decode_split[grid](
         q, key_cache, value_cache, block_table, seq_lens, partial, scale,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_table.stride(0), *partial.stride()[:3],
-        kv_group, main_dim, rope_dim, value_dim,
-        PAGE_SIZE=page_size, BLOCK_H=HEADS_PER_PROGRAM, BLOCK_N=block_n, BLOCK_D=_pow2(main_dim),
-        BLOCK_DR=_pow2(rope_dim) if rope_dim else 0, BLOCK_DV=_pow2(value_dim), NUM_SPLITS=num_kv_splits,
-        UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
+        kv_group, main_dim, rope_dim, value_dim, **split_meta,
     )
     kernels.merge_splits[(requests, num_heads)](
         partial, seq_lens, out,
         *partial.stride()[:3], out.stride(0), out.stride(1), value_dim,
-        BLOCK_N=block_n, BLOCK_DV=_pow2(value_dim), NUM_SPLITS=num_kv_splits, num_warps=4, num_stages=2,
+        **merge_kernel_meta(split_meta),
     )
     return out
 
 
-__all__ = ["DEFAULT_KV_SPLITS", "HEADS_PER_PROGRAM", "triton_decode_attention"]
+__all__ = ["DEFAULT_KV_SPLITS", "HEADS_PER_PROGRAM", "merge_kernel_meta", "split_kernel_meta", "triton_decode_attention"]
