@@ -76,6 +76,22 @@ def test_mla_latent_cache_matches_reference_and_the_torch_decode_path(dtype):
         torch.testing.assert_close(out, _decode_attention(query, clean, clean[..., :lora], metadata, scale))
 
 
+def test_mla_at_deepseek_v2_lite_dims_in_bfloat16():
+    """The production tiles: 16 heads over a 512 + 64 latent row, block size 16, 16-token
+    tiles, a request of 40 tokens over three splits."""
+    lora, rope, num_heads, lengths = 512, 64, 16, [1, 16, 17, 40]
+    cache, table, rows = paged_cache(lengths, 16, 1, lora + rope, torch.bfloat16, seed=9, table_width=4)
+    query = torch.randn(len(lengths), num_heads, lora + rope, generator=torch.Generator().manual_seed(10))
+    query = query.to(torch.bfloat16)
+    scale = (lora + rope) ** -0.5
+
+    out = tda.triton_decode_attention(query, cache, cache[..., :lora], torch.tensor(lengths, dtype=torch.int32), table, scale)
+
+    assert not out.isnan().any()
+    expected = reference(query, rows, [r[..., :lora] for r in rows], scale)
+    torch.testing.assert_close(out.float(), expected, **tolerance(torch.bfloat16))
+
+
 def test_split_count_does_not_change_the_result():
     k_cache, table, _ = paged_cache(LENGTHS, BLOCK, 2, 8, torch.float32, seed=5)
     query = torch.randn(len(LENGTHS), 4, 8, generator=torch.Generator().manual_seed(6))
