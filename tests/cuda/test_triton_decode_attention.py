@@ -22,11 +22,11 @@ SHAPES = {"mla": (16, 1, 576, 512), "gqa": (32, 4, 128, 128)}
 
 
 @pytest.fixture(autouse=True)
-def compiled_triton(monkeypatch):
-    triton = pytest.importorskip("triton")
-    if type(triton.language.cdiv).__name__ == "InterpretedFunction":
-        pytest.skip("triton was imported under TRITON_INTERPRET=1 in this process: run `pytest -m cuda tests/cuda`")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def interpreter_set_elsewhere(monkeypatch):
+    """Another test module may have set TRITON_INTERPRET=1 in this process: CUDA tensors
+    must take the compiled kernels all the same."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _problem(shape: str, dtype: torch.dtype, seed: int = 0):

@@ -1,8 +1,8 @@
 """Compile tandem's Triton decode-attention kernels ahead of time for an sm_90 GPU (H100 /
 H200) on a machine without one, with the ptxas that ships in the triton wheel: the
 compile errors and resource limits the interpreter cannot show. Run as a module it prints
-one JSON object per kernel variant: `python -m tests.support.triton_aot` (without
-TRITON_INTERPRET: Triton's library functions take their mode when triton is imported)."""
+one JSON object mapping each kernel variant to its shared memory, registers and spills:
+`python -m tests.support.triton_aot`."""
 
 from __future__ import annotations
 

@@ -154,12 +154,16 @@ def _interpreting() -> bool:
 
 @lru_cache(maxsize=None)
 def _kernels(interpret: bool) -> SimpleNamespace:
-    """The two stages as Triton kernels, wrapped on first use in the mode the environment
-    asks for (`triton.jit` fixes it when it wraps). Triton's own library functions
-    (`tl.max`, `tl.cdiv`) keep the mode triton was imported in, so one process runs one
-    mode: the CPU tests start a subprocess with `TRITON_INTERPRET=1`."""
-    del interpret  # only the cache key
-    return SimpleNamespace(decode_split=triton.jit(_decode_split), merge_splits=triton.jit(_merge_splits))
+    """The two stages as Triton kernels in the mode asked for, whatever TRITON_INTERPRET says
+    (`triton.jit` would follow the variable): CPU tensors run only interpreted, CUDA ones
+    compiled. Triton's own library functions (`tl.max`, `tl.cdiv`) keep the mode triton was
+    imported in; compiled kernels take either, interpreted ones need interpreted ones, so CPU
+    runs need TRITON_INTERPRET=1 before triton is imported (the tests use a subprocess)."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction as wrap
+    else:
+        from triton.runtime.jit import JITFunction as wrap
+    return SimpleNamespace(decode_split=wrap(_decode_split), merge_splits=wrap(_merge_splits))
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -233,7 +237,9 @@ def triton_decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     partial = torch.empty((requests, num_heads, num_kv_splits, value_dim + 1), dtype=torch.float32, device=query.device)
-    interpret = _interpreting()
+    # CUDA tensors take the compiled kernels even where TRITON_INTERPRET=1 is set (a test
+    # process that also runs interpreted kernels): the interpreter would copy them to the host.
+    interpret = query.device.type == "cpu"
     split_meta = split_kernel_meta(page_size, main_dim, rope_dim, value_dim, key_cache.dtype, num_kv_splits, interpret)
     grid = (requests, kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM), num_kv_splits)
     kernels = _kernels(interpret)
