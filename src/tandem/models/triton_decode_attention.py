@@ -42,6 +42,7 @@ DEFAULT_KV_SPLITS = 8
 #: larger takes several programs.
 HEADS_PER_PROGRAM = 16
 
+
 def _decode_split(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, partial_ptr, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
