@@ -23,9 +23,9 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
 
 
 def launches_kernel(func) -> bool:
-    """Whether an ATen op counts as a kernel: not a view (an alias of its input) and not an
-    allocation without data."""
-    if getattr(func, "is_view", False):
+    """Whether an ATen op counts as a kernel: not a view (an alias of its input), not an
+    allocation without data, not a `prim` metadata query (`prim::device` on fake tensors)."""
+    if getattr(func, "is_view", False) or getattr(func, "namespace", "aten") == "prim":
         return False
     return func.overloadpacket.__name__ not in _NO_KERNEL
 
