@@ -24,7 +24,8 @@ def main(argv: list[str]) -> None:
 
     from tandem.cli import app
 
-    on_gpu = torch.cuda.is_available() and "cpu" not in argv
+    device = argv[argv.index("--device") + 1] if "--device" in argv[:-1] else "auto"
+    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     defaults = {
         "--model": "deepseek-v2-lite-random" if on_gpu else "tiny-moe",
         "--batch": "64" if on_gpu else "8",
