@@ -23,6 +23,7 @@ from torch import nn
 
 from tandem.bench.op_count import OpCounter
 from tandem.bench.step_cost import StepShape, is_moe_block, tensor_bytes
+from tandem.platform import graph_capture_active
 
 LAYER_INDEX = re.compile(r"^model\.layers\.\d+\.?")
 
@@ -133,15 +134,19 @@ class Instrument:
     def _begin(self, key: str):
         if self.counter is not None:
             self.counter.enter(key)
+        if graph_capture_active():
+            return None  # a capture runs nothing now (and may not record timing events): its replays are the work
         return self._mark(self.regions[key].clock)
 
     def _end(self, key: str, start, *tensors) -> None:
         """Closes a span; `tensors` are the call's activations (inputs and outputs)."""
+        if self.counter is not None:
+            self.counter.leave(key)
+        if start is None:
+            return
         self.record.spans[key].append((start, self._mark(self.regions[key].clock)))
         self.record.calls[key] += 1
         self.record.activation_bytes[key] += tensor_bytes(list(tensors))
-        if self.counter is not None:
-            self.counter.leave(key)
 
     def _hook_module(self, stack: ExitStack, key: str, module: nn.Module) -> None:
         starts: list = []
