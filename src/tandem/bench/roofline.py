@@ -5,7 +5,6 @@ under this load, actually did."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -82,8 +81,4 @@ def measure_roofline(device: torch.device, dtype: torch.dtype, *, copy_mib: int 
     )
 
 
-def median(values) -> float:
-    return statistics.median(values) if values else 0.0
-
-
-__all__ = ["Roofline", "device_timer", "measure_roofline", "median"]
+__all__ = ["Roofline", "device_timer", "measure_roofline"]
