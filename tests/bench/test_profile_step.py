@@ -88,3 +88,24 @@ def test_roofline_is_measured_in_the_run(report):
     data, _ = report
     r = data["roofline"]
     assert r["device"] == "cpu" and r["bandwidth_bytes_per_s"] > 0 and r["matmul_flops_per_s"] > 0
+
+
+def test_dbo_greenlet_steps_count_each_ubatch():
+    """Under DBO each module runs once per ubatch, the two interleaving at their yields: every
+    call is timed and counted on its own (the greenlets share the thread the counter watches)."""
+    from tandem.bench.profile_step import run_profile
+    from tandem.config import EngineConfig, OverlapConfig
+
+    overlap = OverlapConfig(enable_dbo=True, executor="greenlet", dbo_decode_token_threshold=0,
+                            dbo_prefill_token_threshold=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = run_profile(EngineConfig(model="tiny-moe", device="cpu", overlap=overlap), batch=2, prompt_len=8,
+                             decode_steps=1, repeat=1, roofline_sizes={"copy_mib": 8, "matmul_size": 256})
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["row"]: r for r in report["phases"]["decode"]["rows"]}
+    assert rows["forward"]["calls"] == 1 and rows["layers.*"]["calls"] == 2 * 3
+    assert rows["layers.*.mlp.experts"]["calls"] == 2 * 2
+    assert 0 < rows["layers.*"]["kernels"] <= rows["forward"]["kernels"]

@@ -7,10 +7,13 @@ and are not seen; whoever launches them adds their own count.
 
 The dispatch-mode stack is per OS thread: ops run by another thread (the thread executor's
 ubatch workers) are not counted; the greenlet executor runs on the caller's thread and is.
+The open scopes are per context (`contextvars`), as each ubatch runs in its own: two
+ubatches interleaving at their yields each keep their own nesting.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterable, Iterator
@@ -39,23 +42,24 @@ class OpCounter(TorchDispatchMode):
         self.total = 0
         self.by_op: Counter[str] = Counter()
         self.by_scope: Counter[str] = Counter()
-        self._open: list[str] = []
+        self._open: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(f"op_scopes_{id(self)}", default=())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if launches_kernel(func):
             self.total += 1
             self.by_op[func.overloadpacket.__name__] += 1
-            for scope in set(self._open):  # a recursive scope (layers.*) counts an op once
+            for scope in set(self._open.get()):  # a recursive scope (layers.*) counts an op once
                 self.by_scope[scope] += 1
         return func(*args, **(kwargs or {}))
 
     def enter(self, scope: str) -> None:
-        self._open.append(scope)
+        self._open.set(self._open.get() + (scope,))
 
     def leave(self, scope: str) -> None:
-        if not self._open or self._open[-1] != scope:
-            raise RuntimeError(f"op counter: leaving scope {scope!r} but the innermost open one is {self._open[-1:]}")
-        self._open.pop()
+        open_scopes = self._open.get()
+        if not open_scopes or open_scopes[-1] != scope:
+            raise RuntimeError(f"op counter: leaving scope {scope!r} but the innermost open one is {open_scopes[-1:]}")
+        self._open.set(open_scopes[:-1])
 
     @contextmanager
     def scope(self, name: str) -> Iterator[None]:

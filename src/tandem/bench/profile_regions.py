@@ -11,6 +11,7 @@ its scopes, so the row carries the kernels launched inside it.
 
 from __future__ import annotations
 
+import contextvars
 import re
 import time
 from collections import Counter, defaultdict
@@ -149,9 +150,20 @@ class Instrument:
         self.record.activation_bytes[key] += tensor_bytes(list(tensors))
 
     def _hook_module(self, stack: ExitStack, key: str, module: nn.Module) -> None:
-        starts: list = []
-        pre = module.register_forward_pre_hook(lambda m, args: starts.append(self._begin(key)))
-        post = module.register_forward_hook(lambda m, args, out: self._end(key, starts.pop(), args, out))
+        # The start of each open call, per context: DBO's ubatches (each in its own context)
+        # interleave inside one module at their yields.
+        starts: contextvars.ContextVar[tuple] = contextvars.ContextVar(f"profile_{key}_{id(module)}", default=())
+
+        def pre(m, args):
+            starts.set(starts.get() + (self._begin(key),))
+
+        def post(m, args, out):
+            *rest, start = starts.get()
+            starts.set(tuple(rest))
+            self._end(key, start, args, out)
+
+        pre = module.register_forward_pre_hook(pre)
+        post = module.register_forward_hook(post)
         stack.callback(pre.remove)
         stack.callback(post.remove)
 
