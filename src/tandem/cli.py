@@ -448,3 +448,34 @@ def tune(
           f"--dbo-prefill-token-threshold {prefill.threshold}  (decode {show(decode.threshold)}, prefill {show(prefill.threshold)})")
     print(f"or: --thresholds-file {path}")
     print(f"wrote {path}", file=sys.stderr)
+
+
+# -- tandem profile -------------------------------------------------------------------------
+
+
+@app.command()
+@config_command(*ENGINE_SECTIONS)
+def profile(
+    batch: int = typer.Option(8, help="Requests in the step (the prefill step takes all their prompts at once)."),
+    prompt_len: int = typer.Option(128, help="Prompt tokens per request."),
+    decode_steps: int = typer.Option(4, help="Decode steps after each prefill (each is one timed decode step)."),
+    repeat: int = typer.Option(3, help="Timed rounds (one prefill + --decode-steps decodes each); medians reported."),
+    json_path: str = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+    flags: Flags = None,
+) -> None:
+    """Where one prefill and one decode step spend their time, per module (attention, MoE,
+    experts, router, norms, lm_head, plus scheduler, input build, sampler), with device events;
+    beside each row its kernels (ATen ops dispatched), the bytes and FLOPs its shapes imply and
+    its share of the roofline measured in the same run; and the step against its
+    weight-bandwidth floor. One rank, the normal (not overlapped) loop."""
+    from tandem.bench.profile_step import format_report, run_profile, write_report
+
+    config = _build_config(flags)
+    try:
+        report = run_profile(config, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, repeat=repeat)
+    except (ValueError, OSError) as exc:
+        print(f"[tandem] error: {exc}", file=sys.stderr, flush=True)
+        raise typer.Exit(code=2) from None
+    print(format_report(report))
+    if json_path:
+        print(f"wrote {write_report(json_path, report)}", file=sys.stderr)

@@ -74,6 +74,10 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
         self._platform = platform
         self._own_comm_stream = None
 
+    @property
+    def moves_tokens(self) -> bool:
+        return True  # one rank, but every dispatch and combine is a modelled transfer
+
     def supports_async(self) -> bool:
         return True
 

@@ -114,6 +114,12 @@ class PrepareAndFinalize(ABC):
         self.world_size = world_size
         self.num_local_experts = num_experts // world_size
 
+    @property
+    def moves_tokens(self) -> bool:
+        """True when dispatch and combine move tokens between ranks (or model a transfer that
+        would): only then is there communication for DBO or SBO to hide."""
+        return self.world_size > 1
+
     def supports_async(self) -> bool:
         """True when `prepare_async`/`finalize_async` return before the transfer completes,
         so a DBO yield between send and receive hides it."""

@@ -390,8 +390,9 @@ class OverlapPlanner:
         return PlannedStep(self.choices[best], own[best], explored)
 
     def static_choice(self, num_ubatches: int) -> OverlapChoice:
-        """What the static rule runs with `num_ubatches` (1: no split, SBO when it is on)."""
-        return next(c for c in reversed(self.choices) if c.num_ubatches == num_ubatches)
+        """What the static rule runs with `num_ubatches` (1: no split, SBO when it is on), or
+        the nearest smaller choice there is (a planner without DBO choices: no split)."""
+        return next(c for c in reversed(self.choices) if c.num_ubatches <= num_ubatches)
 
     def decide(self, decision: UBatchDecision, static_num_ubatches: int, own_s: Sequence[float]) -> PlannedStep:
         """`choose` for a `coordinate_ubatching` decision that carried `own_s`: choices whose

@@ -146,7 +146,8 @@ class ModelRunner:
         self.fault_hooks = install_from_env(self)
         #: Whether the MoE kernels run single-batch overlap: each step's SBO choice unless the
         #: planner picks per step (a benchmark mode swaps it, as it swaps `overlap`).
-        self.sbo = any(k.enable_sbo for k in self._moe_kernels())
+        self._kernels = self._moe_kernels()
+        self.sbo = any(k.enable_sbo for k in self._kernels)
         #: Overlap planners by the settings they plan for: whoever swaps `overlap` (bench
         #: modes) gets back the planner, and what it learnt, of each setting.
         self._planners: dict[tuple, OverlapPlanner] = {}
@@ -162,14 +163,24 @@ class ModelRunner:
         if o.overlap_policy != "auto" and o.ubatch_split != "balanced-cost":
             return None
         auto = o.overlap_policy == "auto"
-        key = (auto, o.num_ubatches, o.enable_dbo, self.sbo, o.thresholds_file, o.planner_explore_share)
+        # Where no MoE layer moves tokens (one rank, `local` dispatch, no modelled fabric) there
+        # is nothing to hide: DBO and SBO could only add their overhead, so auto picks none. (A
+        # planner that only observes keeps every choice: the static rule decides.)
+        hides = self.moves_tokens or not auto
+        key = (auto, o.num_ubatches, o.enable_dbo, self.sbo, o.thresholds_file, o.planner_explore_share, hides)
         if key not in self._planners:
             self._planners[key] = OverlapPlanner(
-                overlap_choices(o.num_ubatches, dbo=o.enable_dbo, sbo=self.sbo),
+                overlap_choices(o.num_ubatches, dbo=o.enable_dbo and hides, sbo=self.sbo and hides),
                 explore_share=o.planner_explore_share if auto else 0.0,
                 prior=TunePrior.from_file(o.thresholds_file) if auto and o.thresholds_file else None,
             )
         return self._planners[key]
+
+    @property
+    def moves_tokens(self) -> bool:
+        """Whether any MoE layer's dispatch and combine move tokens (see `PrepareAndFinalize.
+        moves_tokens`); read per step, as a bench may install a modelled fabric after start-up."""
+        return any(k.prepare_finalize.moves_tokens for k in self._kernels)
 
     @property
     def ubatch_yields(self) -> int:

@@ -1,0 +1,149 @@
+"""Kernels per decoder layer of an eager decode step, counted on fake CUDA tensors: every
+non-view ATen op dispatched inside the layer (`tandem.bench.op_count`, the counter `tandem
+profile` uses) plus the Triton launches the stub records, for the DeepSeek-V2-Lite shape (MLA,
+64 experts top-6, 2 shared) and the Qwen3-30B-A3B shape (GQA with q/k norms, 128 experts
+top-8), both with Triton experts and the `local` dispatch in bf16, as on one GPU.
+
+The goal (issue 24) is <= 40 kernels per layer. Kernels are being fused; until then the bound
+asserted here is today's count (a regression guard), and the counts are printed and written
+to benchmarks/results/kernels_per_layer.json. Run: `python -m pytest -m fakecuda tests/fakecuda -s`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.fakecuda,
+    pytest.mark.skipif(
+        torch.version.cuda is None,
+        reason="needs the CUDA build of torch (FakeTensorMode cannot run CUDA ops on the CPU build): "
+        "run in the fakecuda venv, see .ci/run",
+    ),
+]
+
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
+
+from tests.fakecuda import harness  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kernels_per_layer.json"
+GOAL = 40
+#: Today's counts per MoE layer (DeepSeek-V2-Lite 138, Qwen3-MoE 145: ATen ops + 2 Triton GEMMs,
+#: before any fusion) with a little room; lower it as kernels are fused, down to GOAL.
+BOUND = {"deepseek-v2-lite": 140, "qwen3-moe": 150}
+REQUESTS, CONTEXT, BLOCK = 8, 20, 16
+
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6,
+    max_position_embeddings=40960, tie_word_embeddings=False,
+)
+
+
+def _deepseek():
+    from tandem.models.deepseek import DeepseekV2ForCausalLM
+    from tandem.models.random_deepseek import DEEPSEEK_V2_LITE
+
+    return DeepseekV2ForCausalLM, dict(DEEPSEEK_V2_LITE, num_hidden_layers=3)  # 1 dense + 2 MoE layers
+
+
+def _qwen3():
+    from tandem.models.qwen_moe import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM, dict(QWEN3_30B_A3B, num_hidden_layers=2)
+
+
+MODELS = {"deepseek-v2-lite": _deepseek, "qwen3-moe": _qwen3}
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    import tandem.platform as platform_module
+
+    platform = harness.FakeCudaPlatform()
+    real = platform_module._platform_for
+    monkeypatch.setattr(platform_module, "_platform_for", lambda t: platform if t == "cuda" else real(t))
+    return harness.stub_triton(monkeypatch)
+
+
+def _decode_inputs(model):
+    """REQUESTS decode tokens, each after CONTEXT cached ones, on fake CUDA."""
+    import dataclasses
+
+    from tandem.worker import BlockAllocator, ScheduledChunk, allocate_kv_caches, build_step_inputs
+
+    blocks_each = CONTEXT // BLOCK + 1
+    allocator = BlockAllocator(REQUESTS * blocks_each + 1, reserve_null_block=True)
+    model.bind_kv_cache(allocate_kv_caches(model.kv_cache_specs(), REQUESTS * blocks_each + 1, BLOCK, device="cuda"))
+    chunks = [ScheduledChunk([5 + i], CONTEXT, allocator.allocate(blocks_each)) for i in range(REQUESTS)]
+    with unset_fake_temporarily():
+        inputs = build_step_inputs(chunks, BLOCK)
+
+    def move(obj):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = value.to("cuda", non_blocking=True)
+            elif dataclasses.is_dataclass(value):
+                changes[f.name] = move(value)
+        return dataclasses.replace(obj, **changes)
+
+    return move(inputs)
+
+
+def count_decode_step(name: str, launches: list) -> dict:
+    from tandem.bench.op_count import count_ops_per_layer
+    from tandem.bench.step_cost import is_moe_block
+    from tandem.contexts import ForwardContext, set_forward_context
+    from tandem.models.base import MoEOptions
+
+    cls, config = MODELS[name]()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.device("cuda"):
+            model = cls(config, moe=MoEOptions(all2all_backend="local", moe_backend="triton"), dtype=torch.bfloat16)
+        model.prepare_weights_after_loading()
+        model.eval()
+        inputs = _decode_inputs(model)
+        triton_per_layer: list[int] = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda m, a: triton_per_layer.append(-len(launches)))
+            layer.register_forward_hook(lambda m, a, o: triton_per_layer.__setitem__(-1, triton_per_layer[-1] + len(launches)))
+
+        def step():
+            with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=inputs.attn_metadata)):
+                model(inputs.input_ids, inputs.positions)
+
+        aten, counter = count_ops_per_layer(model, step)
+    per_layer = [a + t for a, t in zip(aten, triton_per_layer)]
+    moe = [n for n, layer in zip(per_layer, model.model.layers) if is_moe_block(layer.mlp)]
+    return {
+        "model": name, "layers": len(per_layer), "per_layer": per_layer, "aten_per_layer": aten,
+        "triton_per_layer": triton_per_layer, "per_moe_layer": max(moe), "top_ops_per_step": dict(counter.by_op.most_common(12)),
+    }
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_kernels_per_decoder_layer(name, triton_launches):
+    report = count_decode_step(name, triton_launches)
+    print(f"\n{name}: eager decode step, {REQUESTS} requests: kernels per layer {report['per_layer']} "
+          f"(ATen {report['aten_per_layer']} + Triton {report['triton_per_layer']}); goal <= {GOAL}")
+    assert all(n > 0 for n in report["per_layer"])
+    assert report["triton_per_layer"][-1] > 0, "the MoE layer's Triton GEMMs were not launched"
+    _write(name, report)
+    assert report["per_moe_layer"] <= BOUND[name], (
+        f"{name}: {report['per_moe_layer']} kernels per MoE layer, over the guard {BOUND[name]} (goal {GOAL})"
+    )
+
+
+def _write(name: str, report: dict) -> None:
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[name] = {**report, "goal": GOAL, "bound": BOUND[name], "requests": REQUESTS, "context": CONTEXT,
+                  "torch": torch.__version__}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
