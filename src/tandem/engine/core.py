@@ -32,6 +32,7 @@ from tandem.worker.model_runner import ModelRunner, StepResult
 from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import Request, Scheduler, SchedulerStep
 from tandem.worker.grammar import GrammarCompiler, advance_constraints
+from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import Completion, RequestOutput
 
 #: How long the scheduler waits for a forward before declaring the engine stuck.
@@ -108,11 +109,11 @@ class Engine:
             # The ranks enforce --max-model-len too, not only the front end that admits requests.
             max_model_len=info.max_model_len if max_model_len is None else max_model_len,
             eos_token_ids=info.eos_token_ids,
-            decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
             generator_device=runner.device,
             grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids)),
             vocab_size=_vocab_size(runner.model),
         )
+        self.outputs = OutputProcessor(lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True))
         self.overlap_schedule = overlap_schedule
         self.lockstep = lockstep
         self.step_timeout_s = step_timeout_s
@@ -150,17 +151,20 @@ class Engine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
         """Queue a request; a request that can never run comes back at once as an error output."""
         if self.stopped is not None:
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=self.stopped)
+            return RequestOutput.failed(request_id, self.stopped)
         try:
             self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
         except Exception as exc:  # noqa: BLE001 - a bad request must never take the rank down
             message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
+            return RequestOutput.failed(request_id, message)
+        self.outputs.add_request(request_id)
         self.prompt_tokens += len(prompt_ids)
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        return self.scheduler.abort(request_id)
+        """Finish a request now; its last output, or None if it is unknown or done."""
+        request = self.scheduler.abort(request_id)
+        return None if request is None else self.outputs.finish(request, "abort")
 
     @property
     def has_work(self) -> bool:
@@ -246,7 +250,14 @@ class Engine:
         self.idle_everywhere = not isinstance(result, BaseException) and result.num_tokens_padded == 0
         if isinstance(result, BaseException):
             return self._fail(step, result)
-        outputs = self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs)
+        outputs = []
+        for update in self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs):
+            output = self.outputs.process(update)
+            if output is None:
+                continue
+            if output.finished:
+                self.scheduler.finish(update.request, output.finish_reason)
+            outputs.append(output)
         self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
@@ -268,38 +279,25 @@ class Engine:
             request = entry.request
             if entry.slot is not None:
                 request.in_flight -= 1
-            if request.finished:
-                continue
-            self.scheduler._finish(request, "error")
-            outputs.append(
-                RequestOutput(
-                    request.request_id,
-                    [],
-                    "",
-                    finished=True,
-                    finish_reason="error",
-                    num_prompt_tokens=len(request.prompt_ids),
-                    num_output_tokens=len(request.output_ids),
-                    error=message,
-                )
-            )
+            if not request.finished:
+                outputs.append(self._fail_request(request, message))
         return outputs
 
     def _refuse_all(self) -> list[RequestOutput]:
         """A stopped engine fails every request it still holds, once."""
         outputs = []
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
-            if request.finished:
-                continue
-            self.scheduler._finish(request, "error")
-            outputs.append(
-                RequestOutput(
-                    request.request_id, [], "", finished=True, finish_reason="error",
-                    num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),
-                    error=self.stopped,
-                )
-            )
+            if not request.finished:
+                outputs.append(self._fail_request(request, self.stopped))
         return outputs
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        self.scheduler.finish(request, "error")
+        self.outputs.discard(request.request_id)
+        return RequestOutput.failed(
+            request.request_id, message,
+            num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),
+        )
 
     # -- state ----------------------------------------------------------------------------
 

@@ -217,9 +217,8 @@ class PipelineEngine(Engine):
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
         if params.json_schema is not None:
             # The last stage samples, away from the first stage's scheduler where grammars live.
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                                 error="structured output (a JSON schema constraint) is not supported with "
-                                       "pipeline parallelism yet")
+            return RequestOutput.failed(request_id, "structured output (a JSON schema constraint) is not supported "
+                                                    "with pipeline parallelism yet")
         return super().add_request(request_id, prompt_ids, params)
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -272,7 +272,7 @@ class ProcessEngineClient(EngineClient):
             self._streams.clear()
             self._in_flight = [0] * self.num_request_ranks
         for request_id, (stream, loop, _) in entries:
-            output = RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
+            output = RequestOutput.failed(request_id, message)
             try:
                 loop.call_soon_threadsafe(stream.put_nowait, output)
             except RuntimeError:
