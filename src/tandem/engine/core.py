@@ -72,39 +72,35 @@ class RankCounters:
 
 
 class Engine:
-    """One rank's serving loop. Its settings are `tandem.config`'s (`Engine.from_config`);
-    a keyword left unset takes that tree's default, so no default lives here."""
+    """One rank's serving loop, as `scheduler` (default: `SchedulerConfig()`) and the step
+    token budget (default: `EngineConfig`'s) say; `build_engine(config)` builds it from the
+    config tree, so no default lives here. `lockstep`: this rank steps with its DP peers."""
 
     def __init__(
         self,
         runner: ModelRunner,
+        scheduler: SchedulerConfig | None = None,
         *,
-        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
-        overlap_schedule: bool | None = None,
         lockstep: bool = False,
-        step_timeout_s: float | None = None,
-        max_model_len: int | None = None,
     ):
-        defaults = SchedulerConfig()
-        max_num_seqs = defaults.max_num_seqs if max_num_seqs is None else max_num_seqs
+        settings = SchedulerConfig() if scheduler is None else scheduler
         if max_num_batched_tokens is None:
             max_num_batched_tokens = EngineConfig.max_num_batched_tokens
-        overlap_schedule = defaults.overlap_schedule if overlap_schedule is None else overlap_schedule
-        step_timeout_s = defaults.step_timeout_s if step_timeout_s is None else step_timeout_s
+        max_model_len = settings.max_model_len
         self.runner = runner
         info = runner.info
         if max_model_len is not None and max_model_len > info.max_model_len:
             raise ValueError(f"--max-model-len {max_model_len} is over the model's context length {info.max_model_len}")
         if runner.compiles_on_first_use:
             runner.warm_up()  # every rank builds its engine at the same point
-        self.future_map = FutureMap(max_num_seqs, device=runner.device)
+        self.future_map = FutureMap(settings.max_num_seqs, device=runner.device)
         runner.future_map = self.future_map
         self.scheduler = Scheduler(
             runner.allocator,
             runner.block_size,
             self.future_map,
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             # The ranks enforce --max-model-len too, not only the front end that admits requests.
             max_model_len=info.max_model_len if max_model_len is None else max_model_len,
@@ -114,10 +110,10 @@ class Engine:
             vocab_size=_vocab_size(runner.model),
         )
         self.outputs = OutputProcessor(lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True))
-        self.overlap_schedule = overlap_schedule
+        self.overlap_schedule = settings.overlap_schedule
         self.lockstep = lockstep
-        self.step_timeout_s = step_timeout_s
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if overlap_schedule else None
+        self.step_timeout_s = settings.step_timeout_s
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if self.overlap_schedule else None
         self._pending: tuple[SchedulerStep, Future] | None = None
         self.prompt_tokens = 0
         self.generated_tokens = 0
@@ -131,20 +127,6 @@ class Engine:
         #: The last applied step found every DP rank idle (its agreed padded size was 0): in
         #: lockstep, the one signal all ranks see alike that the work is done everywhere.
         self.idle_everywhere = False
-
-    @classmethod
-    def from_config(cls, runner: ModelRunner, config: EngineConfig, **kwargs) -> "Engine":
-        """The engine `config` describes (its scheduler section and step token budget);
-        `kwargs` are the process's own (e.g. `lockstep`)."""
-        s = config.scheduler
-        settings = dict(
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            overlap_schedule=s.overlap_schedule,
-            step_timeout_s=s.step_timeout_s,
-            max_model_len=s.max_model_len,
-        )
-        return cls(runner, **{**settings, **kwargs})
 
     # -- requests -------------------------------------------------------------------------
 
