@@ -22,7 +22,6 @@ import dataclasses
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tandem.config import EngineConfig, SchedulerConfig
@@ -33,6 +32,7 @@ from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import Request, Scheduler, SchedulerStep
 from tandem.worker.grammar import GrammarCompiler, advance_constraints
 from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.counters import RankCounters
 from tandem.engine.outputs import Completion, RequestOutput
 
 #: How long the scheduler waits for a forward before declaring the engine stuck.
@@ -42,33 +42,6 @@ DEFAULT_STEP_TIMEOUT_S = SchedulerConfig.step_timeout_s
 class StepTimeoutError(RuntimeError):
     """A forward did not finish within the step timeout: it is stuck (a hung collective, a
     dead or hung peer rank). Its thread cannot be reclaimed, so the engine cannot go on."""
-
-
-@dataclass
-class RankCounters:
-    """One rank's engine counters; the front end sums them into `serving.EngineStats`."""
-
-    waiting: int
-    running: int
-    kv_usage: float
-    steps: int
-    ubatched_steps: int
-    ubatch_yields: int
-    step_time_s: float
-    forward_busy_s: float
-    prompt_tokens: int
-    generated_tokens: int
-    preemptions: int
-    # The time model, summed over steps (see tandem.worker.model_runner.StepTimes).
-    compute_time_s: float = 0.0
-    recv_wait_s: float = 0.0
-    comm_time_s: float = 0.0
-    ubatch_switch_s: float = 0.0
-    failed_steps: int = 0
-    #: Pipeline parallelism: each stage's idle (bubble) fraction, stage order; None without PP.
-    pipeline_stage_idle_fraction: list | None = None
-    #: The overlap planner's counters (`tandem.ubatch.planner.PlannerStats` as a dict), if one runs.
-    planner: dict | None = None
 
 
 class Engine:
@@ -297,10 +270,7 @@ class Engine:
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens,
             preemptions=self.scheduler.num_preemptions,
-            compute_time_s=runner.total_step_times.compute_s,
-            recv_wait_s=runner.total_step_times.recv_wait_s,
-            comm_time_s=runner.total_step_times.comm_s,
-            ubatch_switch_s=runner.total_step_times.switch_s,
+            times=runner.total_step_times,
             failed_steps=self.failed_steps,
             planner=dataclasses.asdict(runner.planner.stats) if runner.planner is not None else None,
         )

@@ -23,7 +23,6 @@ never a fault.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import signal
@@ -305,7 +304,7 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
                     # stuck, the gather below waits for the step timeout.
                     outbox.put(Outputs(outputs))
                     outputs = []
-        stats = dataclasses.asdict(engine.stats()) if due else None
+        stats = engine.stats() if due else None
         per_rank: list = []
         if control is not None:
             gathered = [None] * world_size if rank == 0 else None
