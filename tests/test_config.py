@@ -115,6 +115,19 @@ def test_old_deepep_budget_flag_is_an_alias_of_the_one_dispatch_budget(monkeypat
     assert "--deepep-ll-max-tokens-per-rank" not in CliRunner().invoke(app, ["serve", "--help"]).output
 
 
+def test_the_deprecated_budget_name_is_resolved_by_one_rule_for_flags_and_the_factory():
+    from tandem.modular_kernels.factory import build_moe_kernel
+
+    LL = "torch_a2a_ll"
+    assert ParallelConfig(2, all2all_backend=LL, deepep_ll_max_tokens_per_rank=32, dispatch_max_tokens_per_rank=32)\
+        .dispatch_max_tokens_per_rank == 32
+    with pytest.raises(ValueError, match="old name of dispatch_max_tokens_per_rank"):
+        ParallelConfig(2, all2all_backend=LL, deepep_ll_max_tokens_per_rank=32, dispatch_max_tokens_per_rank=16)
+    with pytest.raises(ValueError, match="old name of dispatch_max_tokens_per_rank"):
+        build_moe_kernel("local", "torch", num_experts=4, top_k=2, hidden_size=8,
+                         dispatch_max_tokens_per_rank=16, deepep_ll_max_tokens_per_rank=32)
+
+
 def test_dispatch_budget_defaults_per_backend():
     assert ParallelConfig(data_parallel_size=2, all2all_backend="torch_a2a_ll").dispatch_budget(512) == 512
     assert ParallelConfig(data_parallel_size=2, all2all_backend="deepep_low_latency").dispatch_budget(512) == 128
