@@ -4,7 +4,7 @@ counters in ModelRunner, summed into EngineStats and exported in /metrics."""
 import pytest
 
 from tandem.config import CacheConfig, EngineConfig, OverlapConfig, ParallelConfig
-from tandem.worker.model_runner import StepTimes
+from tandem.contexts import StepTimes
 from tandem.testing import run_distributed
 
 
