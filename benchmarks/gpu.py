@@ -63,7 +63,7 @@ def _sweep(args, phase: str, tokens: list[int]) -> tuple[list[dict], dict | None
 
 def _loop_runner(args):
     """One model for both loops (a second copy of a 31 GB model would not fit beside it)."""
-    from tandem.config import CacheConfig
+    from tandem.config import CacheConfig, SchedulerConfig
     from tandem.engine.offline import build_runner
 
     blocks = args.requests * -(-(args.prompt_len + args.max_tokens) // 16) + 1
@@ -76,7 +76,7 @@ def _loop_throughput(args, runner, overlap_schedule: bool) -> float:
 
     rates = []
     for run in range(args.warmup + args.repeat):
-        engine = Engine(runner, max_num_seqs=args.requests, overlap_schedule=overlap_schedule)
+        engine = Engine(runner, SchedulerConfig(max_num_seqs=args.requests, overlap_schedule=overlap_schedule))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
         g = torch.Generator().manual_seed(run)
         for i in range(args.requests):

@@ -127,11 +127,12 @@ def bench_rank(rank: int, world: int, args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tandem.config import CacheConfig, EngineConfig, ParallelConfig
+    from tandem.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from tandem.engine.build import build_pipeline_stage
     from tandem.engine.chunking import fit_chunker
     from tandem.engine.core import Engine
     from tandem.worker.build import build_runner
-    from tandem.engine.pipeline import PipelineEngine, build_pipeline_stage, run_stage
+    from tandem.engine.pipeline import PipelineEngine, run_stage
 
     torch.set_num_threads(1)
     blocks = (args.prompt_len + args.streams * 64) // 16 + 64
@@ -153,8 +154,8 @@ def bench_rank(rank: int, world: int, args) -> dict:
     tokenizer = runner.info.tokenizer
 
     def pipeline(num_micro_batches: int) -> PipelineEngine:
-        return PipelineEngine(runner, groups, num_micro_batches=num_micro_batches, max_num_seqs=args.streams,
-                              max_num_batched_tokens=args.chunk, step_timeout_s=3600)
+        return PipelineEngine(runner, groups, SchedulerConfig(max_num_seqs=args.streams, step_timeout_s=3600),
+                              num_micro_batches=num_micro_batches, max_num_batched_tokens=args.chunk)
 
     # Fit the chunkers once (each on the layers it runs), then interleave the modes per repeat.
     chunk_pp1 = fit_chunker(whole, args.chunk)
@@ -167,7 +168,7 @@ def bench_rank(rank: int, world: int, args) -> dict:
         for name, micro_batches in DECODE_MODES:
             tag = f"d{r}-{name}"
             if micro_batches is None:
-                engine = Engine(whole, max_num_seqs=args.streams, max_num_batched_tokens=args.chunk)
+                engine = Engine(whole, SchedulerConfig(max_num_seqs=args.streams), max_num_batched_tokens=args.chunk)
                 decode[name].append(_decode_run(engine, tokenizer, args, tag))
                 engine.close()
             else:
@@ -179,7 +180,7 @@ def bench_rank(rank: int, world: int, args) -> dict:
         for name, dynamic in PREFILL_MODES:
             tag = f"p{r}-{name}"
             if name.startswith("pp1"):
-                engine = Engine(whole, max_num_batched_tokens=args.chunk, overlap_schedule=False)
+                engine = Engine(whole, SchedulerConfig(overlap_schedule=False), max_num_batched_tokens=args.chunk)
                 engine.scheduler.chunk_limit = chunk_pp1 if dynamic else None
             else:
                 engine = pipeline(2)

@@ -357,7 +357,7 @@ def scheduler_loops(model: str = "small-moe", streams: int = 64, max_tokens: int
     `repeat` runs of each, interleaved."""
     import torch
 
-    from tandem.config import CacheConfig, EngineConfig
+    from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
     from tandem.engine.core import Engine
     from tandem.engine.offline import build_runner
     from tandem.worker.sampling import SamplingParams
@@ -371,7 +371,7 @@ def scheduler_loops(model: str = "small-moe", streams: int = 64, max_tokens: int
     host_share: list[float] = []
 
     def run(overlap: bool) -> tuple[float, list]:
-        engine = Engine(runner, max_num_seqs=streams, overlap_schedule=overlap)
+        engine = Engine(runner, SchedulerConfig(max_num_seqs=streams, overlap_schedule=overlap))
         for i, ids in enumerate(prompts):
             engine.add_request(f"r{i}", ids, params)
         start, tokens = time.perf_counter(), {}

@@ -51,7 +51,7 @@ def mask_step_s(rows: int, steps: int) -> float:
 
 
 def engine_s_per_token(rows: int, constrained_share: float, tokens: int) -> float:
-    from tandem.config import OverlapConfig
+    from tandem.config import OverlapConfig, SchedulerConfig
     from tandem.models.tiny_moe import build_tiny_moe
     from tandem.engine.core import Engine
     from tandem.worker.model_runner import ModelRunner
@@ -59,7 +59,7 @@ def engine_s_per_token(rows: int, constrained_share: float, tokens: int) -> floa
 
     info = build_tiny_moe()
     runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=rows * 8 + 8, block_size=16)
-    engine = Engine(runner, max_num_seqs=rows, max_num_batched_tokens=4096, overlap_schedule=True)
+    engine = Engine(runner, SchedulerConfig(max_num_seqs=rows, overlap_schedule=True), max_num_batched_tokens=4096)
     constrained = round(rows * constrained_share)
     for i in range(rows):
         schema = SCHEMA if i < constrained else None

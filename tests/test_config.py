@@ -4,7 +4,7 @@ ranks as well as the front end."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import typer
@@ -52,8 +52,9 @@ def test_a_default_lives_in_one_place():
     scheduler = inspect.signature(Scheduler.__init__).parameters
     assert scheduler["max_num_seqs"].default == SchedulerConfig().max_num_seqs
     assert scheduler["max_num_batched_tokens"].default == EngineConfig().max_num_batched_tokens
+    # The engine takes the scheduler section itself (max_num_seqs, step_timeout_s, ...): unset, the tree's.
     engine = inspect.signature(Engine.__init__).parameters
-    assert all(engine[name].default is None for name in ("max_num_seqs", "max_num_batched_tokens", "step_timeout_s"))
+    assert all(engine[name].default is None for name in ("scheduler", "max_num_batched_tokens"))
 
 
 def test_serve_flags_reach_the_config_tree(monkeypatch):
@@ -114,6 +115,19 @@ def test_old_deepep_budget_flag_is_an_alias_of_the_one_dispatch_budget(monkeypat
     assert "--deepep-ll-max-tokens-per-rank" not in CliRunner().invoke(app, ["serve", "--help"]).output
 
 
+def test_the_deprecated_budget_name_is_resolved_by_one_rule_for_flags_and_the_factory():
+    from tandem.modular_kernels.factory import build_moe_kernel
+
+    LL = "torch_a2a_ll"
+    assert ParallelConfig(2, all2all_backend=LL, deepep_ll_max_tokens_per_rank=32, dispatch_max_tokens_per_rank=32)\
+        .dispatch_max_tokens_per_rank == 32
+    with pytest.raises(ValueError, match="old name of dispatch_max_tokens_per_rank"):
+        ParallelConfig(2, all2all_backend=LL, deepep_ll_max_tokens_per_rank=32, dispatch_max_tokens_per_rank=16)
+    with pytest.raises(ValueError, match="old name of dispatch_max_tokens_per_rank"):
+        build_moe_kernel("local", "torch", num_experts=4, top_k=2, hidden_size=8,
+                         dispatch_max_tokens_per_rank=16, deepep_ll_max_tokens_per_rank=32)
+
+
 def test_dispatch_budget_defaults_per_backend():
     assert ParallelConfig(data_parallel_size=2, all2all_backend="torch_a2a_ll").dispatch_budget(512) == 512
     assert ParallelConfig(data_parallel_size=2, all2all_backend="deepep_low_latency").dispatch_budget(512) == 128
@@ -148,13 +162,14 @@ def test_every_backend_declares_its_options():
 def test_the_ranks_enforce_max_model_len():
     from tandem.config import OverlapConfig
     from tandem.models.tiny_moe import build_tiny_moe
+    from tandem.engine.build import build_engine
     from tandem.engine.core import Engine
     from tandem.worker.model_runner import ModelRunner
     from tandem.worker.sampling import SamplingParams
 
     runner = ModelRunner(build_tiny_moe(), overlap=OverlapConfig(), num_kv_blocks=64, block_size=4)
     config = EngineConfig(scheduler=SchedulerConfig(max_model_len=16, max_num_seqs=4), max_num_batched_tokens=32)
-    engine = Engine.from_config(runner, config, overlap_schedule=False)
+    engine = build_engine(replace(config, scheduler=replace(config.scheduler, overlap_schedule=False)), runner=runner)
     refused = engine.add_request("long", list(range(1, 11)), SamplingParams(max_tokens=7, ignore_eos=True))
     assert refused is not None and refused.finish_reason == "error" and "context length 16" in refused.error
     assert engine.add_request("fits", list(range(1, 11)), SamplingParams(max_tokens=6, ignore_eos=True)) is None
@@ -163,7 +178,7 @@ def test_the_ranks_enforce_max_model_len():
         outputs += engine.step()
     assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "fits") == 6
     with pytest.raises(ValueError, match="over the model's context length"):
-        Engine(runner, max_model_len=runner.info.max_model_len + 1)
+        Engine(runner, SchedulerConfig(max_model_len=runner.info.max_model_len + 1))
 
 
 def test_flags_table_lists_every_visible_flag():

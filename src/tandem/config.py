@@ -213,7 +213,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         from tandem.modular_kernels.fabric import FabricModel
-        from tandem.modular_kernels.factory import check_dispatch_options
+        from tandem.modular_kernels.factory import check_dispatch_options, resolve_budget_alias
 
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
@@ -235,12 +235,10 @@ class ParallelConfig:
             raise ValueError(f"--sbo-mode must be one of {', '.join(SBO_MODES)}, got {self.sbo_mode!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
-        if self.deepep_ll_max_tokens_per_rank is not None:
-            if self.dispatch_max_tokens_per_rank not in (None, self.deepep_ll_max_tokens_per_rank):
-                raise ValueError(
-                    "--deepep-ll-max-tokens-per-rank is the old name of --dispatch-max-tokens-per-rank; give one"
-                )
-            self.dispatch_max_tokens_per_rank, self.deepep_ll_max_tokens_per_rank = self.deepep_ll_max_tokens_per_rank, None
+        self.dispatch_max_tokens_per_rank = resolve_budget_alias(
+            self.dispatch_max_tokens_per_rank, self.deepep_ll_max_tokens_per_rank
+        )
+        self.deepep_ll_max_tokens_per_rank = None
         if self.all2all_backend is None:
             self.all2all_backend = "local" if self.data_parallel_size == 1 else "torch_a2a"
         if self.all2all_backend == "local" and self.data_parallel_size > 1:

@@ -7,6 +7,7 @@ import pytest
 
 from tandem.models.tiny_moe import build_tiny_moe
 from tandem.engine.chunking import DynamicChunker, fit_chunker, fit_quadratic
+from tandem.config import SchedulerConfig
 from tandem.engine.core import Engine
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import SamplingParams
@@ -39,7 +40,7 @@ def test_an_engine_with_a_fitted_chunker_gives_the_same_tokens():
     tokens = []
     for dynamic in (False, True):
         runner = ModelRunner(info, num_kv_blocks=64, block_size=16)
-        engine = Engine(runner, max_num_batched_tokens=64, overlap_schedule=False)
+        engine = Engine(runner, SchedulerConfig(overlap_schedule=False), max_num_batched_tokens=64)
         if dynamic:
             engine.scheduler.chunk_limit = fit_chunker(runner, 64)
             assert engine.scheduler.chunk_limit(0) <= 64

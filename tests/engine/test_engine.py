@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.config import OverlapConfig
+from tandem.config import OverlapConfig, SchedulerConfig
 from tandem.models.tiny_moe import build_tiny_moe
 from tandem.engine.core import Engine
 from tandem.worker.model_runner import ModelRunner
@@ -24,7 +24,7 @@ PROMPTS = [
 def _engine(overlap: bool, *, num_kv_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32):
     info = build_tiny_moe()
     runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=num_kv_blocks, block_size=block_size)
-    return Engine(runner, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, overlap_schedule=overlap)
+    return Engine(runner, SchedulerConfig(max_num_seqs=max_num_seqs, overlap_schedule=overlap), max_num_batched_tokens=max_num_batched_tokens)
 
 
 def _run(engine: Engine, params_for, *, max_steps=2000) -> dict[str, list]:

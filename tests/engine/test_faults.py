@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tandem.config import OverlapConfig
+from tandem.config import OverlapConfig, SchedulerConfig
 from tandem.models.tiny_moe import build_tiny_moe
 from tandem.engine.core import Engine, StepTimeoutError
 from tandem.worker.model_runner import ModelRunner
@@ -33,7 +33,7 @@ def test_parse_faults():
 def _engine(overlap: bool, step_timeout_s: float = 300.0) -> Engine:
     dbo = OverlapConfig(enable_dbo=True, dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0)
     runner = ModelRunner(build_tiny_moe(), overlap=dbo, num_kv_blocks=128, block_size=4)
-    return Engine(runner, max_num_seqs=8, overlap_schedule=overlap, step_timeout_s=step_timeout_s)
+    return Engine(runner, SchedulerConfig(max_num_seqs=8, overlap_schedule=overlap, step_timeout_s=step_timeout_s))
 
 
 def _run(engine: Engine, max_steps: int = 200) -> dict[str, list]:

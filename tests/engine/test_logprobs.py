@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.config import CacheConfig, EngineConfig
+from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.core import Engine
 from tandem.engine.offline import build_runner
 from tandem.worker.sampling import SamplingParams
@@ -25,7 +25,7 @@ def test_greedy_logprobs_equal_transformers_log_softmax(tmp_path, overlap_schedu
     model_dir = save_checkpoint(hf, tmp_path / "qwen3_moe")
     config = EngineConfig(model=str(model_dir), cache=CacheConfig(num_kv_blocks=32, block_size=4),
                           max_num_batched_tokens=64)
-    engine = Engine(build_runner(config), overlap_schedule=overlap_schedule)
+    engine = Engine(build_runner(config), SchedulerConfig(overlap_schedule=overlap_schedule))
     try:
         engine.add_request("lp", PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=TOP))
         # A second request without logprobs in the same steps: its rows are skipped.
@@ -59,7 +59,7 @@ def _run_prompt_logprobs(model_dir, requests, *, max_num_batched_tokens: int, ov
     log-probabilities (from its first output) and how many outputs carried any."""
     config = EngineConfig(model=str(model_dir), cache=CacheConfig(num_kv_blocks=32, block_size=4),
                           max_num_batched_tokens=max_num_batched_tokens)
-    engine = Engine(build_runner(config), overlap_schedule=overlap_schedule)
+    engine = Engine(build_runner(config), SchedulerConfig(overlap_schedule=overlap_schedule))
     prompt_logprobs, carried = {}, {rid: 0 for rid in requests}
     try:
         for rid, (prompt, params) in requests.items():

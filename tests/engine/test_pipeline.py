@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.config import CacheConfig, EngineConfig, ParallelConfig
+from tandem.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tandem.models.loader import load_model
 from tandem.engine.core import Engine
 from tandem.worker.model_runner import ModelRunner
@@ -29,7 +29,7 @@ def _config(model: str, **parallel) -> EngineConfig:
 
 def one_process_tokens(model: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
     info = load_model(model)
-    engine = Engine(ModelRunner(info, num_kv_blocks=96, block_size=4), max_num_batched_tokens=BUDGET, overlap_schedule=False)
+    engine = Engine(ModelRunner(info, num_kv_blocks=96, block_size=4), SchedulerConfig(overlap_schedule=False), max_num_batched_tokens=BUDGET)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), info.tokenizer.encode(prompt).ids, PARAMS)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
@@ -86,13 +86,13 @@ def test_two_stages_by_two_dp_ranks_with_dbo_give_one_process_greedy_tokens(fami
 
 def _pipeline_rank_dbo(rank, world, cases, dbo):
     from tandem.config import OverlapConfig
-    from tandem.engine.pipeline import generate_pipeline_rank
+    from tandem.engine.offline import generate_on_rank
 
     tokens, ubatched = [], []
     for model, parallel in cases:
         config = _config(model, **parallel)
         config.overlap = OverlapConfig(**dbo)
-        completions = generate_pipeline_rank(
+        completions = generate_on_rank(
             rank, world, config, DBO_PROMPTS, PARAMS, on_finish=lambda runner: ubatched.append(runner.ubatched_steps)
         )
         tokens.append({c.index: c.token_ids for c in completions})

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from tandem.config import OverlapConfig
+from tandem.config import OverlapConfig, SchedulerConfig
 from tandem.models.tiny_moe import build_tiny_moe
 from tandem.engine.core import Engine
 from tandem.worker.model_runner import ModelRunner
@@ -35,7 +35,7 @@ def _params(i: int) -> SamplingParams:
 def _run(overlap: bool, num_kv_blocks: int, which=range(len(PROMPTS))) -> tuple[dict, int]:
     info = build_tiny_moe()
     runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=num_kv_blocks, block_size=4)
-    engine = Engine(runner, max_num_seqs=8, max_num_batched_tokens=32, overlap_schedule=overlap)
+    engine = Engine(runner, SchedulerConfig(max_num_seqs=8, overlap_schedule=overlap), max_num_batched_tokens=32)
     for i in which:
         assert engine.add_request(f"r{i}", info.tokenizer.encode(PROMPTS[i]).ids, _params(i)) is None
     outputs = {f"r{i}": ["", None] for i in which}

@@ -4,7 +4,7 @@ counters in ModelRunner, summed into EngineStats and exported in /metrics."""
 import pytest
 
 from tandem.config import CacheConfig, EngineConfig, OverlapConfig, ParallelConfig
-from tandem.worker.model_runner import StepTimes
+from tandem.contexts import StepTimes
 from tandem.testing import run_distributed
 
 
@@ -72,7 +72,7 @@ def test_metrics_export_the_time_model():
     from tandem.serving.engine_client import EngineStats
     from tandem.serving.metrics import ServingMetrics
 
-    stats = EngineStats(compute_time_s=3.0, recv_wait_s=1.0, comm_time_s=4.0, ubatch_switch_s=0.5)
+    stats = EngineStats(times=StepTimes(compute_s=3.0, recv_wait_s=1.0, comm_s=4.0, switch_s=0.5))
     text = ServingMetrics(_Client(stats)).render()[0].decode()
     assert "tandem_engine_compute_seconds_total 3.0" in text
     assert "tandem_engine_recv_wait_seconds_total 1.0" in text

@@ -638,7 +638,7 @@ def test_a_failed_step_with_low_latency_buffers_stops_the_engine(overlap, monkey
     failed step's requests, every request it still holds and every later one get an error
     naming the backend. (tiny-moe runs the local backend here, its kernel marked as DeepEP
     LL's is: DeepEP LL cannot run tiny-moe's hidden size.)"""
-    from tandem.config import OverlapConfig
+    from tandem.config import OverlapConfig, SchedulerConfig
     from tandem.models.tiny_moe import build_tiny_moe
     from tandem.engine.core import Engine
     from tandem.worker.model_runner import ModelRunner
@@ -649,7 +649,7 @@ def test_a_failed_step_with_low_latency_buffers_stops_the_engine(overlap, monkey
     assert kernels
     monkeypatch.setattr(kernels[0].prepare_finalize, "survives_failed_step", False, raising=False)
     runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=64, block_size=4)
-    engine = Engine(runner, max_num_seqs=4, max_num_batched_tokens=32, overlap_schedule=overlap)
+    engine = Engine(runner, SchedulerConfig(max_num_seqs=4, overlap_schedule=overlap), max_num_batched_tokens=32)
     real_execute, calls = runner.execute, []
 
     def fails_once(*args, **kwargs):

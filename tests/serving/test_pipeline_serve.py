@@ -13,6 +13,7 @@ import time
 import httpx
 
 from tandem.models.tiny_moe import build_tiny_moe
+from tandem.config import SchedulerConfig
 from tandem.engine.core import Engine
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import SamplingParams
@@ -24,7 +25,7 @@ PROMPT = "Stages pass hidden states"
 
 def _one_process_text(max_tokens: int) -> str:
     info = build_tiny_moe()
-    engine = Engine(ModelRunner(info), overlap_schedule=False)
+    engine = Engine(ModelRunner(info), SchedulerConfig(overlap_schedule=False))
     engine.add_request("r", info.tokenizer.encode(PROMPT).ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     text = ""
     while engine.has_work:

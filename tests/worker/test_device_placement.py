@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from tandem.config import CacheConfig, EngineConfig, OverlapConfig
+from tandem.config import CacheConfig, EngineConfig, OverlapConfig, SchedulerConfig
 from tandem.contexts import ForwardContext, get_forward_context, set_forward_context
 from tandem.worker.step_inputs import ScheduledChunk, build_step_inputs
 from tandem.engine.core import Engine
@@ -98,7 +98,7 @@ def test_graph_static_buffers_live_on_the_model_device(monkeypatch):
 def test_engine_future_map_and_generators_follow_the_runner_device(monkeypatch):
     calls = _forbid_cuda(monkeypatch)
     runner = build_runner(_config())
-    engine = Engine(runner, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = Engine(runner, SchedulerConfig(max_num_seqs=4), max_num_batched_tokens=64)
     try:
         assert engine.future_map.buffer.device == runner.device
         engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, temperature=1.0, seed=3, ignore_eos=True))

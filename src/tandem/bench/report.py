@@ -7,6 +7,8 @@ import statistics
 import textwrap
 from pathlib import Path
 
+from tandem.contexts.time_model import overlap_efficiency
+
 
 def _median(records: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in records)
@@ -49,7 +51,7 @@ def rows_from_sweep(result: dict, phase: str, modes: list[str]) -> list[dict]:
                         "recv_wait_ms": round(tm_wait, 4),
                         "comm_ms": round(tm_comm, 4),
                         "switch_ms": round(1e3 * _median(records, "switch_s"), 4),
-                        "overlap_efficiency": round(max(tm_comm - tm_wait, 0.0) / tm_comm, 4) if tm_comm > 0 else 0.0,
+                        "overlap_efficiency": round(overlap_efficiency(tm_comm, tm_wait), 4),
                     },
                 }
             )

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from tandem.contexts import CommCounters, OperationsStrategy, StageExecutor, make_executor, run_ubatches, time_model
+from tandem.contexts import OperationsStrategy, StageExecutor, StepTimes, make_executor, measure_step, run_ubatches
 from tandem.models.layer_operations import DecoderLayerOperations
 from tandem.modular_kernels import (
     ActivationFormat,
@@ -40,9 +40,9 @@ from tandem.modular_kernels import (
 )
 from tandem.config import OverlapConfig
 from tandem.modular_kernels.factory import DISPATCH_OPTIONS
-from tandem.worker.model_runner import StepTimes
 from tandem.worker.step_plan import decide_overlap
-from tandem.ubatch.planner import OverlapPlanner, StepMeasurement, StepShape, TunePrior, overlap_choices
+from tandem.ubatch.planner import StepShape
+from tandem.worker.planner_cache import PlannerCache, observe_step
 
 #: SGLang's SBO modes, each as its own bench mode (`sbo` and `dbo+sbo` run `auto`).
 SBO_MODE_NAMES = {f"sbo-{m}": m for m in ("combine-down-gemm", "combine-shared", "dispatch-shared")}
@@ -63,11 +63,7 @@ class Sample:
 
     @property
     def mean_times(self) -> StepTimes:
-        n = len(self.per_rank)
-        total = StepTimes()
-        for t in self.per_rank:
-            total = total + t
-        return StepTimes(*(v / n for v in total.as_tuple()))
+        return StepTimes.mean(self.per_rank)
 
     @property
     def floor_compute_s(self) -> float:
@@ -311,7 +307,8 @@ class MoEStack:
         self._inputs: dict[int, torch.Tensor] = {}
         #: The overlap timeline's recorder (`tandem.contexts.trace.Tracer`), or None.
         self.tracer = None
-        self._planners: dict[tuple, OverlapPlanner] = {}
+        #: The runtime's planner bookkeeping: one planner per overlap setting, kept across modes.
+        self.planners = PlannerCache()
 
     def inputs(self, tokens: int) -> torch.Tensor:
         if tokens not in self._inputs:
@@ -352,22 +349,12 @@ class MoEStack:
             [i * strategy.delta_stages for i in range(len(chunks))],
         )
 
-    def _planner(self, overlap: OverlapConfig) -> OverlapPlanner:
-        key = (overlap.num_ubatches, overlap.thresholds_file, overlap.planner_explore_share)
-        if key not in self._planners:
-            prior = TunePrior.from_file(overlap.thresholds_file) if overlap.thresholds_file else None
-            self._planners[key] = OverlapPlanner(
-                overlap_choices(overlap.num_ubatches, dbo=True, sbo=False),
-                explore_share=overlap.planner_explore_share, prior=prior,
-            )
-        return self._planners[key]
-
     def step_overlap(self, overlap: OverlapConfig, tokens: int, fabric: FabricModel | None) -> StepTimes:
         """One step decided as the runtime decides it (`decide_overlap`: the DP all-reduce
         of `coordinate_ubatching`, with the planner's predictions under `auto`), then no
         split or DBO with the agreed ubatch count. The stack has no KV attention and is
         costed as a decode step (the decode threshold applies)."""
-        planner = self._planner(overlap) if overlap.overlap_policy == "auto" else None
+        planner = self.planners.planner(overlap, sbo=False) if overlap.overlap_policy == "auto" else None
         shape = StepShape(tokens)
         start = time.perf_counter()
         group = dist.group.WORLD if self.world > 1 else None
@@ -375,9 +362,9 @@ class MoEStack:
         agree_s = time.perf_counter() - start
         times = self.step("none" if k == 1 else "dbo", tokens, fabric, num_ubatches=k)
         # The agreement is part of the step (a synchronous collective: exposed communication).
-        times = StepTimes(times.step_s + agree_s, times.compute_s, times.recv_wait_s + agree_s, times.comm_s + agree_s, times.switch_s)
-        if planned is not None:
-            planner.observe(planned, shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s))
+        times = times.with_blocking(agree_s)
+        if planner is not None:
+            observe_step(planner, planned, shape, times)
         return times
 
     def step(self, mode: str, tokens: int, fabric: FabricModel | None, *, num_ubatches: int | None = None) -> StepTimes:
@@ -403,10 +390,7 @@ class MoEStack:
                 k.shared_experts = None
         run = lambda chunk: self._forward(chunk, kernels, compute=mode != "comm", local_ids=not comm)  # noqa: E731
         executor = self.executors["stages" if mode == "tbo" else "greenlet" if mode == "dbo-greenlet" else self.executor]
-        counters = CommCounters(tracer=self.tracer)
-        switch_before = executor.switch_time_s
-        start = time.perf_counter()
-        with time_model(counters):
+        with measure_step(executor, self.tracer, mode=mode, tokens=tokens) as measured:
             if mode == "tbo":
                 self._forward_tbo(x, kernels)
             elif dbo:
@@ -416,11 +400,7 @@ class MoEStack:
                     run(chunk)
             else:
                 run(x)
-        elapsed = time.perf_counter() - start
-        if self.tracer is not None:
-            self.tracer.step(start, start + elapsed, mode=mode, tokens=tokens)
-        switch = executor.switch_time_s - switch_before
-        return StepTimes(elapsed, max(elapsed - counters.recv_wait_s - switch, 0.0), counters.recv_wait_s, counters.comm_s, switch)
+        return measured.times
 
 
 class MoEStackWorkload:

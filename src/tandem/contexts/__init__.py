@@ -29,7 +29,15 @@ from tandem.contexts.operations import (
     execute_operations,
     execute_overlapped_operations,
 )
-from tandem.contexts.time_model import CommCounters, current_comm_counters, time_model, timed_blocking, timed_receive
+from tandem.contexts.time_model import (
+    CommCounters,
+    StepTimes,
+    current_comm_counters,
+    measure_step,
+    time_model,
+    timed_blocking,
+    timed_receive,
+)
 from tandem.contexts.forward_context import ForwardContext, get_forward_context, set_forward_context
 from tandem.contexts.ubatch_context import (
     DEFAULT_TIMEOUT_S,
@@ -40,7 +48,9 @@ from tandem.contexts.ubatch_context import (
 
 __all__ = [
     "CommCounters",
+    "StepTimes",
     "current_comm_counters",
+    "measure_step",
     "time_model",
     "timed_blocking",
     "timed_receive",

@@ -10,7 +10,8 @@ Cheap counters (two `perf_counter` calls per transfer and per ubatch switch) tha
 
 A step's compute time is its wall time less the receive waits and the switches; the
 overlap efficiency is hidden communication over total communication,
-`(comm_s - recv_wait_s) / comm_s`.
+`(comm_s - recv_wait_s) / comm_s` (`overlap_efficiency`, the one definition). `StepTimes`
+holds one step's (or many steps', summed) time model; `measure_step` measures one.
 
 The counters of the running step are found through a context variable that the caller sets
 around the forward (`time_model(counters)`); the ubatch executors copy the caller's
@@ -24,8 +25,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from dataclasses import astuple, dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 #: A wait shorter than this did not block: the data had arrived before it was asked for.
 BLOCKED_THRESHOLD_S = 20e-6
@@ -64,6 +65,83 @@ class CommCounters:
         self.recv_wait_s += seconds
         self.comm_s += seconds
         self.transfers += 1
+
+
+def overlap_efficiency(comm_s: float, recv_wait_s: float) -> float:
+    """Hidden communication over total communication (0 when there was none)."""
+    return max(comm_s - recv_wait_s, 0.0) / comm_s if comm_s > 0 else 0.0
+
+
+@dataclass
+class StepTimes:
+    """Where the wall time of one step (or of many, summed) went: the time model.
+
+    `recv_wait_s` is communication left exposed (blocked receives and synchronous
+    collectives), `switch_s` the ubatch hand-over latency, `compute_s` the rest;
+    `comm_s` is the transfers' own duration, hidden or not.
+    """
+
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    recv_wait_s: float = 0.0
+    comm_s: float = 0.0
+    switch_s: float = 0.0
+
+    @property
+    def hidden_comm_s(self) -> float:
+        return max(self.comm_s - self.recv_wait_s, 0.0)
+
+    @property
+    def overlap_efficiency(self) -> float:
+        return overlap_efficiency(self.comm_s, self.recv_wait_s)
+
+    def __add__(self, other: "StepTimes") -> "StepTimes":
+        return StepTimes(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
+
+    def as_tuple(self) -> tuple[float, ...]:
+        return astuple(self)
+
+    def with_blocking(self, seconds: float) -> "StepTimes":
+        """These times plus a synchronous collective of `seconds` run as part of the step."""
+        return StepTimes(self.step_s + seconds, self.compute_s, self.recv_wait_s + seconds, self.comm_s + seconds, self.switch_s)
+
+    @staticmethod
+    def mean(times: Sequence["StepTimes"]) -> "StepTimes":
+        total = sum(times, StepTimes())
+        return StepTimes(*(v / len(times) for v in total.as_tuple()))
+
+
+class MeasuredStep:
+    """What `measure_step` measured: `times` is set when its block exits, raised or not."""
+
+    times: StepTimes | None = None
+
+
+@contextmanager
+def measure_step(executor, tracer=None, **trace_tags) -> Iterator[MeasuredStep]:
+    """Measure the step run inside this block: its wall time, the transfers it counts (this
+    block is their time model) and the ubatch switches of `executor` (whatever runs the
+    ubatches: it counts `switch_time_s`). With a `tracer`, the step goes on the timeline
+    with `trace_tags`."""
+    counters = CommCounters(tracer=tracer)
+    measured = MeasuredStep()
+    switch_before = executor.switch_time_s
+    start = time.perf_counter()
+    try:
+        with time_model(counters):
+            yield measured
+    finally:
+        elapsed = time.perf_counter() - start
+        if tracer is not None:
+            tracer.step(start, start + elapsed, **trace_tags)
+        switch = executor.switch_time_s - switch_before
+        measured.times = StepTimes(
+            step_s=elapsed,
+            compute_s=max(elapsed - counters.recv_wait_s - switch, 0.0),
+            recv_wait_s=counters.recv_wait_s,
+            comm_s=counters.comm_s,
+            switch_s=switch,
+        )
 
 
 _COUNTERS: ContextVar[CommCounters | None] = ContextVar("tandem_time_model", default=None)
@@ -123,4 +201,14 @@ def timed_blocking() -> Iterator[None]:
             counters.tracer.collective(start, end)
 
 
-__all__ = ["CommCounters", "current_comm_counters", "time_model", "timed_blocking", "timed_receive"]
+__all__ = [
+    "CommCounters",
+    "MeasuredStep",
+    "StepTimes",
+    "current_comm_counters",
+    "measure_step",
+    "overlap_efficiency",
+    "time_model",
+    "timed_blocking",
+    "timed_receive",
+]

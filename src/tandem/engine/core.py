@@ -22,7 +22,6 @@ import dataclasses
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tandem.config import EngineConfig, SchedulerConfig
@@ -32,6 +31,8 @@ from tandem.worker.model_runner import ModelRunner, StepResult
 from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import Request, Scheduler, SchedulerStep
 from tandem.worker.grammar import GrammarCompiler, advance_constraints
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.counters import RankCounters
 from tandem.engine.outputs import Completion, RequestOutput
 
 #: How long the scheduler waits for a forward before declaring the engine stuck.
@@ -43,80 +44,49 @@ class StepTimeoutError(RuntimeError):
     dead or hung peer rank). Its thread cannot be reclaimed, so the engine cannot go on."""
 
 
-@dataclass
-class RankCounters:
-    """One rank's engine counters; the front end sums them into `serving.EngineStats`."""
-
-    waiting: int
-    running: int
-    kv_usage: float
-    steps: int
-    ubatched_steps: int
-    ubatch_yields: int
-    step_time_s: float
-    forward_busy_s: float
-    prompt_tokens: int
-    generated_tokens: int
-    preemptions: int
-    # The time model, summed over steps (see tandem.worker.model_runner.StepTimes).
-    compute_time_s: float = 0.0
-    recv_wait_s: float = 0.0
-    comm_time_s: float = 0.0
-    ubatch_switch_s: float = 0.0
-    failed_steps: int = 0
-    #: Pipeline parallelism: each stage's idle (bubble) fraction, stage order; None without PP.
-    pipeline_stage_idle_fraction: list | None = None
-    #: The overlap planner's counters (`tandem.ubatch.planner.PlannerStats` as a dict), if one runs.
-    planner: dict | None = None
-
-
 class Engine:
-    """One rank's serving loop. Its settings are `tandem.config`'s (`Engine.from_config`);
-    a keyword left unset takes that tree's default, so no default lives here."""
+    """One rank's serving loop, as `scheduler` (default: `SchedulerConfig()`) and the step
+    token budget (default: `EngineConfig`'s) say; `build_engine(config)` builds it from the
+    config tree, so no default lives here. `lockstep`: this rank steps with its DP peers."""
 
     def __init__(
         self,
         runner: ModelRunner,
+        scheduler: SchedulerConfig | None = None,
         *,
-        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
-        overlap_schedule: bool | None = None,
         lockstep: bool = False,
-        step_timeout_s: float | None = None,
-        max_model_len: int | None = None,
     ):
-        defaults = SchedulerConfig()
-        max_num_seqs = defaults.max_num_seqs if max_num_seqs is None else max_num_seqs
+        settings = SchedulerConfig() if scheduler is None else scheduler
         if max_num_batched_tokens is None:
             max_num_batched_tokens = EngineConfig.max_num_batched_tokens
-        overlap_schedule = defaults.overlap_schedule if overlap_schedule is None else overlap_schedule
-        step_timeout_s = defaults.step_timeout_s if step_timeout_s is None else step_timeout_s
+        max_model_len = settings.max_model_len
         self.runner = runner
         info = runner.info
         if max_model_len is not None and max_model_len > info.max_model_len:
             raise ValueError(f"--max-model-len {max_model_len} is over the model's context length {info.max_model_len}")
         if runner.compiles_on_first_use:
             runner.warm_up()  # every rank builds its engine at the same point
-        self.future_map = FutureMap(max_num_seqs, device=runner.device)
+        self.future_map = FutureMap(settings.max_num_seqs, device=runner.device)
         runner.future_map = self.future_map
         self.scheduler = Scheduler(
             runner.allocator,
             runner.block_size,
             self.future_map,
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             # The ranks enforce --max-model-len too, not only the front end that admits requests.
             max_model_len=info.max_model_len if max_model_len is None else max_model_len,
             eos_token_ids=info.eos_token_ids,
-            decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
             generator_device=runner.device,
             grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids)),
             vocab_size=_vocab_size(runner.model),
         )
-        self.overlap_schedule = overlap_schedule
+        self.outputs = OutputProcessor(lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True))
+        self.overlap_schedule = settings.overlap_schedule
         self.lockstep = lockstep
-        self.step_timeout_s = step_timeout_s
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if overlap_schedule else None
+        self.step_timeout_s = settings.step_timeout_s
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if self.overlap_schedule else None
         self._pending: tuple[SchedulerStep, Future] | None = None
         self.prompt_tokens = 0
         self.generated_tokens = 0
@@ -131,36 +101,25 @@ class Engine:
         #: lockstep, the one signal all ranks see alike that the work is done everywhere.
         self.idle_everywhere = False
 
-    @classmethod
-    def from_config(cls, runner: ModelRunner, config: EngineConfig, **kwargs) -> "Engine":
-        """The engine `config` describes (its scheduler section and step token budget);
-        `kwargs` are the process's own (e.g. `lockstep`)."""
-        s = config.scheduler
-        settings = dict(
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            overlap_schedule=s.overlap_schedule,
-            step_timeout_s=s.step_timeout_s,
-            max_model_len=s.max_model_len,
-        )
-        return cls(runner, **{**settings, **kwargs})
-
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
         """Queue a request; a request that can never run comes back at once as an error output."""
         if self.stopped is not None:
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=self.stopped)
+            return RequestOutput.failed(request_id, self.stopped)
         try:
             self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
         except Exception as exc:  # noqa: BLE001 - a bad request must never take the rank down
             message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
+            return RequestOutput.failed(request_id, message)
+        self.outputs.add_request(request_id)
         self.prompt_tokens += len(prompt_ids)
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        return self.scheduler.abort(request_id)
+        """Finish a request now; its last output, or None if it is unknown or done."""
+        request = self.scheduler.abort(request_id)
+        return None if request is None else self.outputs.finish(request, "abort")
 
     @property
     def has_work(self) -> bool:
@@ -246,7 +205,14 @@ class Engine:
         self.idle_everywhere = not isinstance(result, BaseException) and result.num_tokens_padded == 0
         if isinstance(result, BaseException):
             return self._fail(step, result)
-        outputs = self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs)
+        outputs = []
+        for update in self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs):
+            output = self.outputs.process(update)
+            if output is None:
+                continue
+            if output.finished:
+                self.scheduler.finish(update.request, output.finish_reason)
+            outputs.append(output)
         self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
@@ -268,38 +234,25 @@ class Engine:
             request = entry.request
             if entry.slot is not None:
                 request.in_flight -= 1
-            if request.finished:
-                continue
-            self.scheduler._finish(request, "error")
-            outputs.append(
-                RequestOutput(
-                    request.request_id,
-                    [],
-                    "",
-                    finished=True,
-                    finish_reason="error",
-                    num_prompt_tokens=len(request.prompt_ids),
-                    num_output_tokens=len(request.output_ids),
-                    error=message,
-                )
-            )
+            if not request.finished:
+                outputs.append(self._fail_request(request, message))
         return outputs
 
     def _refuse_all(self) -> list[RequestOutput]:
         """A stopped engine fails every request it still holds, once."""
         outputs = []
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
-            if request.finished:
-                continue
-            self.scheduler._finish(request, "error")
-            outputs.append(
-                RequestOutput(
-                    request.request_id, [], "", finished=True, finish_reason="error",
-                    num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),
-                    error=self.stopped,
-                )
-            )
+            if not request.finished:
+                outputs.append(self._fail_request(request, self.stopped))
         return outputs
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        self.scheduler.finish(request, "error")
+        self.outputs.discard(request.request_id)
+        return RequestOutput.failed(
+            request.request_id, message,
+            num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),
+        )
 
     # -- state ----------------------------------------------------------------------------
 
@@ -317,10 +270,7 @@ class Engine:
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens,
             preemptions=self.scheduler.num_preemptions,
-            compute_time_s=runner.total_step_times.compute_s,
-            recv_wait_s=runner.total_step_times.recv_wait_s,
-            comm_time_s=runner.total_step_times.comm_s,
-            ubatch_switch_s=runner.total_step_times.switch_s,
+            times=runner.total_step_times,
             failed_steps=self.failed_steps,
             planner=dataclasses.asdict(runner.planner.stats) if runner.planner is not None else None,
         )

@@ -6,10 +6,12 @@ every rank done; with pipeline parallelism the first stage's `PipelineEngine` ru
 from __future__ import annotations
 
 from tandem.config import EngineConfig
-from tandem.worker.build import build_runner, write_rank_trace
-from tandem.engine.core import Engine, run_to_completion
-from tandem.worker.model_runner import ModelRunner
+from tandem.engine.build import LaterStage, build_engine
+from tandem.engine.core import run_to_completion
 from tandem.engine.outputs import Completion
+from tandem.engine.pipeline import PipelineEngine, any_first_stage_rank
+from tandem.worker.build import build_runner, write_rank_trace
+from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import SamplingParams
 
 
@@ -21,30 +23,35 @@ def generate(
 ) -> list[Completion]:
     """`prompts` are `(index, prompt_token_ids, params)`; returns completions in input order.
     The engine's settings are `config`'s (default: the ones the runner was built from)."""
-    import torch.distributed as dist
-
     config = config or runner.config or EngineConfig()
-    group = runner.dp_group
-    lockstep = group is not None and dist.get_world_size(group) > 1
-    return run_to_completion(Engine.from_config(runner, config, lockstep=lockstep), prompts)
+    return run_to_completion(build_engine(config, runner=runner), prompts)
 
 
-def generate_on_rank(rank: int, world_size: int, config, prompts: list[str], params: SamplingParams) -> list[Completion]:
-    """One DP rank of `tandem generate`: prompt i runs on rank i % world_size (with pipeline
-    parallelism: on the i % D-th rank of the first stage)."""
-    import torch.distributed as dist
-
-    if config.parallel.pipeline_parallel_size > 1:
-        from tandem.engine.pipeline import generate_pipeline_rank
-
-        return generate_pipeline_rank(rank, world_size, config, prompts, params)
-
-    runner = build_runner(config, group=dist.group.WORLD if world_size > 1 else None)
-    tokenizer = runner.info.tokenizer
-    mine = [(i, tokenizer.encode(p).ids, params) for i, p in enumerate(prompts) if i % world_size == rank]
-    completions = generate(runner, mine, config=config)
-    write_rank_trace(runner, config.trace_path)
+def generate_on_rank(
+    rank: int, world_size: int, config, prompts: list[str], params: SamplingParams, *, on_finish=None
+) -> list[Completion]:
+    """One rank of `tandem generate`: prompt i runs on DP rank i % D (with pipeline
+    parallelism: on the first stage's DP column i % D; the later stages return an empty
+    list). `on_finish(runner)` is called at the end (its counters: steps, ubatched steps)."""
+    engine = build_engine(config)
+    if isinstance(engine, LaterStage):
+        engine.run()
+        completions = []
+    elif isinstance(engine, PipelineEngine):
+        groups = engine.worker.groups
+        mine = _share(engine, prompts, params, groups.dp_rank, groups.topology.data_parallel_size)
+        completions = run_to_completion(engine, mine, keep_going=lambda e: any_first_stage_rank(groups, e.has_work))
+    else:
+        completions = run_to_completion(engine, _share(engine, prompts, params, rank, world_size))
+        write_rank_trace(engine.runner, config.trace_path)
+    if on_finish is not None:
+        on_finish(engine.runner)
     return completions
+
+
+def _share(engine, prompts: list[str], params: SamplingParams, dp_rank: int, dp_size: int):
+    tokenizer = engine.runner.info.tokenizer
+    return [(i, tokenizer.encode(p).ids, params) for i, p in enumerate(prompts) if i % dp_size == dp_rank]
 
 
 __all__ = ["Completion", "build_runner", "generate", "generate_on_rank", "write_rank_trace"]

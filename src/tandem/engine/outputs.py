@@ -38,6 +38,14 @@ class RequestOutput:
     #: The data-parallel rank (vLLM's "engine") that ran it, as the engine client routed it.
     engine_index: int = 0
 
+    @classmethod
+    def failed(cls, request_id: str, error: str, *, num_prompt_tokens: int = 0, num_output_tokens: int = 0) -> "RequestOutput":
+        """The last output of a request that ends in an error (refused, or its step failed)."""
+        return cls(
+            request_id, [], "", finished=True, finish_reason="error", error=error,
+            num_prompt_tokens=num_prompt_tokens, num_output_tokens=num_output_tokens,
+        )
+
 
 @dataclass
 class Completion:

@@ -36,6 +36,7 @@ first stage) or S sends later (the other stages), when the receiver has surely r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -43,9 +44,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.config import SchedulerConfig
 from tandem.distributed import StageGroups, StageLink, StageLinkError
 from tandem.worker.step_inputs import ScheduledChunk
-from tandem.engine.core import DEFAULT_STEP_TIMEOUT_S, Engine, RankCounters, run_to_completion
+from tandem.engine.core import DEFAULT_STEP_TIMEOUT_S, Engine, RankCounters
 from tandem.worker.model_runner import ModelRunner, StepResult
 from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import SchedulerStep
@@ -180,23 +182,17 @@ class PipelineEngine(Engine):
         self,
         runner: ModelRunner,
         groups: StageGroups,
+        scheduler: SchedulerConfig | None = None,
         *,
         num_micro_batches: int,
-        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         lockstep: bool = False,
-        step_timeout_s: float | None = None,
-        max_model_len: int | None = None,
-        chunk_limit=None,
     ):
         if num_micro_batches < 1:
             raise ValueError(f"the pipeline needs at least one micro-batch in flight, got {num_micro_batches}")
-        super().__init__(
-            runner, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, overlap_schedule=False,
-            lockstep=lockstep, step_timeout_s=step_timeout_s, max_model_len=max_model_len,
-        )
-        if chunk_limit is not None:
-            self.scheduler.chunk_limit = chunk_limit
+        # The micro-batch ring is the overlap: the scheduler's own overlapped loop stays off.
+        scheduler = dataclasses.replace(scheduler or SchedulerConfig(), overlap_schedule=False)
+        super().__init__(runner, scheduler, max_num_batched_tokens=max_num_batched_tokens, lockstep=lockstep)
         self.worker = StageWorker(runner, groups, timeout_s=self.step_timeout_s)
         if not self.worker.is_first:
             raise ValueError("PipelineEngine runs on the first pipeline stage; later stages run run_stage()")
@@ -217,9 +213,8 @@ class PipelineEngine(Engine):
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
         if params.json_schema is not None:
             # The last stage samples, away from the first stage's scheduler where grammars live.
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                                 error="structured output (a JSON schema constraint) is not supported with "
-                                       "pipeline parallelism yet")
+            return RequestOutput.failed(request_id, "structured output (a JSON schema constraint) is not supported "
+                                                    "with pipeline parallelism yet")
         return super().add_request(request_id, prompt_ids, params)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -402,46 +397,6 @@ def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, generator
 
 
 
-def build_pipeline_stage(config, *, timeout_s: float = 600.0) -> tuple[ModelRunner, StageGroups]:
-    """This rank's groups and its stage's model (its layers, and its experts of the MoE
-    layers sharded over the stage's DP ranks). The default process group must be up."""
-    from tandem.distributed import Topology, init_stage_groups, stage_layers
-    from tandem.models.loader import num_hidden_layers
-    from tandem.worker.build import build_runner
-
-    import torch.distributed as dist
-
-    from tandem.distributed.launch import local_rank
-
-    par = config.parallel
-    device = config.resolve_device(local_rank(dist.get_rank()))
-    topology = Topology(par.pipeline_parallel_size, par.data_parallel_size)
-    groups = init_stage_groups(topology, device=device, timeout_s=timeout_s)
-    stage = stage_layers(num_hidden_layers(config.model), groups.stage, par.pipeline_parallel_size, par.pp_layer_partition)
-    # The stage's DP agreement runs on its own gloo group: the other stages never join it.
-    return build_runner(config, group=groups.dp_group, cpu_group=groups.dp_cpu_group, stage=stage), groups
-
-
-def pipeline_engine(runner: ModelRunner, groups: StageGroups, config, **options) -> PipelineEngine:
-    """The first stage's engine for `config` (ring size, lockstep over the stage's DP ranks;
-    with `enable_dynamic_chunking`, prompt chunks sized from a latency model fitted here)."""
-    par, s = config.parallel, config.scheduler
-    settings = dict(
-        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        step_timeout_s=s.step_timeout_s, max_model_len=s.max_model_len,
-    )
-    engine = PipelineEngine(
-        runner, groups, num_micro_batches=par.num_micro_batches, lockstep=par.data_parallel_size > 1,
-        **{**settings, **options},
-    )
-    if par.enable_dynamic_chunking:
-        from tandem.engine.chunking import fit_chunker
-
-        # Only this stage's layers are timed: the stages are assumed balanced.
-        engine.scheduler.chunk_limit = fit_chunker(runner, config.max_num_batched_tokens, engine.worker.forward_first)
-    return engine
-
-
 def _decode_burst_s(engine: PipelineEngine, tag: str, num_requests: int, decode_tokens: int) -> float:
     """Seconds for `num_requests` short prompts to decode `decode_tokens` tokens each."""
     params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
@@ -501,29 +456,6 @@ def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
     return bool(value.item())
 
 
-def generate_pipeline_rank(
-    rank: int, world_size: int, config, prompts: list[str], params: SamplingParams, *, on_finish=None
-):
-    """One rank of `tandem generate --pipeline-parallel-size P`: prompt i runs on DP column
-    i % D; the first stage returns its completions, the other stages an empty list.
-    `on_finish(runner)` is called at the end (its counters: steps, ubatched steps)."""
-
-    runner, groups = build_pipeline_stage(config)
-    if groups.stage != 0:
-        run_stage(runner, groups, num_micro_batches=config.parallel.num_micro_batches)
-        if on_finish is not None:
-            on_finish(runner)
-        return []
-    engine = pipeline_engine(runner, groups, config)
-    tokenizer = runner.info.tokenizer
-    mine = [(i, tokenizer.encode(p).ids, params) for i, p in enumerate(prompts)
-            if i % groups.topology.data_parallel_size == groups.dp_rank]
-    completions = run_to_completion(engine, mine, keep_going=lambda e: any_first_stage_rank(groups, e.has_work))
-    if on_finish is not None:
-        on_finish(runner)
-    return completions
-
-
 __all__ = [
     "choose_micro_batches",
     "MicroBatchPlan",
@@ -531,8 +463,5 @@ __all__ = [
     "PipelineEngine",
     "StageCounters",
     "StageWorker",
-    "build_pipeline_stage",
-    "generate_pipeline_rank",
-    "pipeline_engine",
     "run_stage",
 ]

@@ -27,7 +27,6 @@ from tandem.config import EngineConfig, SchedulerConfig
 from tandem.worker.step_inputs import ScheduledChunk
 from tandem.worker.future_map import FutureMap, placeholder
 from tandem.worker.kv_cache import BlockAllocator, blocks_needed
-from tandem.engine.outputs import RequestOutput
 from tandem.worker.sampling import RequestSampler, SamplingParams
 from tandem.worker.grammar import GrammarCompiler
 
@@ -55,27 +54,13 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     sampler: RequestSampler | None = None
-    text: str = ""
-    #: Incremental detokenization: text is final up to token `detok_read`; the next
-    #: decode starts at `detok_prefix` so tokenizers that look back see context.
-    detok_prefix: int = 0
-    detok_read: int = 0
-    sent_text: int = 0
-    sent_tokens: int = 0
-    #: With `params.logprobs`: per sampled token, [(id, logprob)] of it and its top ones.
-    output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    #: With `params.prompt_logprobs`: per prompt token after the first, [(id, logprob)] of it
-    #: and its top ones, collected chunk by chunk; `prompt_logprobs_planned` prompt positions
-    #: have been scheduled to give theirs (a preempted request does not ask again).
-    prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    #: With `params.prompt_logprobs`: this many prompt positions have been scheduled to give
+    #: their log-probabilities (a preempted request does not ask again).
     prompt_logprobs_planned: int = 0
-    prompt_logprobs_sent: bool = False
-    #: When (this rank's `time.monotonic()`) it entered the queue, was first scheduled (a
-    #: preempted request keeps its first), and sampled the tokens not yet in an output (a stop
-    #: token dropped from the completion included): the events of vLLM's interval metrics.
+    #: When (this rank's `time.monotonic()`) it entered the queue and was first scheduled (a
+    #: preempted request keeps its first): events of vLLM's interval metrics.
     queued_at: float = 0.0
     scheduled_at: float | None = None
-    unreported_token_times: list[float] = field(default_factory=list)
 
     @property
     def known_ids(self) -> list[int]:
@@ -84,6 +69,21 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class TokenUpdate:
+    """What one applied step brought one request: its sampled token (None: a prompt chunk
+    that samples nothing), that token's log-probabilities, the prompt log-probabilities the
+    chunk gave, and a token-level `finish_reason` ("stop" for an end or stop token, which
+    the scheduler already dropped from the output, "length"), if any."""
+
+    request: Request
+    token: int | None = None
+    sampled_at: float | None = None
+    logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -116,7 +116,6 @@ class Scheduler:
         max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         max_model_len: int = 4096,
         eos_token_ids: set[int] | None = None,
-        decode: Callable[[list[int]], str] = lambda ids: "",
         generator_device: torch.device | str = "cpu",
         grammars: GrammarCompiler | None = None,
         vocab_size: int | None = None,
@@ -132,7 +131,6 @@ class Scheduler:
         #: Token ids a prompt may hold are [0, vocab_size): one outside would fail the whole step.
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids or set()
-        self.decode = decode
         #: Where requests' sampling generators live: the device their logits are on.
         self.generator_device = generator_device
         #: Compiles the JSON schemas of constrained requests (None: such requests are refused).
@@ -179,13 +177,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> Request | None:
         """Finish a request now (its blocks freed at once); None if it is unknown or done."""
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return None
-        self._finish(request, "abort")
-        return self._output(request)
+        self.finish(request, "abort")
+        return request
 
     @property
     def has_unfinished(self) -> bool:
@@ -312,66 +310,48 @@ class Scheduler:
     # -- results --------------------------------------------------------------------------
 
     def apply(self, step: SchedulerStep, tokens: list[int | None], logprobs: list | None = None,
-              prompt_logprobs: list | None = None) -> list[RequestOutput]:
-        """Apply a finished step's sampled tokens (in step order), and their log-probabilities
-        and those of prompt tokens where requests asked; return output deltas. The step's
-        tokens are timed together, now that their values are on the host."""
+              prompt_logprobs: list | None = None) -> list[TokenUpdate]:
+        """Apply a finished step's sampled tokens (in step order) and the token-level stops;
+        return each live request's news for the output processor (log-probabilities where
+        requests asked for them). The step's tokens are timed together, now that their
+        values are on the host. The caller finishes the requests whose output ends."""
         now = time.monotonic()
-        outputs = []
+        updates = []
         for k, (entry, token) in enumerate(zip(step.scheduled, tokens)):
             request = entry.request
             if entry.slot is not None:
                 request.in_flight -= 1
             if request.finished:
                 continue  # finished or aborted while this step ran: drop its late token
-            if prompt_logprobs is not None and prompt_logprobs[k] is not None:
-                request.prompt_logprobs += prompt_logprobs[k]
-            if entry.slot is None or token is None:
-                continue
-            request.output_ids.append(int(token))
-            request.unreported_token_times.append(now)
-            if logprobs is not None and logprobs[k] is not None:
-                request.output_logprobs.append(logprobs[k])
-            self._check_stop(request, int(token))
-            outputs.append(self._output(request))
-        return outputs
+            update = TokenUpdate(request, prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs[k])
+            if entry.slot is not None and token is not None:
+                request.output_ids.append(int(token))
+                update.token, update.sampled_at = int(token), now
+                update.logprobs = None if logprobs is None else logprobs[k]
+                update.finish_reason = self._token_stop(request, int(token))
+            if update.token is not None or update.prompt_logprobs is not None:
+                updates.append(update)
+        return updates
 
-    def _check_stop(self, request: Request, token: int) -> None:
+    def _token_stop(self, request: Request, token: int) -> str | None:
+        """"stop" for an end or stop token (dropped: it is not part of the completion),
+        "length" at max_tokens or the context length; stop strings are the output's."""
         params = request.params
-        reason = None
         # A constrained request's grammar allows its end token only once the document is whole.
         ends = not params.ignore_eos or params.json_schema is not None
         if (token in self.eos_token_ids and ends) or token in params.stop_token_ids:
-            request.output_ids.pop()  # the stop token is not part of the completion
-            reason = "stop"
-        at_limit = (
+            request.output_ids.pop()
+            return "stop"
+        if (
             len(request.output_ids) >= params.max_tokens
             or len(request.prompt_ids) + len(request.output_ids) >= self.max_model_len
-        )
-        before = len(request.text)
-        self._detokenize(request, final=reason is not None or at_limit)
-        for stop in params.stop if len(request.output_ids) >= params.min_tokens else ():
-            at = request.text.find(stop, max(0, before - len(stop) + 1))
-            if at >= 0:
-                request.text = request.text[:at]
-                reason = "stop"
-        if reason is None and at_limit:
-            reason = "length"
-        if reason is not None:
-            self._finish(request, reason)
+        ):
+            return "length"
+        return None
 
-    def _detokenize(self, request: Request, final: bool = False) -> None:
-        """Append the text of new tokens, decoding only a short tail (O(1) per token, not
-        the whole output each step). Text ending in an incomplete character waits for more
-        tokens, unless this is the request's last token."""
-        ids = request.output_ids
-        prefix = self.decode(ids[request.detok_prefix : request.detok_read])
-        full = self.decode(ids[request.detok_prefix :])
-        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
-            request.text += full[len(prefix) :]
-            request.detok_prefix, request.detok_read = request.detok_read, len(ids)
-
-    def _finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (`reason` as `RequestOutput.finish_reason`): its blocks are freed and
+        a token of it still in flight will be dropped."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.allocator.free(request.blocks)
@@ -382,40 +362,5 @@ class Scheduler:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
 
-    def _output(self, request: Request) -> RequestOutput:
-        """The delta since the last output. Unfinished text holds back a trailing partial
-        UTF-8 character and anything that could be the start of a stop string."""
-        text = request.text
-        if not request.finished:
-            hold = max((len(s) - 1 for s in request.params.stop), default=0)
-            visible = len(text) - hold
-            while visible > 0 and text[visible - 1] == "\ufffd":
-                visible -= 1
-            text = text[: max(visible, request.sent_text)]
-        new_text = text[request.sent_text :]
-        request.sent_text = len(text)
-        new_tokens = request.output_ids[request.sent_tokens :]
-        new_logprobs = request.output_logprobs[request.sent_tokens : len(request.output_ids)]
-        request.sent_tokens = len(request.output_ids)
-        token_times, request.unreported_token_times = request.unreported_token_times, []
-        prompt_logprobs = None
-        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            request.prompt_logprobs_sent = True
-            prompt_logprobs = request.prompt_logprobs
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=list(new_tokens),
-            new_text=new_text,
-            finished=request.finished,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=len(request.prompt_ids),
-            num_output_tokens=len(request.output_ids),
-            new_logprobs=new_logprobs if request.params.logprobs is not None else None,
-            prompt_logprobs=prompt_logprobs,
-            queued_at=request.queued_at,
-            scheduled_at=request.scheduled_at,
-            token_times=token_times,
-        )
 
-
-__all__ = ["Request", "RequestStatus", "ScheduledRequest", "Scheduler", "SchedulerStep"]
+__all__ = ["Request", "RequestStatus", "ScheduledRequest", "Scheduler", "SchedulerStep", "TokenUpdate"]

@@ -57,6 +57,20 @@ def check_dispatch_options(all2all_backend: str, **options) -> None:
         )
 
 
+def resolve_budget_alias(dispatch_max_tokens_per_rank: int | None, deepep_ll_max_tokens_per_rank: int | None) -> int | None:
+    """The dispatch token budget given under either name: `deepep_ll_max_tokens_per_rank`
+    (`--deepep-ll-max-tokens-per-rank`) is the deprecated name of `dispatch_max_tokens_per_rank`
+    (`--dispatch-max-tokens-per-rank`); two different values are an error."""
+    if deepep_ll_max_tokens_per_rank is None:
+        return dispatch_max_tokens_per_rank
+    if dispatch_max_tokens_per_rank not in (None, deepep_ll_max_tokens_per_rank):
+        raise ValueError(
+            "deepep_ll_max_tokens_per_rank (--deepep-ll-max-tokens-per-rank) is the old name of "
+            "dispatch_max_tokens_per_rank (--dispatch-max-tokens-per-rank); give one"
+        )
+    return deepep_ll_max_tokens_per_rank
+
+
 def default_dispatch_budget(all2all_backend: str, max_num_batched_tokens: int | None) -> int | None:
     """The dispatch token budget when none is given: a whole step for torch_a2a_ll (it never
     overflows), DeepEP's 128 for deepep_low_latency (its buffer and queue pairs grow with it),
@@ -170,10 +184,7 @@ def build_moe_kernel(
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
     check_sbo_mode(sbo_mode)
-    if deepep_ll_max_tokens_per_rank is not None:
-        if dispatch_max_tokens_per_rank not in (None, deepep_ll_max_tokens_per_rank):
-            raise ValueError("deepep_ll_max_tokens_per_rank is the old name of dispatch_max_tokens_per_rank; give one")
-        dispatch_max_tokens_per_rank = deepep_ll_max_tokens_per_rank
+    dispatch_max_tokens_per_rank = resolve_budget_alias(dispatch_max_tokens_per_rank, deepep_ll_max_tokens_per_rank)
     if use_fp8_dispatch and hidden_size % 128:
         raise ValueError(f"fp8 dispatch needs hidden_size divisible by 128, got {hidden_size}")
     prepare_finalize = _make_prepare_finalize(

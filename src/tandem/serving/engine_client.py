@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from tandem.contexts import StepTimes
 from tandem.worker.sampling import SamplingParams
 from tandem.engine.outputs import RequestOutput
 
@@ -37,10 +38,7 @@ class EngineStats:
     step_time_s: float = 0.0  # total wall time inside model steps (summed over ranks)
     forward_busy_s: float = 0.0  # time the forward worker spent running steps (summed over ranks)
     failed_steps: int = 0  # steps whose forward raised; their requests failed, serving went on
-    compute_time_s: float = 0.0  # time model: step time less receive waits and ubatch switches
-    recv_wait_s: float = 0.0  # time model: blocked on receives / synchronous collectives (exposed comm)
-    comm_time_s: float = 0.0  # time model: transfer durations, hidden or not
-    ubatch_switch_s: float = 0.0  # time model: ubatch hand-over latency
+    times: StepTimes = field(default_factory=StepTimes)  # the time model of every step (summed over ranks)
     generated_tokens: int = 0
     prompt_tokens: int = 0
     #: Pipeline parallelism: each stage's idle (bubble) fraction, mean over the DP ranks.

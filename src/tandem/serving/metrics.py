@@ -119,7 +119,7 @@ class EngineStatsCollector(Collector):
             (
                 "tandem_engine_overlap_efficiency",
                 "Hidden communication / total communication of all steps so far (time model)",
-                (stats.comm_time_s - stats.recv_wait_s) / stats.comm_time_s if stats.comm_time_s > 0 else 0.0,
+                stats.times.overlap_efficiency,
             ),
         ]
         for name, doc, value in gauges:
@@ -146,10 +146,10 @@ class EngineStatsCollector(Collector):
             ("tandem_engine_generated_tokens", "Tokens generated, as counted by the engine", stats.generated_tokens),
             ("tandem_engine_prompt_tokens", "Prompt tokens processed, as counted by the engine", stats.prompt_tokens),
             ("tandem_engine_failed_steps", "Model steps that raised (their requests got an error)", stats.failed_steps),
-            ("tandem_engine_compute_seconds", "Time model: step time less receive waits and ubatch switches", stats.compute_time_s),
-            ("tandem_engine_recv_wait_seconds", "Time model: blocked on receives (exposed communication)", stats.recv_wait_s),
-            ("tandem_engine_comm_seconds", "Time model: transfer durations, hidden or not", stats.comm_time_s),
-            ("tandem_engine_ubatch_switch_seconds", "Time model: ubatch hand-over latency", stats.ubatch_switch_s),
+            ("tandem_engine_compute_seconds", "Time model: step time less receive waits and ubatch switches", stats.times.compute_s),
+            ("tandem_engine_recv_wait_seconds", "Time model: blocked on receives (exposed communication)", stats.times.recv_wait_s),
+            ("tandem_engine_comm_seconds", "Time model: transfer durations, hidden or not", stats.times.comm_s),
+            ("tandem_engine_ubatch_switch_seconds", "Time model: ubatch hand-over latency", stats.times.switch_s),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))

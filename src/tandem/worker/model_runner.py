@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from tandem.config import OverlapConfig
-from tandem.contexts import CommCounters, set_forward_context, time_model
+from tandem.contexts import StepTimes, measure_step, set_forward_context
 from tandem.models.base import ModelInfo
 from tandem.worker.step_inputs import ScheduledChunk, StepInputs, build_step_inputs
 from tandem.worker.future_map import FutureMap
@@ -30,38 +30,8 @@ from tandem.worker.step_plan import StepPlan, decide_overlap
 from tandem.worker.ubatch_wrapper import UBatchWrapper
 from tandem.ubatch import attention_work, balanced_split, split_by_cost, split_by_tokens
 from tandem.ubatch.cost_split import DEFAULT_ATTENTION_WEIGHT
-from tandem.ubatch.planner import OverlapPlanner, StepMeasurement, StepShape, TunePrior, overlap_choices
-
-
-@dataclass
-class StepTimes:
-    """Where the wall time of one step (or of many, summed) went: the time model.
-
-    `recv_wait_s` is communication left exposed (blocked receives and synchronous
-    collectives), `switch_s` the ubatch hand-over latency, `compute_s` the rest;
-    `comm_s` is the transfers' own duration, hidden or not.
-    """
-
-    step_s: float = 0.0
-    compute_s: float = 0.0
-    recv_wait_s: float = 0.0
-    comm_s: float = 0.0
-    switch_s: float = 0.0
-
-    @property
-    def hidden_comm_s(self) -> float:
-        return max(self.comm_s - self.recv_wait_s, 0.0)
-
-    @property
-    def overlap_efficiency(self) -> float:
-        """Hidden communication / total communication (0 when there was none)."""
-        return self.hidden_comm_s / self.comm_s if self.comm_s > 0 else 0.0
-
-    def __add__(self, other: "StepTimes") -> "StepTimes":
-        return StepTimes(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
-
-    def as_tuple(self) -> tuple[float, ...]:
-        return (self.step_s, self.compute_s, self.recv_wait_s, self.comm_s, self.switch_s)
+from tandem.ubatch.planner import OverlapPlanner, StepShape
+from tandem.worker.planner_cache import PlannerCache, observe_step
 
 
 @dataclass
@@ -150,7 +120,7 @@ class ModelRunner:
         self.sbo = any(k.enable_sbo for k in self._kernels)
         #: Overlap planners by the settings they plan for: whoever swaps `overlap` (bench
         #: modes) gets back the planner, and what it learnt, of each setting.
-        self._planners: dict[tuple, OverlapPlanner] = {}
+        self.planners = PlannerCache()
 
     def _moe_kernels(self) -> list:
         return [m.kernel for m in self.model.modules() if hasattr(getattr(m, "kernel", None), "enable_sbo")]
@@ -159,22 +129,7 @@ class ModelRunner:
     def planner(self) -> OverlapPlanner | None:
         """The overlap planner under `--overlap-policy auto`; under `--ubatch-split
         balanced-cost` too, where it only observes (its fit prices attention for the cut)."""
-        o = self.overlap
-        if o.overlap_policy != "auto" and o.ubatch_split != "balanced-cost":
-            return None
-        auto = o.overlap_policy == "auto"
-        # Where no MoE layer moves tokens (one rank, `local` dispatch, no modelled fabric) there
-        # is nothing to hide: DBO and SBO could only add their overhead, so auto picks none. (A
-        # planner that only observes keeps every choice: the static rule decides.)
-        hides = self.moves_tokens or not auto
-        key = (auto, o.num_ubatches, o.enable_dbo, self.sbo, o.thresholds_file, o.planner_explore_share, hides)
-        if key not in self._planners:
-            self._planners[key] = OverlapPlanner(
-                overlap_choices(o.num_ubatches, dbo=o.enable_dbo and hides, sbo=self.sbo and hides),
-                explore_share=o.planner_explore_share if auto else 0.0,
-                prior=TunePrior.from_file(o.thresholds_file) if auto and o.thresholds_file else None,
-            )
-        return self._planners[key]
+        return self.planners.planner(self.overlap, sbo=self.sbo, moves_tokens=self.moves_tokens)
 
     @property
     def moves_tokens(self) -> bool:
@@ -285,10 +240,7 @@ class ModelRunner:
 
     def observe(self, plan: StepPlan, times: StepTimes) -> None:
         """Feed a completed step's time model back to the planner that chose its overlap."""
-        if plan.planned is not None:
-            self.planner.observe(
-                plan.planned, plan.shape, StepMeasurement(times.step_s, times.compute_s, times.comm_s, times.switch_s)
-            )
+        observe_step(self.planner, plan.planned, plan.shape, times)
 
     @torch.no_grad()
     def execute(
@@ -306,33 +258,20 @@ class ModelRunner:
         placeholders."""
         if self.future_map is None and any(t < 0 for c in chunks for t in c.token_ids):
             raise ValueError("input ids hold FutureMap placeholders but this ModelRunner has no future_map")
-        counters = CommCounters(tracer=self.tracer)
-        switch_before = self.wrapper.executor.switch_time_s
-        start = time.perf_counter()
         plan: StepPlan | None = None
-        completed = False
+        measured = None
         try:
-            with time_model(counters), self.platform.use_device(self.device):
-                plan = self.plan_step(chunks)
-                result = self._run(plan, chunks, sampling, generators, finishes_prompt, future_slots)
-            completed = True
-            return result
+            tokens = sum(len(c.token_ids) for c in chunks)
+            with measure_step(self.wrapper.executor, self.tracer, tokens=tokens) as measured:
+                with self.platform.use_device(self.device):
+                    plan = self.plan_step(chunks)
+                    result = self._run(plan, chunks, sampling, generators, finishes_prompt, future_slots)
         finally:
-            elapsed = time.perf_counter() - start
-            if self.tracer is not None:
-                self.tracer.step(start, start + elapsed, tokens=sum(len(c.token_ids) for c in chunks))
-            switch = self.wrapper.executor.switch_time_s - switch_before
-            times = StepTimes(
-                step_s=elapsed,
-                compute_s=max(elapsed - counters.recv_wait_s - switch, 0.0),
-                recv_wait_s=counters.recv_wait_s,
-                comm_s=counters.comm_s,
-                switch_s=switch,
-            )
-            self.last_step_times = times
-            self.total_step_times = self.total_step_times + times
-            if completed:
-                self.observe(plan, times)
+            if measured is not None:
+                self.last_step_times = measured.times
+                self.total_step_times = self.total_step_times + measured.times
+        self.observe(plan, measured.times)
+        return result
 
     def _run(self, plan: StepPlan, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
         inputs = self.step_inputs(chunks, plan)

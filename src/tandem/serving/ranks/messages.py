@@ -53,6 +53,7 @@ class Outputs:
 
 @dataclass(frozen=True)
 class Stats:
+    #: Each rank's `tandem.engine.counters.RankCounters` (None: not reported this time).
     per_rank: list = field(default_factory=list)
 
 

@@ -13,6 +13,7 @@ stopped (the engine does not restart itself: restart the server).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import sys
@@ -26,6 +27,7 @@ from tandem.models.loader import load_tokenizer_info
 from tandem.distributed.launch import find_free_port
 from tandem.worker.sampling import SamplingParams
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
+from tandem.engine.counters import RankCounters
 from tandem.engine.outputs import RequestOutput
 from tandem.serving.ranks.rank import ServeOptions, local_rank_main
 from tandem.serving.ranks.messages import AbortRequest, AddRequest, Fatal, Outputs, Progress, Ready, Shutdown, Stats
@@ -93,7 +95,7 @@ class ProcessEngineClient(EngineClient):
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, int]] = {}
         self._in_flight = [0] * self.num_request_ranks
         self._lock = threading.Lock()
-        self._rank_stats: list[dict] = []
+        self._rank_stats: list[RankCounters | None] = []
         self._last_heard = time.monotonic()
         self._failure: str | None = None
         self._failed_at: float | None = None
@@ -272,7 +274,7 @@ class ProcessEngineClient(EngineClient):
             self._streams.clear()
             self._in_flight = [0] * self.num_request_ranks
         for request_id, (stream, loop, _) in entries:
-            output = RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
+            output = RequestOutput.failed(request_id, message)
             try:
                 loop.call_soon_threadsafe(stream.put_nowait, output)
             except RuntimeError:
@@ -327,37 +329,29 @@ class ProcessEngineClient(EngineClient):
         return True, "ok"
 
     def stats(self) -> EngineStats:
-        per_rank = [s for s in self._rank_stats if s]
-        total = lambda key: sum(s.get(key, 0) for s in per_rank)  # noqa: E731
+        per_rank = [s for s in self._rank_stats if s is not None]
+        total = RankCounters.merge(per_rank)
         return EngineStats(
             num_ranks=self.world_size,
-            waiting=total("waiting"),
-            running=total("running"),
-            kv_usage=max((s.get("kv_usage", 0.0) for s in per_rank), default=0.0),
-            steps=total("steps"),
-            ubatched_steps=total("ubatched_steps"),
-            ubatch_yields=total("ubatch_yields"),
-            step_time_s=total("step_time_s"),
-            forward_busy_s=total("forward_busy_s"),
-            failed_steps=total("failed_steps"),
-            compute_time_s=total("compute_time_s"),
-            recv_wait_s=total("recv_wait_s"),
-            comm_time_s=total("comm_time_s"),
-            ubatch_switch_s=total("ubatch_switch_s"),
-            generated_tokens=total("generated_tokens"),
-            prompt_tokens=total("prompt_tokens"),
-            per_rank=per_rank,
-            pipeline_stage_idle_fraction=_mean_per_stage([s.get("pipeline_stage_idle_fraction") for s in per_rank]),
+            waiting=total.waiting,
+            running=total.running,
+            kv_usage=total.kv_usage,
+            steps=total.steps,
+            ubatched_steps=total.ubatched_steps,
+            ubatch_yields=total.ubatch_yields,
+            step_time_s=total.step_time_s,
+            forward_busy_s=total.forward_busy_s,
+            failed_steps=total.failed_steps,
+            times=total.times,
+            generated_tokens=total.generated_tokens,
+            prompt_tokens=total.prompt_tokens,
+            per_rank=[dataclasses.asdict(s) for s in per_rank],
+            pipeline_stage_idle_fraction=total.pipeline_stage_idle_fraction or [],
         )
 
     @property
     def in_flight(self) -> list[int]:
         return list(self._in_flight)
-
-
-def _mean_per_stage(rows: list) -> list[float]:
-    rows = [row for row in rows if row]
-    return [sum(column) / len(rows) for column in zip(*rows)] if rows else []
 
 
 __all__ = ["ProcessEngineClient"]

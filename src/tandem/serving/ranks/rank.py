@@ -23,7 +23,6 @@ never a fault.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import signal
@@ -153,9 +152,8 @@ def serve_rank(
 ) -> None:
     """Body of one engine rank, after the default process group (if any) is initialised.
     `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
-    from tandem.engine.core import Engine
-    from tandem.distributed.launch import cpu_group
-    from tandem.worker.build import build_runner, write_rank_trace
+    from tandem.engine.build import LaterStage, build_engine
+    from tandem.worker.build import write_rank_trace
 
     def report(message: FromHead) -> None:
         if rank == 0 and outbox is not None:
@@ -170,24 +168,18 @@ def serve_rank(
         sys.setswitchinterval(options.gil_switch_interval_s)
     try:
         report(Progress(f"loading {config.model} on {world_size} rank(s)"))
+        engine = build_engine(config, collective_timeout_s=options.collective_timeout_s)
+        if isinstance(engine, LaterStage):
+            _run_later_stage(rank, engine, config)
+            return  # its loop ran until the first stage said stop
+        runner = engine.runner
         if config.parallel.pipeline_parallel_size > 1:
-            engine = _pipeline_stage(rank, config, options)
-            if engine is None:
-                return  # a later stage: its loop ran until the first stage said stop
-            runner = engine.runner
             # The scheduling (first-stage) ranks keep the control plane among themselves.
             world_size = config.parallel.data_parallel_size
             control = engine.worker.groups.first_stage_cpu_group if world_size > 1 else None
         else:
+            # Not the runner's CPU group: the scheduler thread uses this one while the forward worker steps.
             control = dist.new_group(backend="gloo") if distributed else None
-            # The model's collectives run on the device group; its step decisions on the CPU group
-            # (not `control`: the scheduler thread uses that while the forward worker steps).
-            runner = build_runner(config, group=dist.group.WORLD if distributed else None, cpu_group=cpu_group())
-            engine = Engine.from_config(runner, config, lockstep=distributed)
-            if config.parallel.enable_dynamic_chunking:
-                from tandem.engine.chunking import fit_chunker
-
-                engine.scheduler.chunk_limit = fit_chunker(runner, config.max_num_batched_tokens)
         if options.warmup:
             report(Progress("warming up"))
             _warm_up(engine)
@@ -240,15 +232,9 @@ def _pipeline_verdict(engine, max_num_seqs: int) -> str:
     return choose_micro_batches(engine, max_num_seqs)
 
 
-def _pipeline_stage(rank: int, config, options: ServeOptions):
-    """Pipeline parallelism: the first stage's engine, or (a later stage) run the stage loop
-    to its end, under the watchdog, and return None."""
-    from tandem.engine.pipeline import build_pipeline_stage, pipeline_engine, run_stage
-
-    runner, groups = build_pipeline_stage(config, timeout_s=options.collective_timeout_s)
-    if groups.stage == 0:
-        return pipeline_engine(runner, groups, config)
-    where = groups.topology.describe(rank)
+def _run_later_stage(rank: int, stage, config) -> None:
+    """A pipeline stage after the first: run its loop to its end under the watchdog."""
+    where = stage.groups.topology.describe(rank)
 
     def stuck(stalled_s: float) -> None:
         print(f"[tandem] {where}: no micro-batch or heartbeat for {stalled_s:.0f} s (step timeout "
@@ -257,11 +243,9 @@ def _pipeline_stage(rank: int, config, options: ServeOptions):
 
     watchdog = Watchdog(config.scheduler.step_timeout_s, stuck).start()
     try:
-        run_stage(runner, groups, num_micro_batches=config.parallel.num_micro_batches,
-                  step_timeout_s=config.scheduler.step_timeout_s, on_message=watchdog.beat)
+        stage.run(on_message=watchdog.beat)
     finally:
         watchdog.stop()
-    return None
 
 
 def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbox, frontend_alive=None,
@@ -320,7 +304,7 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
                     # stuck, the gather below waits for the step timeout.
                     outbox.put(Outputs(outputs))
                     outputs = []
-        stats = dataclasses.asdict(engine.stats()) if due else None
+        stats = engine.stats() if due else None
         per_rank: list = []
         if control is not None:
             gathered = [None] * world_size if rank == 0 else None
