@@ -206,14 +206,14 @@ def run_profile(config, *, batch: int, prompt_len: int, decode_steps: int = 4, r
                 roofline_sizes: dict | None = None) -> dict:
     """Build one rank of `config` and profile its prefill and decode steps; the report as a
     dict. `roofline_sizes`: `measure_roofline`'s copy_mib / matmul_size (default: its own)."""
-    from tandem.engine.core import Engine
+    from tandem.engine.build import build_engine
     from tandem.worker.build import build_runner
 
     if min(batch, prompt_len, decode_steps, repeat) < 1:
         raise ValueError("--batch, --prompt-len, --decode-steps and --repeat must be >= 1")
     config = profile_config(config, batch, prompt_len, decode_steps)
     runner = build_runner(config)
-    engine = Engine.from_config(runner, config)
+    engine = build_engine(config, runner=runner)
     model = runner.model
     dtype = next(model.parameters()).dtype
     roofline = measure_roofline(runner.device, dtype, **(roofline_sizes or {}))
