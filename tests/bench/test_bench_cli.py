@@ -8,13 +8,9 @@ import sys
 import pytest
 
 from tandem.bench.tune import NEVER, choose_threshold
+from tests.support.cli import PNG_MAGIC, run_cli
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROW_KEYS = {"mode", "tokens_per_rank", "step_ms", "compute_ms", "comm_ms", "floor_ms"}
-
-
-def run_cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_bench_writes_json_and_png(tmp_path):

@@ -5,7 +5,7 @@ import json
 from collections import defaultdict
 
 from tandem.contexts.trace import STEP_TID, TRANSFER_TID, UBATCH_TID
-from tests.bench.test_bench_cli import PNG_MAGIC, run_cli
+from tests.support.cli import PNG_MAGIC, run_cli
 
 
 def check_trace_event_format(trace: dict) -> dict:

@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 
 from tandem.serving.openai.api_server import create_app
 from tests.support.server_process import Server
-from tests.serving.test_app import MAX_MODEL_LEN, MODEL, FakeEngine, LiveServer, assert_openai_error, wait_until
+from tests.support.fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine
+from tests.support.live_app import LiveServer, assert_openai_error, wait_until
 
 MAX_REQUEST_BYTES = 4096
 
