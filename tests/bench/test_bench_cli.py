@@ -13,6 +13,7 @@ from tests.support.cli import PNG_MAGIC, run_cli
 ROW_KEYS = {"mode", "tokens_per_rank", "step_ms", "compute_ms", "comm_ms", "floor_ms"}
 
 
+@pytest.mark.slow
 def test_bench_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = run_cli(
@@ -38,6 +39,7 @@ def test_bench_writes_json_and_png(tmp_path):
     assert all(r["time_model"]["recv_wait_ms"] >= 0.4 for r in none)
 
 
+@pytest.mark.slow
 def test_bench_moe_stack_with_a_preset(tmp_path):
     out = tmp_path / "stack.json"
     result = run_cli(
@@ -50,6 +52,7 @@ def test_bench_moe_stack_with_a_preset(tmp_path):
     assert data["config"]["fabric"] == "deepep-ll-h800"
 
 
+@pytest.mark.slow
 def test_bench_rejects_bad_flags():
     result = run_cli("bench", "--modes", "none,turbo")
     assert result.returncode != 0 and "turbo" in result.stderr
@@ -57,6 +60,7 @@ def test_bench_rejects_bad_flags():
     assert result.returncode != 0 and "warp-drive" in result.stderr
 
 
+@pytest.mark.slow
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
     # Hide matplotlib from the child: the import fails before any rank starts.
     code = (
@@ -68,6 +72,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
     assert "matplotlib" in result.stderr and "tandem[plot]" in result.stderr
 
 
+@pytest.mark.slow
 def test_tune_writes_thresholds_that_serve_reads(tmp_path, monkeypatch):
     out = tmp_path / "thresholds.json"
     result = run_cli(

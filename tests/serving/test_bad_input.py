@@ -167,6 +167,7 @@ def test_binding_beyond_loopback_without_a_key_warns(monkeypatch, capsys):
     assert state.max_request_bytes == 1234 and state.max_streams_per_key == 3
 
 
+@pytest.mark.slow
 def test_schemathesis_fuzz_finds_no_server_error():
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings

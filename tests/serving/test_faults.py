@@ -41,6 +41,7 @@ def _rank_pids(server: Server) -> dict[int, int]:
     return {int(r): int(p) for r, p in re.findall(r"rank (\d+) pid (\d+)", server.output())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 2])
 def test_ubatch_fault_fails_its_requests_and_serving_goes_on(dp):
     # Ubatch 1 raises before decoder layer 2 in the first DBO step from step 20 on, on every
@@ -79,6 +80,7 @@ def test_ubatch_fault_fails_its_requests_and_serving_goes_on(dp):
         stop_and_check_no_orphans(server)
 
 
+@pytest.mark.slow
 def test_fault_on_one_rank_only_is_bounded_by_the_step_timeout():
     # Rank 1 alone raises mid-step: rank 0 is left waiting in an all-to-all that will never
     # complete. The step timeout bounds it (here the normal loop, where the forward runs on
@@ -118,6 +120,7 @@ def test_watchdog_fires_once_when_the_loop_stops_beating():
         Watchdog(0, fired.append)
 
 
+@pytest.mark.slow
 def test_slow_rank_is_not_declared_dead_but_a_hung_one_is():
     # Rank 1 sleeps 3 s in one step (slow, under the 8 s step timeout), later 600 s (hung).
     step_timeout = 8
@@ -164,6 +167,7 @@ def test_slow_rank_is_not_declared_dead_but_a_hung_one_is():
         stop_and_check_no_orphans(server)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_rank_killed_mid_step_under_load(victim):
     with Server("tiny-moe", "--data-parallel-size", "2", *DBO_FLAGS, "--kv-cache-tokens", "4096") as server:
