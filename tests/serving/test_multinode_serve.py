@@ -21,11 +21,9 @@ from tests.support.server_process import Server
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402
 
-#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
-pytestmark = pytest.mark.slow
-
 _ok, _reason = namespaces_available()
-pytestmark = pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_reason}")
+#: Real processes in network namespaces: not in the fast tier, `-m "not slow"`.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_reason}")]
 
 DBO_FLAGS = ["--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8"]
 STEP_TIMEOUT_S = 6
