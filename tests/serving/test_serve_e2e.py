@@ -43,6 +43,7 @@ def _metric(server: Server, name: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["dp1", "dp2"])
 def test_completion_chat_stream_stop_and_seeds(which, request):
     server = request.getfixturevalue(which)
