@@ -72,6 +72,7 @@ def test_links_are_shaped_both_ways_and_can_be_reshaped():
             cluster.set_rate(0)
 
 
+@pytest.mark.slow
 def test_a_cut_link_stops_traffic_and_a_restored_one_carries_it_again():
     with NetnsCluster(2) as cluster:
         probe = [sys.executable, "-c",
