@@ -56,10 +56,11 @@ def _runner_for(base, config, mode: str):
 
 
 def _tok_s(args, runner, seed: int) -> float:
+    from tandem.config import SchedulerConfig
     from tandem.engine.core import Engine
     from tandem.worker.sampling import SamplingParams
 
-    engine = Engine(runner, max_num_seqs=args.requests, max_num_batched_tokens=args.requests * args.prompt_len)
+    engine = Engine(runner, SchedulerConfig(max_num_seqs=args.requests), max_num_batched_tokens=args.requests * args.prompt_len)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(seed)
     for i in range(args.requests):

@@ -13,18 +13,21 @@ def run_cli(*args):
     )
 
 
+@pytest.mark.slow
 def test_help_works():
     result = run_cli("--help")
     assert result.returncode == 0, result.stderr
     assert "Mixture-of-Experts" in result.stdout
 
 
+@pytest.mark.slow
 def test_version():
     result = run_cli("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"tandem {tandem.__version__}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_device_cuda_without_cuda_is_one_error_line():
     result = run_cli("generate", "hi", "--max-tokens", "1", "--device", "cuda")

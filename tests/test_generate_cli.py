@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["Experts everywhere", "Hi", "Dual batch overlap hides the all-to-all"]
 
 

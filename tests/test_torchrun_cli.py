@@ -14,6 +14,9 @@ import pytest
 
 from tandem.distributed.launch import find_free_port
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

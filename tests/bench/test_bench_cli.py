@@ -8,15 +8,12 @@ import sys
 import pytest
 
 from tandem.bench.tune import NEVER, choose_threshold
+from tests.support.cli import PNG_MAGIC, run_cli
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROW_KEYS = {"mode", "tokens_per_rank", "step_ms", "compute_ms", "comm_ms", "floor_ms"}
 
 
-def run_cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=timeout)
-
-
+@pytest.mark.slow
 def test_bench_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = run_cli(
@@ -42,6 +39,7 @@ def test_bench_writes_json_and_png(tmp_path):
     assert all(r["time_model"]["recv_wait_ms"] >= 0.4 for r in none)
 
 
+@pytest.mark.slow
 def test_bench_moe_stack_with_a_preset(tmp_path):
     out = tmp_path / "stack.json"
     result = run_cli(
@@ -54,6 +52,7 @@ def test_bench_moe_stack_with_a_preset(tmp_path):
     assert data["config"]["fabric"] == "deepep-ll-h800"
 
 
+@pytest.mark.slow
 def test_bench_rejects_bad_flags():
     result = run_cli("bench", "--modes", "none,turbo")
     assert result.returncode != 0 and "turbo" in result.stderr
@@ -61,6 +60,7 @@ def test_bench_rejects_bad_flags():
     assert result.returncode != 0 and "warp-drive" in result.stderr
 
 
+@pytest.mark.slow
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
     # Hide matplotlib from the child: the import fails before any rank starts.
     code = (
@@ -72,6 +72,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
     assert "matplotlib" in result.stderr and "tandem[plot]" in result.stderr
 
 
+@pytest.mark.slow
 def test_tune_writes_thresholds_that_serve_reads(tmp_path, monkeypatch):
     out = tmp_path / "thresholds.json"
     result = run_cli(

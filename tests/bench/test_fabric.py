@@ -127,6 +127,7 @@ def _fabric_rank(rank, world):
     return results
 
 
+@pytest.mark.slow
 def test_modelled_receive_is_held_back_without_burning_cpu():
     for r in run_distributed(_fabric_rank, 2, timeout_s=120):
         modelled = r["modelled_s"]

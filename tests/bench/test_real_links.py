@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

@@ -4,8 +4,13 @@ Chrome trace (both ranks, both ubatches, transfers) and a PNG; `generate --trace
 import json
 from collections import defaultdict
 
+import pytest
+
 from tandem.contexts.trace import STEP_TID, TRANSFER_TID, UBATCH_TID
-from tests.bench.test_bench_cli import PNG_MAGIC, run_cli
+from tests.support.cli import PNG_MAGIC, run_cli
+
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
 
 
 def check_trace_event_format(trace: dict) -> dict:

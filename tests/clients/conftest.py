@@ -8,19 +8,12 @@ selects them, so the default `python -m pytest` stays quick and offline."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.support.clients import MODEL
 from tests.support.server_process import Server
-
-MODEL = "tiny-moe"
-REPO = Path(__file__).resolve().parents[2]
-DATA = Path(__file__).resolve().parent / "data"
-#: No client may reach the network: datasets and tokenizers are local files.
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,15 +23,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "clients" in item.keywords:
             item.add_marker(skip)
-
-
-def client_executable(venv: str, name: str) -> Path:
-    """`name` from the client's own venv; the test fails (not skips) when it is missing, since
-    only `-m clients` runs these tests and asking for them means the venvs should exist."""
-    path = REPO / venv / "bin" / name
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: make the venv as .ci/run does (python3 -m venv {venv}; ...)")
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +44,3 @@ def tokenizer_dir(tmp_path_factory) -> Path:
         "model_max_length": 2048,
     }))
     return directory
-
-
-def client_env() -> dict[str, str]:
-    return {**os.environ, **OFFLINE_ENV}

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.clients.conftest import MODEL, client_env, client_executable
+from tests.support.clients import MODEL, client_env, client_executable
 
 pytestmark = pytest.mark.clients
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.clients.conftest import client_env, client_executable
+from tests.support.clients import client_env, client_executable
 
 pytestmark = pytest.mark.clients
 

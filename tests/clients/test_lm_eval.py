@@ -13,7 +13,7 @@ import subprocess
 import openai
 import pytest
 
-from tests.clients.conftest import DATA, MODEL, client_env, client_executable
+from tests.support.clients import DATA, MODEL, client_env, client_executable
 
 pytestmark = pytest.mark.clients
 

@@ -42,6 +42,7 @@ def _namespaces() -> set[str]:
     return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
 
 
+@pytest.mark.slow
 def test_hosts_reach_each_other_at_their_own_addresses():
     with NetnsCluster(2) as cluster:
         h0, h1 = cluster.hosts
@@ -55,6 +56,7 @@ def test_hosts_reach_each_other_at_their_own_addresses():
         server.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_links_are_shaped_both_ways_and_can_be_reshaped():
     with NetnsCluster(2, rate_mbit=150, burst="32kb", latency_ms=50) as cluster:
         for i in range(2):
@@ -70,6 +72,7 @@ def test_links_are_shaped_both_ways_and_can_be_reshaped():
             cluster.set_rate(0)
 
 
+@pytest.mark.slow
 def test_a_cut_link_stops_traffic_and_a_restored_one_carries_it_again():
     with NetnsCluster(2) as cluster:
         probe = [sys.executable, "-c",
@@ -82,6 +85,7 @@ def test_a_cut_link_stops_traffic_and_a_restored_one_carries_it_again():
         assert "ConnectionRefusedError" in cluster.run(0, probe, timeout=20).stderr
 
 
+@pytest.mark.slow
 def test_close_kills_processes_and_removes_namespaces_also_after_an_error():
     before = _namespaces()
     with pytest.raises(RuntimeError, match="boom"):
@@ -96,6 +100,7 @@ def test_close_kills_processes_and_removes_namespaces_also_after_an_error():
     cluster.close()  # idempotent
 
 
+@pytest.mark.slow
 def test_a_command_past_its_timeout_is_killed():
     with NetnsCluster(1) as cluster:
         with pytest.raises(subprocess.TimeoutExpired):
@@ -103,6 +108,7 @@ def test_a_command_past_its_timeout_is_killed():
         assert all(p.poll() is not None for p in cluster._procs)
 
 
+@pytest.mark.slow
 def test_bad_arguments_are_refused_before_anything_is_made():
     before = _namespaces()
     with pytest.raises(ValueError, match="num_hosts"):
@@ -114,6 +120,7 @@ def test_bad_arguments_are_refused_before_anything_is_made():
     assert _namespaces() == before
 
 
+@pytest.mark.slow
 def test_gloo_all_reduce_across_two_torchrun_nodes(tmp_path):
     script = tmp_path / "all_reduce.py"
     script.write_text(textwrap.dedent(

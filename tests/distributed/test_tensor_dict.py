@@ -15,6 +15,9 @@ import torch
 from tandem.distributed import StageLink, StageLinkError, Topology, init_stage_groups
 from tandem.testing.distributed import run_distributed
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 
 def _payload(i: int) -> dict:
     return {

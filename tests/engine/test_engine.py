@@ -5,63 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.config import OverlapConfig, SchedulerConfig
-from tandem.models.tiny_moe import build_tiny_moe
-from tandem.engine.core import Engine
-from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import SamplingParams
-
-PROMPTS = [
-    "Dual batch overlap hides the all-to-all behind compute.",
-    "Hi",
-    "Experts",
-    "A rather long prompt that will certainly need several prefill chunks to get through.",
-    "MoE",
-    "Tokens go to experts and come back.",
-]
-
-
-def _engine(overlap: bool, *, num_kv_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32):
-    info = build_tiny_moe()
-    runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=num_kv_blocks, block_size=block_size)
-    return Engine(runner, SchedulerConfig(max_num_seqs=max_num_seqs, overlap_schedule=overlap), max_num_batched_tokens=max_num_batched_tokens)
-
-
-def _run(engine: Engine, params_for, *, max_steps=2000) -> dict[str, list]:
-    tokenizer = engine.runner.info.tokenizer
-    for i, prompt in enumerate(PROMPTS):
-        assert engine.add_request(f"r{i}", tokenizer.encode(prompt).ids, params_for(i)) is None
-    outputs: dict[str, list] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    for _ in range(max_steps):
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-        if not engine.has_work:
-            break
-    else:
-        raise AssertionError("engine did not finish")
-    engine.close()
-    return outputs
-
-
-def _tokens(outputs):
-    return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
-
-
-def _mixed_params(i: int) -> SamplingParams:
-    if i % 2:
-        return SamplingParams(max_tokens=7 + i, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
-    return SamplingParams(max_tokens=5 + i, temperature=0, ignore_eos=True)
+from tests.support.engine_runs import PROMPTS, mixed_params, run_prompts, tiny_moe_engine, tokens_by_request
 
 
 @pytest.mark.parametrize("num_kv_blocks", [256, 40], ids=["roomy", "preempting"])
 def test_overlap_and_normal_loops_give_identical_tokens(num_kv_blocks):
-    normal_engine = _engine(False, num_kv_blocks=num_kv_blocks)
-    normal = _run(normal_engine, _mixed_params)
-    overlap_engine = _engine(True, num_kv_blocks=num_kv_blocks)
-    overlapped = _run(overlap_engine, _mixed_params)
-    assert _tokens(overlapped) == _tokens(normal)
+    normal_engine = tiny_moe_engine(False, num_kv_blocks=num_kv_blocks)
+    normal = run_prompts(normal_engine, mixed_params)
+    overlap_engine = tiny_moe_engine(True, num_kv_blocks=num_kv_blocks)
+    overlapped = run_prompts(overlap_engine, mixed_params)
+    assert tokens_by_request(overlapped) == tokens_by_request(normal)
     for i, rid in enumerate(normal):
-        assert len(_tokens(normal)[rid]) == _mixed_params(i).max_tokens
+        assert len(tokens_by_request(normal)[rid]) == mixed_params(i).max_tokens
         assert normal[rid][-1].finished and normal[rid][-1].finish_reason == "length"
     # Everything freed at the end; the small cache really did preempt.
     for engine in (normal_engine, overlap_engine):
@@ -72,18 +28,18 @@ def test_overlap_and_normal_loops_give_identical_tokens(num_kv_blocks):
 
 def test_seeded_sampling_is_independent_of_the_batch():
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
-    together = _run(_engine(True), lambda i: params)
-    alone_engine = _engine(True)
+    together = run_prompts(tiny_moe_engine(True), lambda i: params)
+    alone_engine = tiny_moe_engine(True)
     tokenizer = alone_engine.runner.info.tokenizer
     alone_engine.add_request("solo", tokenizer.encode(PROMPTS[3]).ids, params)
     solo = []
     while alone_engine.has_work:
         solo += [t for o in alone_engine.step() for t in o.new_token_ids]
-    assert solo == _tokens(together)["r3"]
+    assert solo == tokens_by_request(together)["r3"]
 
 
 def test_stop_strings_truncate_and_never_leak_in_deltas():
-    engine = _engine(True)
+    engine = tiny_moe_engine(True)
     tokenizer = engine.runner.info.tokenizer
     ids = tokenizer.encode("Hi").ids
     probe = engine.add_request("probe", ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -102,7 +58,7 @@ def test_stop_strings_truncate_and_never_leak_in_deltas():
 
 
 def test_abort_frees_blocks_at_once_and_others_continue():
-    engine = _engine(True)
+    engine = tiny_moe_engine(True)
     tokenizer = engine.runner.info.tokenizer
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     engine.add_request("keep", tokenizer.encode(PROMPTS[0]).ids, params)
@@ -124,7 +80,7 @@ def test_abort_frees_blocks_at_once_and_others_continue():
 
 
 def test_requests_that_cannot_fit_are_rejected_with_a_reason():
-    engine = _engine(False, num_kv_blocks=8)
+    engine = tiny_moe_engine(False, num_kv_blocks=8)
     too_long = engine.add_request("big", list(range(40)), SamplingParams(max_tokens=10))
     assert too_long.finish_reason == "error" and "KV cache" in too_long.error
     over_context = engine.add_request("ctx", [1] * 2040, SamplingParams(max_tokens=16))
@@ -133,7 +89,7 @@ def test_requests_that_cannot_fit_are_rejected_with_a_reason():
 
 
 def test_a_prompt_token_outside_the_vocabulary_is_refused_and_the_others_run_on():
-    engine = _engine(False)
+    engine = tiny_moe_engine(False)
     vocab = engine.scheduler.vocab_size
     assert vocab is not None
     refused = engine.add_request("bad", [5, vocab, 7], SamplingParams(max_tokens=2))
@@ -151,19 +107,19 @@ def test_a_prompt_token_outside_the_vocabulary_is_refused_and_the_others_run_on(
 def test_request_event_times_for_the_metrics(overlap):
     """The scheduler times each request's events on its rank's clock: queued, first scheduled
     (kept through preemption), and one time per sampled token, in order."""
-    engine = _engine(overlap, num_kv_blocks=40)
-    outputs = _run(engine, _mixed_params)
+    engine = tiny_moe_engine(overlap, num_kv_blocks=40)
+    outputs = run_prompts(engine, mixed_params)
     assert engine.scheduler.num_preemptions > 0
     for i, outs in enumerate(outputs.values()):
         assert len({o.queued_at for o in outs}) == 1 and len({o.scheduled_at for o in outs}) == 1
         times = [t for o in outs for t in o.token_times]
-        assert len(times) == _mixed_params(i).max_tokens  # ignore_eos: every sampled token is delivered
+        assert len(times) == mixed_params(i).max_tokens  # ignore_eos: every sampled token is delivered
         assert outs[0].queued_at <= outs[0].scheduled_at <= times[0]
         assert times == sorted(times)
 
 
 def test_a_stop_token_is_timed_though_not_delivered():
-    engine = _engine(True)
+    engine = tiny_moe_engine(True)
     ids = engine.runner.info.tokenizer.encode("Hi").ids
     engine.add_request("probe", ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     probe = []

@@ -133,17 +133,17 @@ def test_prompt_logprobs_survive_preemption(overlap):
     """A cache so small that requests are preempted (their prompts recomputed): each prompt's
     log-probabilities still come once, one per prompt token after the first, equal to a run
     that never preempts. (tiny-moe, chunked prefill of 32 tokens a step.)"""
-    from tests.engine.test_engine import PROMPTS, _engine, _mixed_params, _run
+    from tests.support.engine_runs import PROMPTS, mixed_params, run_prompts, tiny_moe_engine
 
     def params(i: int) -> SamplingParams:
-        p = _mixed_params(i)
+        p = mixed_params(i)
         p.prompt_logprobs = 1
         return p
 
-    tight_engine = _engine(overlap, num_kv_blocks=40)
-    tight = _run(tight_engine, params)
+    tight_engine = tiny_moe_engine(overlap, num_kv_blocks=40)
+    tight = run_prompts(tight_engine, params)
     assert tight_engine.scheduler.num_preemptions > 0
-    roomy = _run(_engine(overlap, num_kv_blocks=256), params)
+    roomy = run_prompts(tiny_moe_engine(overlap, num_kv_blocks=256), params)
     tokenizer = tight_engine.runner.info.tokenizer
     for i, rid in enumerate(tight):
         prompt = tokenizer.encode(PROMPTS[i]).ids

@@ -15,6 +15,9 @@ from tandem.worker.sampling import SamplingParams
 from tandem.testing.distributed import run_distributed
 from tests.support.hf_checkpoints import FAMILIES, build_hf_model, save_checkpoint
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["Pipeline stages pass hidden states along.", "Hi", "Experts route tokens", "A"]
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 BUDGET = 12  # tokens per step: the long prompts take several chunks

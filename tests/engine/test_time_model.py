@@ -34,6 +34,7 @@ def _rank(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_model_runner_time_model_with_a_modelled_fabric():
     for result in run_distributed(_rank, 2, timeout_s=120):
         plain, dbo = StepTimes(*result[False]), StepTimes(*result[True])

@@ -159,6 +159,7 @@ def _ep_rank(rank, world, per_expert_dir, fused_dir):
     return out
 
 
+@pytest.mark.slow
 def test_expert_parallel_loading_reads_only_local_experts(qwen2, sharded, tmp_path):
     directory, _ = sharded
     fused = save_fused_checkpoint(build_hf_model("mixtral"), tmp_path / "mixtral_fused")

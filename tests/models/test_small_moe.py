@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tandem.models.loader import load_tokenizer_info, num_hidden_layers
@@ -41,6 +42,7 @@ def _generate(*args: str) -> list[list[int]]:
     return [json.loads(line)["token_ids"] for line in result.stdout.splitlines()]
 
 
+@pytest.mark.slow
 def test_generate_on_small_moe_is_deterministic_and_two_ranks_agree_with_one():
     single = _generate()
     assert [len(ids) for ids in single] == [4, 4]

@@ -15,6 +15,9 @@ from tandem.modular_kernels import ALL2ALL_BACKENDS, MOE_BACKENDS, build_moe_ker
 from tandem.testing import run_distributed
 from tests.support.moe_cases import dispatch_budget, NUM_EXPERTS, TOP_K, make_problem, run_kernel
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 
 HIDDEN, INTERMEDIATE, TOKENS = 2048, 128, 6  # DeepEP LL's smallest hidden size; DeepGEMM's 128 alignment

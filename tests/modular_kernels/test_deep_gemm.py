@@ -693,6 +693,7 @@ def _expected_m_on_two_ranks(rank, world):
     return list(fake_deep_gemm.EXPECTED_M), _rel_err(out, p.reference())
 
 
+@pytest.mark.slow
 def test_build_moe_kernel_gives_the_masked_experts_top_k_and_the_global_expert_count():
     from tandem.testing import run_distributed
 

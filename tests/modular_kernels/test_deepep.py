@@ -146,6 +146,7 @@ def _exact_cases(rank, world):
     return report
 
 
+@pytest.mark.slow
 def test_adapters_match_the_oracle_and_the_torch_backends_in_bf16():
     per_rank = run_distributed(_exact_cases, 2, timeout_s=240)
     assert_every_case_passed(per_rank, 2 * (4 * 2 + 5) + 4 * 2 + 1)
@@ -325,6 +326,7 @@ def _strict_cases(rank, world):
     return report
 
 
+@pytest.mark.slow
 def test_strict_emulation_bf16_fp8_layouts_and_constraints():
     per_rank = run_distributed(_strict_cases, 2, timeout_s=150)
     assert_every_case_passed(per_rank, 34)
@@ -399,6 +401,7 @@ def _v21_cases(rank, world):
     return report
 
 
+@pytest.mark.slow
 def test_v21_details_ht_order_and_comm_sms_sizing():
     per_rank = run_distributed(_v21_cases, 2, timeout_s=150)
     assert_every_case_passed(per_rank, 10)
@@ -563,6 +566,7 @@ def _stream_order_cases(rank, world):
     return report
 
 
+@pytest.mark.slow
 def test_low_latency_receives_follow_stream_order_and_lifetimes():
     """Review N1 and N4 on the stream-ordered fake: the hook before the join in SBO
     combine-shared, and the converted top-k copies alive until the combine's receive ran."""
@@ -616,6 +620,7 @@ def _hidden_and_build_cases(rank, world):
     return report
 
 
+@pytest.mark.slow
 def test_low_latency_hidden_size_and_buffer_are_settled_at_model_build():
     per_rank = run_distributed(_hidden_and_build_cases, 2, timeout_s=120)
     for report in per_rank:
@@ -774,6 +779,7 @@ def _ue8m0_cases(rank, world):
     return report
 
 
+@pytest.mark.slow
 def test_deep_gemm_on_sm100_gets_ue8m0_scales_from_low_latency_dispatch():
     per_rank = run_distributed(_ue8m0_cases, 2, timeout_s=150)
     assert_every_case_passed(per_rank, 8)

@@ -16,6 +16,9 @@ from tests.support.moe_cases import (
     run_kernel,
 )
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 PAIRS = [("torch_a2a", "torch"), ("torch_a2a_ll", "torch")]
 
 

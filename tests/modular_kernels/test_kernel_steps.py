@@ -106,6 +106,7 @@ def _interleaved(rank, world, backends):
     return errors
 
 
+@pytest.mark.slow
 def test_interleaved_ubatches_equal_forward_on_two_ranks():
     per_rank = run_distributed(_interleaved, 2, ["torch_a2a", "torch_a2a_ll"], timeout_s=120)
     assert all(err < 2e-5 for errors in per_rank for err in errors.values()), per_rank

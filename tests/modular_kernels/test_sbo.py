@@ -75,6 +75,7 @@ def two_ranks():
     return run_distributed(_every_mode, 2, timeout_s=240)
 
 
+@pytest.mark.slow
 def test_every_mode_matches_the_oracle_on_two_ranks_with_and_without_dbo(two_ranks):
     bad = {(rank, case): err for rank, (errors, _) in enumerate(two_ranks) for case, err in errors.items() if err > 2e-5}
     assert bad == {}
@@ -115,6 +116,7 @@ def _block_order(rank, world, all2all):
     return trace, _err(out, p.reference(with_shared=True))
 
 
+@pytest.mark.slow
 def test_combine_down_gemm_sends_each_block_before_computing_the_next(two_ranks):
     local_experts = NUM_EXPERTS // 2  # one block per local expert on both backends
     expected = [step for i in range(local_experts) for step in (("computed", i), ("sent", i, True))]

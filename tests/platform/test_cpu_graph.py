@@ -75,6 +75,7 @@ def _collectives_rank(rank: int, world: int):
     return first.tolist(), out.tolist(), refused
 
 
+@pytest.mark.slow
 def test_functional_collectives_are_recorded_and_replayed_on_gloo():
     (first0, replay0, refused0), (first1, replay1, _) = run_distributed(_collectives_rank, 2, timeout_s=90)
     assert first0 == [0.0, 0.0, 10.0, 10.0] and first1 == [0.0, 0.0, 10.0, 10.0]

@@ -3,152 +3,24 @@ and driven by the official `openai` client (and httpx for raw cases)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
-import threading
 import time
-from typing import AsyncIterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from tandem.models.tiny_moe import EOS_ID, build_tokenizer
-from tandem.worker.sampling import SamplingParams
 from tandem.serving.openai.api_server import create_app
 from tandem.serving.openai.chat_template import ChatTemplateError, render_chat
-from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
-from tandem.engine.outputs import RequestOutput
+from tandem.serving.engine_client import EngineOverloadedError, EngineUnavailableError
+from tests.support.fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine
+from tests.support.live_app import LiveServer, assert_openai_error, wait_until
 
-MODEL = "tiny-fake"
 API_KEY = "sk-test-key"
-MAX_MODEL_LEN = 128
 MAX_REQUEST_BYTES = 20_000
-PHRASE = "the quick brown fox jumps over the lazy dog. "
-
-
-class FakeEngine(EngineClient):
-    """A faithful in-memory `EngineClient`: the output is `PHRASE` cycled from an offset derived
-    from the prompt and seed, one byte token at a time; honours max_tokens, stop strings (held
-    back until they cannot start a match), stop_token_ids; records starts and aborts."""
-
-    def __init__(self) -> None:
-        self.model_name = MODEL
-        self.max_model_len = MAX_MODEL_LEN
-        self.tokenizer = build_tokenizer()
-        self.eos_token_ids = {EOS_ID}
-        self.chat_template = None
-        self.reset()
-
-    def reset(self) -> None:
-        self.raise_on_generate: type[Exception] | Exception | None = None
-        self.error_after: int | None = None
-        self.token_delay = 0.0
-        self.healthy = (True, "ok")
-        self.started: list[str] = []
-        self.aborted: list[str] = []
-        self.finished: list[str] = []
-        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
-        self.steps = 0
-
-    @staticmethod
-    def reference_text(prompt_ids: list[int], seed: int | None, num_tokens: int) -> str:
-        offset = (sum(prompt_ids) + (seed or 0)) % len(PHRASE)
-        return "".join(PHRASE[(offset + k) % len(PHRASE)] for k in range(num_tokens))
-
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        if self.raise_on_generate is not None:
-            raise self.raise_on_generate
-        self.started.append(request_id)
-        self.requests[request_id] = (list(prompt_ids), params)
-        full = self.reference_text(prompt_ids, params.seed, params.max_tokens)
-        longest_stop = max((len(s) for s in params.stop), default=0)
-        text, emitted, count, done = "", 0, 0, False
-
-        def out(ids: list[int], new_text: str, reason: str | None = None, error: str | None = None) -> RequestOutput:
-            return RequestOutput(request_id, ids, new_text, finished=reason is not None, finish_reason=reason,
-                                 num_prompt_tokens=len(prompt_ids), num_output_tokens=count, error=error)
-
-        try:
-            for k, char in enumerate(full):
-                await asyncio.sleep(self.token_delay)
-                self.steps += 1
-                if self.error_after is not None and k >= self.error_after:
-                    done = True
-                    yield out([], "", "error", error="simulated engine failure")
-                    return
-                token = ord(char)
-                count += 1
-                if token in params.stop_token_ids:
-                    done = True
-                    yield out([token], "", "stop")
-                    return
-                text += char
-                hits = [text.find(s) for s in params.stop if s in text]
-                if hits:
-                    done = True
-                    yield out([token], text[emitted:min(hits)], "stop")
-                    return
-                safe = len(text) - max(longest_stop - 1, 0)
-                if k == len(full) - 1:
-                    done = True
-                    yield out([token], text[emitted:], "length")
-                    return
-                new_text = text[emitted:safe] if safe > emitted else ""
-                emitted = max(emitted, safe)
-                yield out([token], new_text)
-        finally:
-            (self.finished if done else self.aborted).append(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def health(self) -> tuple[bool, str]:
-        return self.healthy
-
-    def stats(self) -> EngineStats:
-        running = len(set(self.started) - set(self.finished) - set(self.aborted))
-        return EngineStats(waiting=0, running=running, kv_usage=0.25, steps=self.steps, ubatched_steps=self.steps // 2,
-                           ubatch_yields=self.steps, step_time_s=0.001 * self.steps)
-
-    async def shutdown(self) -> None:
-        pass
-
-
-class LiveServer:
-    """`app` served by uvicorn on 127.0.0.1 (a free port) in a background thread."""
-
-    def __init__(self, app) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 15
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start within 15 s")
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        assert not self.thread.is_alive(), "uvicorn did not stop within 10 s"
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -185,16 +57,6 @@ def http(server) -> httpx.Client:
 
 def ids(text: str) -> list[int]:
     return build_tokenizer().encode(text).ids
-
-
-def assert_openai_error(response: httpx.Response, status: int, *, param: str | None = None, contains: str = "") -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    if param is not None:
-        assert error["param"] == param, error
-    assert contains.lower() in error["message"].lower(), error
-    return error
 
 
 # ------------------------------------------------------------------ completions and chat

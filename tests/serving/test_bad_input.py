@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 
 from tandem.serving.openai.api_server import create_app
 from tests.support.server_process import Server
-from tests.serving.test_app import MAX_MODEL_LEN, MODEL, FakeEngine, LiveServer, assert_openai_error, wait_until
+from tests.support.fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine
+from tests.support.live_app import LiveServer, assert_openai_error, wait_until
 
 MAX_REQUEST_BYTES = 4096
 
@@ -166,6 +167,7 @@ def test_binding_beyond_loopback_without_a_key_warns(monkeypatch, capsys):
     assert state.max_request_bytes == 1234 and state.max_streams_per_key == 3
 
 
+@pytest.mark.slow
 def test_schemathesis_fuzz_finds_no_server_error():
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings

@@ -15,20 +15,11 @@ import time
 import httpx
 import pytest
 
-from tests.support.server_process import Server, pid_alive
+from tests.support.server_process import Server, complete, get_health, stop_and_check_no_orphans, wait_unhealthy
 
 DBO_FLAGS = ("--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8")
 LONG_PROMPT = "a prompt long enough to split into two ubatches"  # well over 8 tokens: prefill uses DBO
 SHORT_PROMPT = "hi"  # under 8 tokens, and one decode token per step: never split
-
-
-def _complete(server: Server, prompt: str, max_tokens: int, timeout: float = 60, **extra) -> httpx.Response:
-    body = {"model": "tiny-moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    return httpx.post(f"{server.url}/completions", json={**body, **extra}, timeout=timeout)
-
-
-def _health(server: Server) -> httpx.Response:
-    return httpx.get(f"{server.base}/health", timeout=10)
 
 
 def _metric(server: Server, name: str) -> float:
@@ -46,50 +37,30 @@ def _eventually_metric(server: Server, name: str, expected: float, timeout_s: fl
     assert _metric(server, name) == expected, name
 
 
-def _wait_unhealthy(server: Server, timeout_s: float) -> tuple[httpx.Response, float]:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        response = _health(server)
-        if response.status_code != 200:
-            return response, time.monotonic() - start
-        time.sleep(0.1)
-    raise AssertionError(f"/health stayed 200 for {timeout_s:g} s")
-
-
 def _rank_pids(server: Server) -> dict[int, int]:
     return {int(r): int(p) for r, p in re.findall(r"rank (\d+) pid (\d+)", server.output())}
 
 
-def _stop_and_check_no_orphans(server: Server) -> None:
-    children = server.children
-    started = time.monotonic()
-    assert server.stop(timeout_s=30) in (0, 130)
-    assert time.monotonic() - started < 30
-    deadline = time.monotonic() + 5
-    while [pid for pid in children if pid_alive(pid)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [pid for pid in children if pid_alive(pid)] == []
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 2])
 def test_ubatch_fault_fails_its_requests_and_serving_goes_on(dp):
     # Ubatch 1 raises before decoder layer 2 in the first DBO step from step 20 on, on every
     # rank (like a model bug): the ranks' all-to-alls stay matched.
     env = {"TANDEM_FAULT_INJECT": "ubatch=1,layer=2,step=20"}
     with Server("tiny-moe", "--data-parallel-size", str(dp), *DBO_FLAGS, "--kv-cache-tokens", "4096", env=env) as server:
-        reference = _complete(server, LONG_PROMPT, 6)  # its DBO prefill runs before step 20
+        reference = complete(server, LONG_PROMPT, 6)  # its DBO prefill runs before step 20
         assert reference.status_code == 200, reference.text
-        filler = _complete(server, SHORT_PROMPT, 24)  # 24+ steps, none split
+        filler = complete(server, SHORT_PROMPT, 24)  # 24+ steps, none split
         assert filler.status_code == 200, filler.text
         assert _metric(server, "tandem_engine_failed_steps_total") == 0
 
         started = time.monotonic()
-        failed = _complete(server, LONG_PROMPT, 6)
+        failed = complete(server, LONG_PROMPT, 6)
         assert time.monotonic() - started < 10
         assert failed.status_code == 500
         message = failed.json()["error"]["message"]
         assert "InjectedFault" in message and "ubatch 1" in message and "layer 2" in message, message
-        assert _health(server).status_code == 200
+        assert get_health(server).status_code == 200
 
         # A streamed request after the fault, and the reference again: same tokens as before.
         with httpx.stream("POST", f"{server.url}/completions", timeout=60, json={
@@ -99,16 +70,17 @@ def test_ubatch_fault_fails_its_requests_and_serving_goes_on(dp):
             assert stream.status_code == 200
             events = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
-        again = _complete(server, LONG_PROMPT, 6)
+        again = complete(server, LONG_PROMPT, 6)
         assert again.status_code == 200
         assert again.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
         _eventually_metric(server, "tandem_engine_failed_steps_total", dp)  # one step, on every rank
         _eventually_metric(server, "tandem_engine_kv_usage_ratio", 0)
         assert "rank 0: model step failed: InjectedFault" in server.output()
-        assert _health(server).status_code == 200
-        _stop_and_check_no_orphans(server)
+        assert get_health(server).status_code == 200
+        stop_and_check_no_orphans(server)
 
 
+@pytest.mark.slow
 def test_fault_on_one_rank_only_is_bounded_by_the_step_timeout():
     # Rank 1 alone raises mid-step: rank 0 is left waiting in an all-to-all that will never
     # complete. The step timeout bounds it (here the normal loop, where the forward runs on
@@ -119,17 +91,17 @@ def test_fault_on_one_rank_only_is_bounded_by_the_step_timeout():
     with Server("tiny-moe", "--data-parallel-size", "2", *DBO_FLAGS, "--step-timeout", str(step_timeout),
                 "--disable-overlap-schedule", env=env) as server:
         started = time.monotonic()
-        response = _complete(server, LONG_PROMPT, 6)
+        response = complete(server, LONG_PROMPT, 6)
         assert response.status_code == 500
-        health, _ = _wait_unhealthy(server, 30)
+        health, _ = wait_unhealthy(server, 30)
         elapsed = time.monotonic() - started
         print(f"fault on rank 1 only: answered {response.status_code}, engine unavailable after {elapsed:.2f} s")
         assert step_timeout - 1 < elapsed < step_timeout + 15
         assert health.status_code == 503 and health.json()["reason"]
-        rejected = _complete(server, SHORT_PROMPT, 2)
+        rejected = complete(server, SHORT_PROMPT, 2)
         assert rejected.status_code == 503 and "unavailable" in rejected.json()["error"]["message"]
         assert "rank 0: no progress for" in server.output()  # the watchdog's report
-        _stop_and_check_no_orphans(server)
+        stop_and_check_no_orphans(server)
 
 
 def test_watchdog_fires_once_when_the_loop_stops_beating():
@@ -148,6 +120,7 @@ def test_watchdog_fires_once_when_the_loop_stops_beating():
         Watchdog(0, fired.append)
 
 
+@pytest.mark.slow
 def test_slow_rank_is_not_declared_dead_but_a_hung_one_is():
     # Rank 1 sleeps 3 s in one step (slow, under the 8 s step timeout), later 600 s (hung).
     step_timeout = 8
@@ -158,13 +131,13 @@ def test_slow_rank_is_not_declared_dead_but_a_hung_one_is():
 
         def poll() -> None:
             while not stop.is_set():
-                statuses.append(_health(server).status_code)
+                statuses.append(get_health(server).status_code)
                 time.sleep(0.2)
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         started = time.monotonic()
-        slow = _complete(server, SHORT_PROMPT, 16)  # runs through step 12
+        slow = complete(server, SHORT_PROMPT, 16)  # runs through step 12
         took = time.monotonic() - started
         stop.set()
         poller.join(timeout=10)
@@ -188,12 +161,13 @@ def test_slow_rank_is_not_declared_dead_but_a_hung_one_is():
         print(f"hung rank: stream ended with an error {ended - hung_at:.2f} s after its last token "
               f"(step timeout {step_timeout} s); the slow step took {took:.2f} s with /health 200 throughout")
         assert step_timeout - 1 < ended - hung_at < step_timeout + 15, ended - hung_at
-        health = _health(server)
+        health = get_health(server)
         assert health.status_code == 503 and "rank" in health.json()["reason"]
-        assert _complete(server, SHORT_PROMPT, 2).status_code == 503
-        _stop_and_check_no_orphans(server)
+        assert complete(server, SHORT_PROMPT, 2).status_code == 503
+        stop_and_check_no_orphans(server)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_rank_killed_mid_step_under_load(victim):
     with Server("tiny-moe", "--data-parallel-size", "2", *DBO_FLAGS, "--kv-cache-tokens", "4096") as server:
@@ -237,8 +211,8 @@ def test_rank_killed_mid_step_under_load(victim):
         assert f"rank {victim}" in health.json()["reason"] and "SIGKILL" in health.json()["reason"]
         assert len(outcomes) == 16 and outcomes.count("error") >= 1
         assert set(outcomes) <= {"error", "done"}, outcomes
-        rejected = _complete(server, SHORT_PROMPT, 2)
+        rejected = complete(server, SHORT_PROMPT, 2)
         assert rejected.status_code == 503
         assert f"rank {victim}" in rejected.json()["error"]["message"]
         assert "engine failure" in server.output()
-        _stop_and_check_no_orphans(server)
+        stop_and_check_no_orphans(server)

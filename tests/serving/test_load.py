@@ -9,9 +9,13 @@ from __future__ import annotations
 import sys
 
 import httpx
+import pytest
 
 from tandem.testing.load import LoadConfig, format_round, metric, run_load
 from tests.support.server_process import Server, rank_pids
+
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
 
 FLAGS = (
     "--data-parallel-size", "2", "--enable-dbo", "--dbo-decode-token-threshold", "8",

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402
 
 _ok, _reason = namespaces_available()
-pytestmark = pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_reason}")
+#: Real processes in network namespaces: not in the fast tier, `-m "not slow"`.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_reason}")]
 
 DBO_FLAGS = ["--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8"]
 STEP_TIMEOUT_S = 6

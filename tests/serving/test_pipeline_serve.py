@@ -11,14 +11,17 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from tandem.models.tiny_moe import build_tiny_moe
 from tandem.config import SchedulerConfig
 from tandem.engine.core import Engine
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import SamplingParams
-from tests.support.server_process import Server
-from tests.serving.test_faults import _complete, _stop_and_check_no_orphans, _wait_unhealthy
+from tests.support.server_process import Server, complete, stop_and_check_no_orphans, wait_unhealthy
+
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
 
 PROMPT = "Stages pass hidden states"
 
@@ -56,11 +59,11 @@ def test_openai_client_streams_from_a_two_stage_pipeline_and_a_killed_stage_is_n
         pids = {int(r): int(p) for r, p in re.findall(r"rank (\d+) \(pipeline stage \d+, dp rank \d+\) pid (\d+)", server.output())}
         assert sorted(pids) == [0, 1]
         os.kill(pids[1], signal.SIGKILL)
-        health, noticed = _wait_unhealthy(server, 30)
+        health, noticed = wait_unhealthy(server, 30)
         assert health.status_code == 503
         assert "pipeline stage 1" in health.json()["reason"] and "SIGKILL" in health.json()["reason"]
         print(f"stage 1 SIGKILLed: /health 503 after {noticed:.2f} s")
-        _stop_and_check_no_orphans(server)
+        stop_and_check_no_orphans(server)
 
 
 def test_a_failing_stage_fails_its_requests_and_a_hung_stage_is_bounded_by_the_step_timeout():
@@ -69,7 +72,7 @@ def test_a_failing_stage_fails_its_requests_and_a_hung_stage_is_bounded_by_the_s
     env = {"TANDEM_FAULT_INJECT": "kind=raise,layer=2,rank=1,step=3;kind=sleep,layer=2,rank=1,step=5,seconds=120"}
     step_timeout = 4
     with Server("tiny-moe", "--pipeline-parallel-size", "2", "--step-timeout", str(step_timeout), env=env) as server:
-        failed = _complete(server, "hi", 2)
+        failed = complete(server, "hi", 2)
         assert failed.status_code == 500
         assert "stage 1: InjectedFault" in failed.json()["error"]["message"]
         assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200
@@ -78,11 +81,11 @@ def test_a_failing_stage_fails_its_requests_and_a_hung_stage_is_bounded_by_the_s
         assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200
 
         started = time.monotonic()
-        hung = _complete(server, "hi", 4)  # micro-batch 4 prefills, 5 hangs
+        hung = complete(server, "hi", 4)  # micro-batch 4 prefills, 5 hangs
         assert hung.status_code in (500, 503)
-        health, _ = _wait_unhealthy(server, 30)
+        health, _ = wait_unhealthy(server, 30)
         elapsed = time.monotonic() - started
         print(f"hung stage 1: answered {hung.status_code}, engine unavailable after {elapsed:.2f} s")
         assert elapsed < step_timeout + 15
         assert health.status_code == 503 and "pipeline stage 1" in health.json()["reason"]
-        _stop_and_check_no_orphans(server)
+        stop_and_check_no_orphans(server)

@@ -43,6 +43,7 @@ def _metric(server: Server, name: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["dp1", "dp2"])
 def test_completion_chat_stream_stop_and_seeds(which, request):
     server = request.getfixturevalue(which)
@@ -82,6 +83,7 @@ def test_completion_chat_stream_stop_and_seeds(which, request):
     assert seeded[0] == seeded[1] and seeded[0] != seeded[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["dp1", "dp2"])
 def test_32_concurrent_streams_complete_with_their_lengths(which, request):
     server = request.getfixturevalue(which)
@@ -112,6 +114,7 @@ def test_32_concurrent_streams_complete_with_their_lengths(which, request):
         assert _metric(server, "tandem_engine_ubatched_steps_total") > 0
 
 
+@pytest.mark.slow
 def test_overlap_and_normal_loops_serve_identical_tokens(dp1):
     prompts = [f"prompt number {i} " * (i + 1) for i in range(6)]
 
@@ -129,6 +132,7 @@ def test_overlap_and_normal_loops_serve_identical_tokens(dp1):
         assert run(normal) == overlapped
 
 
+@pytest.mark.slow
 def test_aborted_stream_frees_its_kv_blocks(dp1):
     with httpx.Client(timeout=30) as http:
         with http.stream(
@@ -154,6 +158,7 @@ def test_aborted_stream_frees_its_kv_blocks(dp1):
     assert _metric(dp1, "tandem_engine_requests_running") == 0
 
 
+@pytest.mark.slow
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(dp1):
     url = f"{dp1.url}/completions"
     cases = [
@@ -173,6 +178,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(dp1):
     assert _client(dp1).completions.create(model="tiny-moe", prompt="ok", max_tokens=3).choices[0].text is not None
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_server_and_every_rank():
     server = Server("tiny-moe", "--data-parallel-size", "2")
     children = server.children
@@ -185,6 +191,7 @@ def test_ctrl_c_stops_server_and_every_rank():
     server.kill()
 
 
+@pytest.mark.slow
 def test_two_node_torchrun_start_on_loopback():
     master_port, http_port = find_free_port(), find_free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run"]

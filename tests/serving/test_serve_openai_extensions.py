@@ -12,6 +12,9 @@ import pytest
 
 from tests.support.server_process import Server
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-moe"
 
 

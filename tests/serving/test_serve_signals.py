@@ -12,6 +12,9 @@ import pytest
 
 from tests.support.server_process import Server, pid_alive
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_drains_writes_the_trace_and_stops_every_rank(sig, tmp_path):

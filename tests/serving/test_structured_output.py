@@ -56,6 +56,7 @@ def _person_format():
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
+@pytest.mark.slow
 def test_json_schema_chat_greedy_and_sampled(oai):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, temperature=0,
                                     response_format=_person_format())
@@ -68,6 +69,7 @@ def test_json_schema_chat_greedy_and_sampled(oai):
         jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+@pytest.mark.slow
 def test_json_schema_on_completions_streamed_and_not(oai):
     body = {"response_format": _person_format()}
     r = oai.completions.create(model=MODEL, prompt="A person:", max_tokens=120, temperature=0, extra_body=body)
@@ -79,6 +81,7 @@ def test_json_schema_on_completions_streamed_and_not(oai):
     assert streamed == r.choices[0].text
 
 
+@pytest.mark.slow
 def test_json_object_gives_a_json_object(oai):
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json"}], max_tokens=300,
                                     temperature=0, response_format={"type": "json_object"})
@@ -86,6 +89,7 @@ def test_json_object_gives_a_json_object(oai):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+@pytest.mark.slow
 def test_unconstrained_requests_are_unchanged_beside_constrained_ones(oai):
     plain = dict(model=MODEL, messages=ASK, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     alone = oai.chat.completions.create(**plain).choices[0].message.content
@@ -106,6 +110,7 @@ def _check_call(call, name=None):
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
+@pytest.mark.slow
 def test_tool_choice_required_gives_valid_tool_calls(oai):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200,
                                     temperature=0)
@@ -120,6 +125,7 @@ def test_tool_choice_required_gives_valid_tool_calls(oai):
     _check_call(r.choices[0].message.tool_calls[0])
 
 
+@pytest.mark.slow
 def test_named_tool_choice_calls_that_tool(oai):
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=100,
@@ -130,6 +136,7 @@ def test_named_tool_choice_calls_that_tool(oai):
     _check_call(call, "get_weather")
 
 
+@pytest.mark.slow
 def test_tool_choice_none_gives_no_tool_calls(oai):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8,
                                     temperature=0)
@@ -152,6 +159,7 @@ def _streamed_calls(oai, **kwargs):
     return [calls[i] for i in sorted(calls)], content, reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}],
                          ids=["required", "named"])
 def test_streamed_tool_calls_reassemble_to_the_same_calls(oai, tool_choice):
@@ -164,6 +172,7 @@ def test_streamed_tool_calls_reassemble_to_the_same_calls(oai, tool_choice):
     assert all(c["id"] for c in calls)
 
 
+@pytest.mark.slow
 def test_a_tool_call_history_renders(oai):
     """A conversation that called a tool and got its result back (what agents send next)."""
     history = ASK + [
@@ -175,6 +184,7 @@ def test_a_tool_call_history_renders(oai):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema", "nonsense"),

@@ -14,7 +14,8 @@ import pytest
 from tandem.engine.outputs import RequestOutput
 from tandem.worker.sampling import SamplingParams
 from tandem.serving.openai.api_server import create_app
-from tests.serving.test_app import MODEL, FakeEngine, LiveServer
+from tests.support.fake_engine import MODEL, FakeEngine
+from tests.support.live_app import LiveServer
 
 REPLY = ('I will look. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>\n'
          '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')

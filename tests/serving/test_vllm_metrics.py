@@ -17,6 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.server_process import Server
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SERVED = "tiny-served"
 MODEL_LABELS = {"model_name": SERVED, "engine": "0"}
 

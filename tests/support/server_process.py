@@ -133,3 +133,36 @@ class Server:
             self.stop()
         finally:
             self.kill()
+
+
+# ------------------------------------------------------------------ checks against a running server
+
+
+def complete(server: Server, prompt: str, max_tokens: int, timeout: float = 60, **extra) -> httpx.Response:
+    body = {"model": "tiny-moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{server.url}/completions", json={**body, **extra}, timeout=timeout)
+
+
+def get_health(server: Server) -> httpx.Response:
+    return httpx.get(f"{server.base}/health", timeout=10)
+
+
+def wait_unhealthy(server: Server, timeout_s: float) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        response = get_health(server)
+        if response.status_code != 200:
+            return response, time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"/health stayed 200 for {timeout_s:g} s")
+
+
+def stop_and_check_no_orphans(server: Server) -> None:
+    children = server.children
+    started = time.monotonic()
+    assert server.stop(timeout_s=30) in (0, 130)
+    assert time.monotonic() - started < 30
+    deadline = time.monotonic() + 5
+    while [pid for pid in children if pid_alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in children if pid_alive(pid)] == []

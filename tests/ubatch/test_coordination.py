@@ -8,6 +8,7 @@ def _decide(rank, world_size, cases):
     return [coordinate_ubatching(*cases[i][rank]) for i in range(len(cases))]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_agree():
     cases = [
         [(256, True), (256, True)],
@@ -46,6 +47,7 @@ def _decide_with_predictions(rank, world_size, cases):
     return [coordinate_ubatching(n, True, predicted_s=p) for n, p in cases[rank]]
 
 
+@pytest.mark.slow
 def test_predictions_ride_in_the_same_all_reduce_and_the_slowest_busy_rank_counts():
     inf = float("inf")
     cases = [
@@ -71,6 +73,7 @@ def _decide_with_prefills(rank, world_size, cases):
     return [coordinate_ubatching(n, True, prefills=p, predicted_s=[0.001]) for n, p in cases[rank]]
 
 
+@pytest.mark.slow
 def test_whether_any_rank_prefills_rides_in_the_same_all_reduce():
     """TBO's strategy (decode or prefill) must be the same on every DP rank: the ranks learn
     whether any of them prefills from the one all-reduce that agrees on the split."""

@@ -8,6 +8,9 @@ from tandem.engine.offline import build_runner, generate
 from tandem.worker.sampling import SamplingParams
 from tandem.testing import run_distributed
 
+#: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 PROMPTS = {
     # rank 0: one long prompt that straddles the ubatch cut, plus short ones
     0: ["The quick brown fox jumps over the lazy dog, again and again and again.", "Hi", "MoE"],

@@ -78,6 +78,7 @@ def _generate(rank, world, overlaps):
     return out
 
 
+@pytest.mark.slow
 def test_auto_policy_and_balanced_cost_keep_greedy_tokens_and_ranks_agree():
     overlaps = [
         OverlapConfig(),

@@ -99,6 +99,7 @@ def test_every_family_gives_the_no_overlap_greedy_tokens_on_one_rank(models):
         _check([_generate_all(0, 1, models, tuple(models))])
 
 
+@pytest.mark.slow
 def test_every_family_gives_the_no_overlap_greedy_tokens_on_two_ranks(models):
     # DeepSeek-V2 shares V3's layers; two ranks run one of them to keep the test short.
     families = ("deepseek_v3", "qwen2_moe", "qwen3_moe", "mixtral")

@@ -163,6 +163,7 @@ def _graph_replay_rank(rank: int, world: int, num_ubatches: int, executor: str):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_ubatches,executor", [(2, "thread"), (3, "greenlet"), (0, "thread"), (2, "stages")])
 def test_graph_replay_matches_eager_on_new_inputs(num_ubatches, executor):
     results = run_distributed(_graph_replay_rank, 2, num_ubatches, executor, timeout_s=240)

@@ -28,6 +28,9 @@ import json
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
+from tandem.serving.openai.protocol import invalid_request
+from tandem.serving.openai.tool_parser import TOOL_CALL_START
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (bad content part, or the template refused them)."""
@@ -166,3 +169,57 @@ def render_chat(messages: Sequence[Mapping[str, Any]], template: str | None, **c
         raise
     except TemplateError as exc:
         raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from None
+
+
+class ChatFormat:
+    """The served model's chat format: its template (None: the default format) and the
+    `bos_token`/`eos_token` it is rendered with, shared by chat completions and `/tokenize`."""
+
+    def __init__(self, client: Any) -> None:
+        self.template: str | None = getattr(client, "chat_template", None)
+        if self.template is not None:
+            try:
+                compile_template(self.template)
+            except Exception as exc:
+                raise ValueError(f"the model's chat template does not compile: {exc}") from exc
+        self.context = _special_tokens(client)
+
+    @property
+    def writes_special_tokens(self) -> bool:
+        """A model's template writes its special tokens itself; the default format does not."""
+        return self.template is not None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether "auto" replies are read for tool calls: the format writes them in the Hermes
+        format (this server's default format, Qwen-family templates)."""
+        return self.template is None or TOOL_CALL_START in self.template
+
+    def render(self, messages: list[dict[str, Any]], req: Any) -> str:
+        """`messages` as a prompt, with the request's `tools`, `chat_template_kwargs` and
+        `add_generation_prompt`."""
+        context: dict[str, Any] = dict(self.context)
+        if req.tools is not None:
+            context["tools"] = req.tools
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted({"messages", "template"} & set(kwargs))
+        if reserved:
+            raise invalid_request(f"'chat_template_kwargs' may not set {reserved[0]!r}", param="chat_template_kwargs")
+        context.update(kwargs)
+        if req.add_generation_prompt is not None:
+            context["add_generation_prompt"] = req.add_generation_prompt
+        return render_chat(messages, self.template, **context)
+
+
+def _special_tokens(client: Any) -> dict[str, str]:
+    """`bos_token`/`eos_token` for chat templates: from the client when it has them, else the
+    eos token's text from the tokenizer."""
+    context = {"bos_token": getattr(client, "bos_token", None) or "", "eos_token": ""}
+    eos = getattr(client, "eos_token", None)
+    if not eos and client.eos_token_ids:
+        try:
+            eos = client.tokenizer.id_to_token(min(client.eos_token_ids))
+        except Exception:
+            eos = None
+    context["eos_token"] = eos or ""
+    return context

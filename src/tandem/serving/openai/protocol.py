@@ -12,19 +12,21 @@ Extensions beyond the OpenAI API: `top_k` (0 or -1: no cut), `stop_token_ids`, `
 `response_format` (both endpoints) and chat `tools` / `tool_choice` / `parallel_tool_calls`
 are checked and turned into constraints by `tandem.serving.openai.structured`.
 
-Responses are plain dicts built by the `*_response` / `*_chunk` helpers here, in the
-layout the OpenAI SDK parses. Errors are `{"error": {"message", "type", "param", "code"}}`.
+Each generation request builds its own `SamplingParams` (`sampling_params`): every limit
+(`max_tokens`, `n`, the context length, ...) is checked there, once, for both endpoints.
+
+Errors are `{"error": {"message", "type", "param", "code"}}`; the response shapes are
+`tandem.serving.openai.responses`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import secrets
-import time
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from tandem.worker.sampling import SamplingParams
 
 #: Most choices one request may fan out to (`n`).
 MAX_N = 16
@@ -221,8 +223,102 @@ class _SamplingRequest(_Lenient):
     # `text`, `json_object` or `json_schema` (tandem.serving.openai.structured checks the rest).
     response_format: dict[str, Any] | None = None
 
-    def check_unsupported(self) -> None:
-        pass
+    #: Appended to the error for a budget below 1 (what the endpoint allows instead).
+    max_tokens_hint: ClassVar[str] = ""
+
+    def check_fields(self) -> None:
+        """Rules over the fields that their types do not say (what is unsupported, what needs what)."""
+
+    def requested_max_tokens(self, longest_prompt: int, max_model_len: int) -> tuple[int, str]:
+        """The generation budget asked for, and the field that asked for it."""
+        raise NotImplementedError
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """Alternatives to return per generated and per prompt token (None: no log-probabilities)."""
+        return None, None
+
+    def prompt_param(self, index: int, num_prompts: int) -> str:
+        """The field an error about prompt `index` (of `num_prompts`) names."""
+        raise NotImplementedError
+
+    def sampling_params(self, prompt_lens: list[int], max_model_len: int,
+                        json_schema: str | None = None) -> list[SamplingParams]:
+        """The `n` choices' parameters (seed `seed + i` for choice i), shared by every prompt of
+        the request (`prompt_lens`: their token counts). Every limit is checked here, once."""
+        max_tokens, max_tokens_param = self.requested_max_tokens(max(prompt_lens), max_model_len)
+        if max_tokens < 1:
+            raise invalid_request(f"'{max_tokens_param}' must be at least 1, got {max_tokens}{self.max_tokens_hint}",
+                                  param=max_tokens_param)
+        n = self._checked_n()
+        self._check_sampling_fields(n)
+        if len(prompt_lens) * n > MAX_CHOICES:
+            raise invalid_request(f"{len(prompt_lens)} prompts x n={n} is more than {MAX_CHOICES} choices "
+                                  "in one request", param="prompt")
+        for i, num_prompt in enumerate(prompt_lens):
+            check_context(num_prompt, max_tokens, max_model_len, self.prompt_param(i, len(prompt_lens)),
+                          max_tokens_param)
+        return [self._choice_params(i, max_tokens, json_schema) for i in range(n)]
+
+    def _checked_n(self) -> int:
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_N:
+            raise invalid_request(f"'n' must be between 1 and {MAX_N}, got {n}", param="n")
+        return n
+
+    def _check_sampling_fields(self, n: int) -> None:
+        if any(s == "" for s in self._stop_strings()):
+            raise invalid_request("'stop' strings must be non-empty", param="stop")
+        if any(t < 0 for t in self.stop_token_ids or []):
+            raise invalid_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise invalid_request(f"'seed' must be a 64-bit integer in [{MIN_SEED}, {MAX_SEED}]", param="seed")
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and best_of != n:
+            # best_of > n ranks candidates by cumulative log-probability; vLLM's V1 engine refuses it too.
+            raise invalid_request(f"'best_of' must equal 'n' ({n}) on this server, got {best_of}", param="best_of")
+        if self.logit_bias:
+            raise invalid_request("'logit_bias' is not supported by this server", param="logit_bias")
+
+    def _stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def _choice_params(self, choice: int, max_tokens: int, json_schema: str | None) -> SamplingParams:
+        logprobs, prompt_logprobs = self.logprob_counts()
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k,
+                min_p=self.min_p or 0.0,
+                seed=None if self.seed is None else self.seed + choice,
+                stop=self._stop_strings(),
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=bool(self.ignore_eos),
+                min_tokens=self.min_tokens or 0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                json_schema=json_schema,
+            )
+        except ValueError as exc:
+            name = str(exc).split()[0] if str(exc) else None
+            raise invalid_request(f"invalid sampling parameter: {exc}", param=name) from None
+
+
+def check_context(num_prompt: int, max_tokens: int, max_model_len: int, prompt_param: str,
+                  max_tokens_param: str) -> None:
+    """A prompt and its generation budget must fit the model's context."""
+    if num_prompt + max_tokens > max_model_len:
+        raise invalid_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the request needs "
+            f"{num_prompt + max_tokens} ({num_prompt} in the prompt + {max_tokens} for '{max_tokens_param}'). "
+            f"Shorten the prompt or lower '{max_tokens_param}'.",
+            param=prompt_param if num_prompt >= max_model_len else max_tokens_param,
+            code="context_length_exceeded",
+        )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -232,10 +328,30 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: Int | None = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check_fields(self) -> None:
+        super().check_fields()
         if self.suffix is not None:
             raise invalid_request("'suffix' is not supported by this server (no fill-in-the-middle)", param="suffix")
+
+    max_tokens_hint: ClassVar[str] = " (0 only with 'echo': true, which returns the prompt)"
+
+    @property
+    def echo_only(self) -> bool:
+        """As vLLM (and OpenAI's legacy API): `echo` with `max_tokens` 0 returns the prompt alone
+        (its log-probabilities, lm-eval's loglikelihood request); the engine still samples one
+        token, which is dropped but counted in usage, as vLLM counts it."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def requested_max_tokens(self, longest_prompt: int, max_model_len: int) -> tuple[int, str]:
+        if self.echo_only:
+            return 1, "max_tokens"
+        return (DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens), "max_tokens"
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
+
+    def prompt_param(self, index: int, num_prompts: int) -> str:
+        return "prompt" if num_prompts == 1 else f"prompt[{index}]"
 
 
 class ChatMessage(_Strict):
@@ -263,6 +379,28 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if not self.messages:
+            raise invalid_request("'messages' must contain at least one message", param="messages")
+
+    def requested_max_tokens(self, longest_prompt: int, max_model_len: int) -> tuple[int, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        if self.max_tokens is not None:
+            return self.max_tokens, "max_tokens"
+        # The rest of the context; a prompt that fills it still asks for one token, so that the
+        # context check names the prompt.
+        return max(1, max_model_len - longest_prompt), "max_tokens"
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return ((self.top_logprobs or 0) if self.logprobs else None), None
+
+    def prompt_param(self, index: int, num_prompts: int) -> str:
+        return "messages"
+
 
 class TokenizeCompletionRequest(_Lenient):
     """vLLM's `/tokenize` with a prompt."""
@@ -288,140 +426,3 @@ class TokenizeChatRequest(_Lenient):
 class DetokenizeRequest(_Lenient):
     model: str | None = None
     tokens: list[Int]
-
-
-# --------------------------------------------------------------------------- responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(16)}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        # No prefix cache yet: no prompt token is ever served from the cache.
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-#: Per generated token: [(id, logprob)] of the sampled token, then of the most likely ones.
-TokenLogprobs = list[list[tuple[int, float]]]
-
-
-def completion_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str], offset: int,
-                        first_prompt_token: int | None = None) -> dict[str, Any]:
-    """The legacy completions `logprobs` object; `offset` is the first token's `text_offset`.
-    As vLLM does, each `top_logprobs` dict holds the sampled token too. `first_prompt_token`
-    (echo): the prompt's first token leads, with null `token_logprobs` and `top_logprobs`
-    (nothing precedes it), and `entries` continue from the prompt's second token."""
-    ids = [entry[0][0] for entry in entries]
-    token_logprobs: list[float | None] = [entry[0][1] for entry in entries]
-    top_logprobs: list[dict[str, float] | None] = [
-        {token_text(t): lp for t, lp in [*entry[1:], entry[0]]} for entry in entries
-    ]
-    if first_prompt_token is not None:
-        ids.insert(0, first_prompt_token)
-        token_logprobs.insert(0, None)
-        top_logprobs.insert(0, None)
-    tokens, offsets = [], []
-    for token in ids:
-        text = token_text(token)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
-
-
-def chat_logprobs(entries: TokenLogprobs, token_text: Callable[[int], str]) -> dict[str, Any]:
-    """The chat `logprobs` object: `content` per token, `top_logprobs` the requested alternatives."""
-
-    def item(token: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {
-        "content": [{**item(*entry[0]), "top_logprobs": [item(*alt) for alt in entry[1:]]} for entry in entries],
-        "refusal": None,
-    }
-
-
-def completion_response(
-    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int],
-    logprobs: list[dict[str, Any] | None] | None = None,
-) -> dict[str, Any]:
-    """`choices`: (text, finish_reason) per index; `logprobs`: each choice's logprobs object."""
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": i, "text": text, "logprobs": logprobs[i] if logprobs else None, "finish_reason": reason}
-            for i, (text, reason) in enumerate(choices)
-        ],
-        "usage": usage_,
-        "system_fingerprint": None,
-    }
-
-
-def chat_response(
-    request_id: str, created: int, model: str, choices: list[tuple[str, str | None]], usage_: dict[str, int],
-    logprobs: list[dict[str, Any] | None] | None = None,
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs[i] if logprobs else None,
-                "finish_reason": reason,
-            }
-            for i, (text, reason) in enumerate(choices)
-        ],
-        "usage": usage_,
-        "system_fingerprint": None,
-    }
-
-
-def _stream_chunk(
-    object_name: str,
-    request_id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage_: dict[str, int] | None = None,
-    with_usage_field: bool = False,
-) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": object_name,
-        "created": created,
-        "model": model,
-        "choices": [{"logprobs": None, **c} for c in choices],
-    }
-    if with_usage_field or usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
-
-
-#: `choices` of a completion chunk: dicts with `index`, `text`, `finish_reason`.
-completion_chunk = functools.partial(_stream_chunk, "text_completion")
-#: `choices` of a chat chunk: dicts with `index`, `delta`, `finish_reason`.
-chat_chunk = functools.partial(_stream_chunk, "chat.completion.chunk")
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    """One Server-Sent Event carrying `data` (a dict is sent as JSON)."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
