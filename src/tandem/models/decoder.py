@@ -15,7 +15,8 @@ from tandem.distributed.partition import MissingLayer, StageLayers, build_layers
 from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
 from tandem.models.hf_config import as_config, check_silu, config_value
 from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
-from tandem.models.layers import Attention, RMSNorm, StackedExperts
+from tandem.models.layers import Attention, StackedExperts
+from tandem.models.norm import RMSNorm
 from tandem.models.rope import rope_config
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
@@ -54,8 +55,9 @@ class DecoderLayer(DecoderLayerOperations, nn.Module):
         return self.self_attn.core(prepared)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
+        normed, hidden = self.post_attention_layernorm(attn_out, hidden)
+        return hidden + self.feed_forward(normed)
 
 
 class DecoderBackbone(nn.Module):

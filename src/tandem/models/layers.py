@@ -1,6 +1,6 @@
-"""Building blocks shared by the model families: RMSNorm, GQA attention over the paged KV
+"""Building blocks shared by the model families: GQA attention over the paged KV
 cache, the gated MLP, the stacked experts and the MoE block that drives a modular kernel
-(rotary embedding: `rope.py`; DeepSeek's latent attention: `mla.py`)."""
+(RMSNorm: `norm.py`; rotary embedding: `rope.py`; DeepSeek's latent attention: `mla.py`)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,11 @@ from torch import nn
 
 from tandem.contexts import get_forward_context
 from tandem.models.base import KVCacheSpec, MoEOptions
+from tandem.models.norm import RMSNorm
 from tandem.models.paged_attention import AttentionMetadata, paged_attention, write_to_cache
 from tandem.models.rope import RopeConfig, RotaryEmbedding
 from tandem.modular_kernels import BlockFP8Weight, select_experts
-
-
-class RMSNorm(nn.Module):
-    """`weight * x / rms(x)`, normalised in float32 and cast back before the weight."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+from tandem.modular_kernels.activation import silu_and_mul
 
 
 def current_attention_metadata() -> AttentionMetadata:
@@ -116,8 +103,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class StackedExperts(nn.Module):
@@ -305,6 +291,10 @@ class MoEBlock(nn.Module):
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.float32_router:
+            if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+                # One GEMM of the model-dtype operands with float32 accumulation and output:
+                # the same products as upcasting both first, without the two casts.
+                return torch.mm(x.reshape(-1, x.shape[-1]), self.gate.weight.t(), out_dtype=torch.float32)
             return F.linear(x.float(), self.gate.weight.float())
         return self.gate(x)
 

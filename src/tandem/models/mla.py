@@ -26,7 +26,8 @@ from torch import nn
 
 from tandem.models.base import KVCacheSpec
 from tandem.models.deepseek_config import DeepseekConfig
-from tandem.models.layers import RMSNorm, current_attention_metadata
+from tandem.models.layers import current_attention_metadata
+from tandem.models.norm import RMSNorm
 from tandem.models.paged_attention import paged_attention, write_to_cache
 from tandem.models.rope import RotaryEmbedding, yarn_mscale
 
