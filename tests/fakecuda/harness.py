@@ -81,16 +81,25 @@ class _Launch:
 
 
 def stub_triton(monkeypatch) -> list:
-    """Triton kernels that check their tensors and launch nothing; returns the launch log."""
+    """Triton kernels that check their tensors and launch nothing; returns the launch log.
+    Covers the experts' GEMMs and every fused kernel defined through `triton_utils.kernels`."""
     import triton
 
-    from tandem.modular_kernels import experts_triton
+    from tandem.modular_kernels import experts_triton, triton_utils
 
     launches: list = []
     kernels = SimpleNamespace(
         triton=triton, grouped_gemm=_Launch("grouped_gemm", launches), masked_gemm=_Launch("masked_gemm", launches)
     )
     monkeypatch.setattr(experts_triton, "_kernels", lambda interpret: kernels)
+
+    def stubbed(define):
+        real = triton_utils._defined(define, False)  # defining a kernel compiles nothing
+        return SimpleNamespace(
+            **{name: _Launch(name, launches) if hasattr(k, "run") else k for name, k in vars(real).items()}
+        )
+
+    monkeypatch.setattr(triton_utils, "kernels", stubbed)
     return launches
 
 
