@@ -11,7 +11,7 @@ from torch import nn
 from tandem.contexts import get_forward_context
 from tandem.models.base import KVCacheSpec, MoEOptions
 from tandem.models.norm import RMSNorm
-from tandem.models.paged_attention import AttentionMetadata, paged_attention, write_to_cache
+from tandem.models.paged_attention import AttentionMetadata, paged_attention
 from tandem.models.rope import RopeConfig, RotaryEmbedding
 from tandem.modular_kernels import BlockFP8Weight, select_experts
 from tandem.modular_kernels.activation import silu_and_mul
@@ -43,6 +43,7 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        rotary: RotaryEmbedding | None = None,
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
@@ -60,7 +61,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(head_dim, rope)
+        self.rotary = rotary if rotary is not None else RotaryEmbedding(head_dim, rope)
         self.kv_cache: dict[str, torch.Tensor] | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -71,25 +72,25 @@ class Attention(nn.Module):
         return self.core(self.prepare(positions, x))
 
     def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Projections, QK norm and rotary embedding: `(q, k, v)` (TBO's attention prepare)."""
+        """Projections and QK norm: `(positions, q, k, v)` (TBO's attention prepare)."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return q, k, v
+        return positions, q, k, v
 
     def core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Cache write, attention over the cache, output projection (TBO's attention core)."""
+        """Rotary embedding with the cache write (one kernel on CUDA), attention over the
+        cache, output projection (TBO's attention core)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
-        q, k, v = prepared
+        positions, q, k, v = prepared
         metadata = current_attention_metadata()
-        write_to_cache(self.kv_cache["key"], k, metadata.slot_mapping)
-        write_to_cache(self.kv_cache["value"], v, metadata.slot_mapping)
-        out = paged_attention(q, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale)
+        cache = self.kv_cache
+        q = self.rotary.rotate_and_cache(positions, q, k, metadata.slot_mapping, cache["key"], copy=(v, cache["value"]))
+        out = paged_attention(q, cache["key"], cache["value"], metadata, self.scale)
         return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
