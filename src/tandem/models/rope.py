@@ -108,9 +108,11 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 def cos_sin_table(rope: RopeConfig, dim: int) -> torch.Tensor:
     """`[max_positions, dim]` float32: `cos` of every position's angles in the first half,
     `sin` in the second, both times the attention factor."""
-    inv_freq, attention_factor = rope_frequencies(rope, dim)
-    freqs = torch.arange(rope.max_positions, dtype=torch.float32, device="cpu").unsqueeze(-1) * inv_freq
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    # On the host whatever the default device: the same table on every device.
+    with torch.device("cpu"):
+        inv_freq, attention_factor = rope_frequencies(rope, dim)
+        freqs = torch.arange(rope.max_positions, dtype=torch.float32).unsqueeze(-1) * inv_freq
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
 
 
 class RotaryEmbedding(nn.Module):
