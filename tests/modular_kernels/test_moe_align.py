@@ -64,3 +64,22 @@ def test_tile_table_picks_the_nearest_token_count(tmp_path, monkeypatch):
 def test_no_table_off_cuda():
     assert tile_config(8, 128, 256, 4, 2, torch.device("cpu")) == default_config(4, 2, 8)
     assert default_config(4, 2, 8).block_m == 16 and default_config(4096, 8, 8).block_m == 64
+
+
+def test_tune_script_smoke_writes_a_table(tmp_path):
+    """benchmarks/tune_moe_configs.py end to end on the interpreter: a table the loader reads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    subprocess.run(
+        [sys.executable, str(root / "benchmarks/tune_moe_configs.py"), "--smoke", "--out-dir", str(tmp_path),
+         "--json", str(tmp_path / "run.json")],
+        check=True, env=env, capture_output=True, timeout=240,
+    )  # fmt: skip
+    table = moe_configs.load_table(tmp_path / table_name(4, 32, 64, "cpu-interpreter"))
+    assert set(table) == {1, 4} and all(isinstance(c, TileConfig) for c in table.values())
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 4] and all(r["best_ms"] <= r["default_ms"] for r in rows)

@@ -209,13 +209,15 @@ def _block_n(n: int, cap: int) -> int:
 
 
 class TileChoice:
-    """Tiles from the tuned table (`moe_configs.py`), each size overridable by hand."""
+    """Tiles from the tuned table (`moe_configs.py`), each size overridable by hand, or one
+    fixed `tile` (the tuner's candidates)."""
 
-    def __init__(self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None):
+    def __init__(self, block_m=None, block_n=None, block_k=None, tile: TileConfig | None = None):
         self.overrides = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)) if v}
+        self.fixed = tile
 
     def pick(self, num_experts: int, n: int, k: int, num_tokens: int, top_k: int, device: torch.device) -> TileConfig:
-        tile = tile_config(num_experts, n, k, num_tokens, top_k, device)
+        tile = self.fixed or tile_config(num_experts, n, k, num_tokens, top_k, device)
         return TileConfig(**{**tile.as_dict(), **self.overrides}) if self.overrides else tile
 
 
@@ -227,9 +229,12 @@ class TritonExperts(Experts):
     activation_format = ActivationFormat.STANDARD
     name = "triton"
 
-    def __init__(self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None):
+    def __init__(
+        self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None, *,
+        tile: TileConfig | None = None,
+    ):  # fmt: skip
         _import_triton()
-        self.tiles = TileChoice(block_m, block_n, block_k)
+        self.tiles = TileChoice(block_m, block_n, block_k, tile)
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         x = tokens.dequantized()
