@@ -29,7 +29,7 @@ def select_experts(
       choice (groups ranked by the sum of their two best biased scores); weights come from
       the unbiased scores.
 
-    On CUDA without grouped top-k this is one Triton kernel (`topk_kernel.py`).
+    On CUDA this is one Triton kernel (`topk_kernel.py`).
     """
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [tokens, experts], got shape {tuple(router_logits.shape)}")
@@ -39,10 +39,16 @@ def select_experts(
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"unknown scoring {scoring!r}: expected 'softmax' or 'sigmoid'")
     group_limited = num_expert_group is not None and num_expert_group > 1
-    if not group_limited and triton_utils.use_triton(router_logits):
+    if group_limited:
+        if topk_group is None or not 1 <= topk_group <= num_expert_group:
+            raise ValueError(f"topk_group={topk_group} must lie in [1, num_expert_group={num_expert_group}]")
+        if num_experts % num_expert_group:
+            raise ValueError(f"{num_experts} experts do not split into {num_expert_group} groups")
+    if triton_utils.use_triton(router_logits):
         return fused_topk_triton(
-            router_logits, top_k, renormalize=renormalize, scoring=scoring,
-            correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor,
+            router_logits, top_k, renormalize=renormalize, scoring=scoring, correction_bias=correction_bias,
+            routed_scaling_factor=routed_scaling_factor, num_expert_group=num_expert_group if group_limited else None,
+            topk_group=topk_group,
         )  # fmt: skip
     if scoring == "softmax":
         scores = torch.softmax(router_logits.float(), dim=-1)
@@ -51,10 +57,6 @@ def select_experts(
 
     choice = scores if correction_bias is None else scores + correction_bias.float().unsqueeze(0)
     if group_limited:
-        if topk_group is None or not 1 <= topk_group <= num_expert_group:
-            raise ValueError(f"topk_group={topk_group} must lie in [1, num_expert_group={num_expert_group}]")
-        if num_experts % num_expert_group:
-            raise ValueError(f"{num_experts} experts do not split into {num_expert_group} groups")
         grouped = choice.view(num_tokens, num_expert_group, -1)
         if correction_bias is None:
             group_scores = grouped.max(dim=-1).values
