@@ -81,11 +81,12 @@ class _Launch:
 
 
 def stub_triton(monkeypatch) -> list:
-    """Triton kernels (the experts' GEMMs, the split-KV decode attention) that check their
-    tensors and launch nothing; returns the launch log."""
+    """Triton kernels that check their tensors and launch nothing; returns the launch log.
+    Covers the experts' GEMMs, the split-KV decode attention and every fused kernel defined
+    through `triton_utils.kernels`."""
     import triton
 
-    from tandem.modular_kernels import experts_triton
+    from tandem.modular_kernels import experts_triton, triton_utils
 
     launches: list = []
     kernels = SimpleNamespace(
@@ -98,6 +99,14 @@ def stub_triton(monkeypatch) -> list:
         decode_split=_Launch("decode_split", launches), merge_splits=_Launch("merge_splits", launches)
     )
     monkeypatch.setattr(triton_decode_attention, "_kernels", lambda interpret: attention)
+
+    def stubbed(define):
+        real = triton_utils._defined(define, False)  # defining a kernel compiles nothing
+        return SimpleNamespace(
+            **{name: _Launch(name, launches) if hasattr(k, "run") else k for name, k in vars(real).items()}
+        )
+
+    monkeypatch.setattr(triton_utils, "kernels", stubbed)
     return launches
 
 

@@ -232,3 +232,12 @@ def test_catches_a_dtype_error(fake_cuda, one_rank_group, monkeypatch):
     monkeypatch.setattr(experts_deep_gemm, "FP8_DTYPE", torch.float32)
     with pytest.raises(Exception, match="fp8|dtype|Float"):
         _run_steps("torch_a2a_ll", "deep_gemm", one_rank_group, graph_mode="none", steps=1)
+
+
+def test_decode_step_launches_the_fused_kernels(fake_cuda, one_rank_group):
+    """On CUDA the layer's small ops are single Triton kernels: residual-add + RMSNorm, RoPE +
+    cache write, routing top-k (grouped here: tiny-moe is V3-shaped), the align step, the
+    experts' GEMMs and the shared experts' SiLU-and-mul."""
+    _run_steps("local", "triton", one_rank_group, graph_mode="none", steps=1)
+    launched = set(fake_cuda["triton"])
+    assert {"add_rms_norm", "rope_cache", "topk", "align", "grouped_gemm", "silu_and_mul"} <= launched

@@ -15,8 +15,9 @@ from tandem.distributed.partition import MissingLayer, StageLayers, build_layers
 from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
 from tandem.models.hf_config import as_config, check_silu, config_value
 from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
-from tandem.models.layers import Attention, RMSNorm, StackedExperts
-from tandem.models.rope import rope_config
+from tandem.models.layers import Attention, StackedExperts
+from tandem.models.norm import RMSNorm
+from tandem.models.rope import RopeConfig, RotaryEmbedding, rope_config
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)(\.weight)?$")
@@ -54,8 +55,9 @@ class DecoderLayer(DecoderLayerOperations, nn.Module):
         return self.self_attn.core(prepared)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
+        normed, hidden = self.post_attention_layernorm(attn_out, hidden)
+        return hidden + self.feed_forward(normed)
 
 
 class DecoderBackbone(nn.Module):
@@ -86,6 +88,8 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
         self.config = config = as_config(config)
         self.moe = moe or MoEOptions()
         self.dtype = dtype
+        # One rotary embedding (and cos/sin table) per (dim, layout), shared by the layers.
+        self._rotaries: dict[tuple, RotaryEmbedding] = {}
         check_silu(config)
         hidden = config_value(config, "hidden_size")
         eps = config_value(config, "rms_norm_eps", default=1e-6)
@@ -137,16 +141,26 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
     #: RoPE types checked against the family's reference implementation.
     rope_types: tuple[str, ...] = ("default",)
 
+    def shared_rotary(self, dim: int, rope: RopeConfig, *, interleaved: bool = False) -> RotaryEmbedding:
+        """The model's one rotary embedding for `(dim, rope, interleaved)`: its cos/sin table
+        exists once, and a step's gather of it is reused by every layer."""
+        key = (dim, rope, interleaved)
+        if key not in self._rotaries:
+            self._rotaries[key] = RotaryEmbedding(dim, rope, interleaved=interleaved)
+        return self._rotaries[key]
+
     def attention(self, **options) -> Attention:
         """The family's self-attention from the config; `options` are the family's extras
         (biases, QK norm)."""
         config = self.config
+        rope = rope_config(config, supported=self.rope_types, default_theta=self.default_rope_theta)
         return Attention(
             config_value(config, "hidden_size"),
             config_value(config, "num_attention_heads"),
             config_value(config, "num_key_value_heads", "num_attention_heads"),
             self.head_dim(),
-            rope=rope_config(config, supported=self.rope_types, default_theta=self.default_rope_theta),
+            rope=rope,
+            rotary=self.shared_rotary(self.head_dim(), rope),
             dtype=self.dtype,
             **options,
         )

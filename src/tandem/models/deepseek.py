@@ -75,7 +75,9 @@ class _DeepseekForCausalLM(MoEDecoderForCausalLM):
         super().__init__(config, moe, dtype, stage)
 
     def build_attention(self, layer_idx: int) -> MLAttention:
-        return MLAttention(self.deepseek, self.dtype, self.kv_cache_mode)
+        cfg = self.deepseek
+        rotary = self.shared_rotary(cfg.qk_rope_head_dim, cfg.rope, interleaved=cfg.rope_interleave)
+        return MLAttention(cfg, self.dtype, self.kv_cache_mode, rotary)
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
         cfg = self.deepseek

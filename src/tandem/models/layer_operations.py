@@ -67,8 +67,8 @@ class DecoderLayerOperations:
         return {"attn_output": self.attention_core(state.pop("attention"))}
 
     def op_comm_prepare_mlp(self, state: dict, attn_output: torch.Tensor) -> dict:
-        state["residual"] = state["residual"] + attn_output
-        return {"hidden_states": self.post_attention_layernorm(state["residual"])}
+        normed, state["residual"] = self.post_attention_layernorm(attn_output, state["residual"])
+        return {"hidden_states": normed}
 
     # -- MLP / MoE -----------------------------------------------------------------------
 

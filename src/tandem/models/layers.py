@@ -1,6 +1,6 @@
-"""Building blocks shared by the model families: RMSNorm, GQA attention over the paged KV
+"""Building blocks shared by the model families: GQA attention over the paged KV
 cache, the gated MLP, the stacked experts and the MoE block that drives a modular kernel
-(rotary embedding: `rope.py`; DeepSeek's latent attention: `mla.py`)."""
+(RMSNorm: `norm.py`; rotary embedding: `rope.py`; DeepSeek's latent attention: `mla.py`)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,11 @@ from torch import nn
 
 from tandem.contexts import get_forward_context
 from tandem.models.base import KVCacheSpec, MoEOptions
-from tandem.models.paged_attention import AttentionMetadata, paged_attention, write_to_cache
+from tandem.models.norm import RMSNorm
+from tandem.models.paged_attention import AttentionMetadata, paged_attention
 from tandem.models.rope import RopeConfig, RotaryEmbedding
 from tandem.modular_kernels import BlockFP8Weight, select_experts
-
-
-class RMSNorm(nn.Module):
-    """`weight * x / rms(x)`, normalised in float32 and cast back before the weight."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+from tandem.modular_kernels.activation import silu_and_mul
 
 
 def current_attention_metadata() -> AttentionMetadata:
@@ -56,6 +43,7 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        rotary: RotaryEmbedding | None = None,
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
@@ -73,7 +61,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(head_dim, rope)
+        self.rotary = rotary if rotary is not None else RotaryEmbedding(head_dim, rope)
         self.kv_cache: dict[str, torch.Tensor] | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -84,25 +72,25 @@ class Attention(nn.Module):
         return self.core(self.prepare(positions, x))
 
     def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Projections, QK norm and rotary embedding: `(q, k, v)` (TBO's attention prepare)."""
+        """Projections and QK norm: `(positions, q, k, v)` (TBO's attention prepare)."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return q, k, v
+        return positions, q, k, v
 
     def core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Cache write, attention over the cache, output projection (TBO's attention core)."""
+        """Rotary embedding with the cache write (one kernel on CUDA), attention over the
+        cache, output projection (TBO's attention core)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
-        q, k, v = prepared
+        positions, q, k, v = prepared
         metadata = current_attention_metadata()
-        write_to_cache(self.kv_cache["key"], k, metadata.slot_mapping)
-        write_to_cache(self.kv_cache["value"], v, metadata.slot_mapping)
-        out = paged_attention(q, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale)
+        cache = self.kv_cache
+        q = self.rotary.rotate_and_cache(positions, q, k, metadata.slot_mapping, cache["key"], copy=(v, cache["value"]))
+        out = paged_attention(q, cache["key"], cache["value"], metadata, self.scale)
         return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
@@ -116,8 +104,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class StackedExperts(nn.Module):
@@ -305,6 +292,10 @@ class MoEBlock(nn.Module):
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.float32_router:
+            if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+                # One GEMM of the model-dtype operands with float32 accumulation and output:
+                # the same products as upcasting both first, without the two casts.
+                return torch.mm(x.reshape(-1, x.shape[-1]), self.gate.weight.t(), out_dtype=torch.float32)
             return F.linear(x.float(), self.gate.weight.float())
         return self.gate(x)
 

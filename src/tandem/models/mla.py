@@ -26,7 +26,8 @@ from torch import nn
 
 from tandem.models.base import KVCacheSpec
 from tandem.models.deepseek_config import DeepseekConfig
-from tandem.models.layers import RMSNorm, current_attention_metadata
+from tandem.models.layers import current_attention_metadata
+from tandem.models.norm import RMSNorm
 from tandem.models.paged_attention import paged_attention, write_to_cache
 from tandem.models.rope import RotaryEmbedding, yarn_mscale
 
@@ -42,7 +43,9 @@ def mla_softmax_scale(cfg: DeepseekConfig) -> float:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, dtype: torch.dtype, kv_cache_mode: str = "latent"):
+    def __init__(
+        self, cfg: DeepseekConfig, dtype: torch.dtype, kv_cache_mode: str = "latent", rotary: RotaryEmbedding | None = None
+    ):
         super().__init__()
         if kv_cache_mode not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache_mode must be one of {KV_CACHE_MODES}, got {kv_cache_mode!r}")
@@ -61,7 +64,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, dtype=dtype)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, dtype=dtype)
         self.o_proj = nn.Linear(nh * cfg.v_head_dim, H, bias=cfg.attention_bias, dtype=dtype)
-        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, interleaved=cfg.rope_interleave)
+        if rotary is None:
+            rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, interleaved=cfg.rope_interleave)
+        self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
         self.kv_cache: dict[str, torch.Tensor] | None = None
 
@@ -75,8 +80,8 @@ class MLAttention(nn.Module):
         return self.core(self.prepare(positions, x))
 
     def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Query and latent projections with rotary embedding (TBO's attention prepare):
-        `(q_nope, q_rope, latent, k_rope)`."""
+        """Query and latent projections (TBO's attention prepare): `(positions, q_nope,
+        q_rope, latent, k_rope)`, the rope parts not yet rotated."""
         c, T, nh = self.cfg, x.shape[0], self.num_heads
         if c.q_lora_rank is None:
             q = self.q_proj(x)
@@ -85,28 +90,32 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(T, nh, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q_rope = self.rotary.rotate(q_rope, cos, sin)
-        k_rope = self.rotary.rotate(k_rope.unsqueeze(1), cos, sin)  # [T, 1, rope]
-        return q_nope, q_rope, latent, k_rope
+        return positions, q_nope, q_rope, latent, k_rope.unsqueeze(1)  # k_rope [T, 1, rope]
 
     def core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Cache write, attention (latent or expanded), output projection (TBO's attention core)."""
+        """Rotary embedding and cache write (one kernel on CUDA in latent mode), attention
+        (latent or expanded), output projection (TBO's attention core)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
-        q_nope, q_rope, latent, k_rope = prepared
+        positions, q_nope, q_rope, latent, k_rope = prepared
         metadata = current_attention_metadata()
         c, T, nh = self.cfg, q_nope.shape[0], self.num_heads
         w_kv = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         if self.kv_cache_mode == "latent":
             cache = self.kv_cache["kv_latent"]
-            write_to_cache(cache, torch.cat((latent.unsqueeze(1), k_rope), dim=-1), metadata.slot_mapping)
+            rank = c.kv_lora_rank
+            # The cache row is [normalised latent, rotated shared key].
+            q_rope = self.rotary.rotate_and_cache(
+                positions, q_rope, k_rope, metadata.slot_mapping, cache[..., rank:],
+                copy=(latent.unsqueeze(1), cache[..., :rank]),
+            )  # fmt: skip
             # Fold each head's nope query through its key slice of kv_b_proj into the latent.
             q_latent = torch.einsum("thn,hnl->thl", q_nope, w_kv[:, : c.qk_nope_head_dim])
             query = torch.cat((q_latent, q_rope), dim=-1)
-            out_latent = paged_attention(query, cache, cache[..., : c.kv_lora_rank], metadata, self.scale)
+            out_latent = paged_attention(query, cache, cache[..., :rank], metadata, self.scale)
             out = torch.einsum("thl,hvl->thv", out_latent, w_kv[:, c.qk_nope_head_dim :])
         else:
+            q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
             kv = F.linear(latent, self.kv_b_proj.weight).view(T, nh, -1)
             k_nope, value = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
             key = torch.cat((k_nope, k_rope.expand(T, nh, c.qk_rope_head_dim)), dim=-1)

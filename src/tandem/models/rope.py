@@ -19,6 +19,9 @@ import torch
 from torch import nn
 
 from tandem.models.hf_config import config_value
+from tandem.models.paged_attention import write_to_cache
+from tandem.models.rope_kernel import rope_and_cache_triton
+from tandem.modular_kernels import triton_utils
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    #: positions the cos/sin cache covers (the config's `max_position_embeddings`).
+    max_positions: int = 4096
 
 
 def rope_config(config: Any, *, supported: tuple[str, ...] = ("default",), default_theta: float = 10000.0) -> RopeConfig:
@@ -46,9 +51,9 @@ def rope_config(config: Any, *, supported: tuple[str, ...] = ("default",), defau
     if rope_type not in supported:
         raise NotImplementedError(f"RoPE type {rope_type!r} is not supported for this model; supported: {', '.join(supported)}")
     theta = float(params.get("rope_theta") or config_value(config, "rope_theta", default=default_theta))
-    if rope_type == "default":
-        return RopeConfig("default", theta)
     max_pos = int(config_value(config, "max_position_embeddings", default=4096))
+    if rope_type == "default":
+        return RopeConfig("default", theta, max_positions=max_pos)
     original = params.get("original_max_position_embeddings") or config_value(
         config, "original_max_position_embeddings", default=max_pos
     )
@@ -64,6 +69,7 @@ def rope_config(config: Any, *, supported: tuple[str, ...] = ("default",), defau
         mscale_all_dim=params.get("mscale_all_dim"),
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
+        max_positions=max_pos,
     )
 
 
@@ -99,23 +105,44 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, attention_factor
 
 
+def cos_sin_table(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """`[max_positions, dim]` float32: `cos` of every position's angles in the first half,
+    `sin` in the second, both times the attention factor."""
+    # On the host whatever the default device: the same table on every device.
+    with torch.device("cpu"):
+        inv_freq, attention_factor = rope_frequencies(rope, dim)
+        freqs = torch.arange(rope.max_positions, dtype=torch.float32).unsqueeze(-1) * inv_freq
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates the last dim of `x [T, heads, dim]` by position (see the module docstring for
-    the two pair layouts)."""
+    the two pair layouts).
+
+    The cos/sin table is computed once, when the module is built; a model shares one module
+    among its layers (`MoEDecoderForCausalLM.shared_rotary`), and the rows of a step's
+    positions are gathered once and reused by every layer (on CUDA the fused kernel reads
+    the table directly and gathers nothing)."""
 
     def __init__(self, dim: int, rope: RopeConfig, *, interleaved: bool = False):
         super().__init__()
         if dim % 2:
             raise ValueError(f"rotary embedding needs an even dimension, got {dim}")
-        inv_freq, self.attention_factor = rope_frequencies(rope, dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_table(rope, dim).to(torch.get_default_device()), persistent=False)
         self.interleaved = interleaved
+        # The last gather: (positions, its version, dtype) -> (cos, sin). A step's layers pass
+        # the same positions tensor; an in-place update bumps its version and misses.
+        self._gathered: tuple | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`[T, 1, dim // 2]` each, broadcasting over heads."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+        key = (positions, positions._version, dtype)
+        last = self._gathered
+        if last is not None and last[0] is key[0] and last[1:3] == key[1:]:
+            return last[3], last[4]
+        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        self._gathered = (*key, cos, sin)
+        return cos, sin
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
@@ -129,5 +156,30 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions, q.dtype)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
+    def rotate_and_cache(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        copy: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Rotate `q` and `k`, write the rotated `k` to `k_cache` (a `[blocks, block_size,
+        Hk, D]` view) at `slot_mapping`, and `copy = (rows [T, ...], cache)` to the same slots;
+        returns the rotated `q`. One Triton kernel on CUDA (q rotated in place: pass a
+        tensor nothing else reads), torch ops and `write_to_cache` elsewhere."""
+        if triton_utils.use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            rope_and_cache_triton(
+                self.cos_sin_cache, positions, q, k, interleaved=self.interleaved,
+                slot_mapping=slot_mapping, k_cache=k_cache, copy=copy,
+            )  # fmt: skip
+            return q
+        q, k = self(positions, q, k)
+        write_to_cache(k_cache, k, slot_mapping)
+        if copy is not None:
+            write_to_cache(copy[1], copy[0], slot_mapping)
+        return q
 
-__all__ = ["RopeConfig", "RotaryEmbedding", "rope_config", "rope_frequencies", "yarn_mscale"]
+
+__all__ = ["RopeConfig", "RotaryEmbedding", "cos_sin_table", "rope_config", "rope_frequencies", "yarn_mscale"]

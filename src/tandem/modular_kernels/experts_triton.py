@@ -1,10 +1,11 @@
 """Grouped expert GEMMs as Triton kernels, in both activation formats.
 
 STANDARD (`TritonExperts`): the (token, k) pairs are sorted by local expert and padded so
-that every block of `block_m` sorted rows belongs to one expert (an "align" step done with
-static-shape torch ops, no host sync). One grouped-GEMM kernel then computes
-`x[token] @ w1[e]^T` per block, SiLU-and-mul runs in torch, and the same kernel computes
-`act @ w2[e]^T` scaled by the routing weight; a scatter-add folds the pairs back into tokens.
+that every block of `block_m` sorted rows belongs to one expert (the align step,
+`moe_align.py`: one Triton program on CUDA, no sort, no host sync). One grouped-GEMM kernel
+then computes `silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T)` per block, the same kernel
+computes `act @ w2[e]^T` scaled by the routing weight, and a fixed-order sum over each
+token's k rows folds the pairs back into tokens. Tile sizes come from `moe_configs.py`.
 
 MASKED (`TritonBatchedExperts`): one batched kernel over `experts x M-blocks x N-blocks`
 that skips every block past `expert_num_tokens[e]` and masks the rows past the count in
@@ -22,9 +23,11 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
+from tandem.modular_kernels.activation import silu_and_mul
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
+from tandem.modular_kernels.moe_align import align_pairs_by_expert
+from tandem.modular_kernels.moe_configs import TileConfig, tile_config
 
 _TRITON_MISSING = (
     "the 'triton' moe backend needs the triton package, which is not installed; "
@@ -85,13 +88,16 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         stride_cn,
         A_ROW_DIV: tl.constexpr,
         MUL_WEIGHT: tl.constexpr,
+        GATED: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         """C[pair] = A[pair // A_ROW_DIV] @ B[e]^T (* weight[pair]) for the pairs of one
-        sorted block; every block holds pairs of a single expert `e` (-1: padding block)."""
+        sorted block; every block holds pairs of a single expert `e` (-1: padding block).
+        GATED: B has 2N rows (gate, then up) and C[pair] = silu(A @ gate^T) * (A @ up^T),
+        both accumulated in float32 before the activation."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -100,20 +106,27 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_ids_ptr + offs_m)
         row_ok = pair < num_pairs
-        a_row = tl.where(row_ok, pair // A_ROW_DIV, 0)
+        pair = tl.where(row_ok, pair, 0).to(tl.int64)
+        a_row = pair // A_ROW_DIV
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, tl.cdiv(K, BLOCK_K)):
             k_left = K - k0 * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if GATED:
+                up = tl.load(b_ptrs + N * stride_bn, mask=col_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+                up_acc = tl.dot(a, up, up_acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * up_acc
         if MUL_WEIGHT:
             w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
             acc = acc * w[:, None]
@@ -195,47 +208,17 @@ def _block_n(n: int, cap: int) -> int:
     return max(16, min(cap, 1 << max(0, (n - 1).bit_length())))
 
 
-def align_pairs_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the flattened (token, k) pairs by expert and pad each expert's run to a multiple
-    of `block_m`.
+class TileChoice:
+    """Tiles from the tuned table (`moe_configs.py`), each size overridable by hand, or one
+    fixed `tile` (the tuner's candidates)."""
 
-    Returns `(sorted_ids [max_padded], block_expert [max_padded // block_m])`: the pair index
-    (`token * K + k`) at each sorted row, `N*K` on padding rows; and the expert of each block,
-    -1 for blocks past the last expert's run. Ids outside `[0, num_experts)` (-1: another
-    rank) are dropped. Shapes depend only on `N*K`, `num_experts` and `block_m` (no host
-    sync), so the step can sit inside a captured graph.
-    """
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    num_pairs = flat.numel()
-    device = flat.device
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, torch.full_like(flat, num_experts))  # invalid pairs sort last
-    order = torch.sort(key, stable=True).indices
-    sorted_key = key[order]
+    def __init__(self, block_m=None, block_n=None, block_k=None, tile: TileConfig | None = None):
+        self.overrides = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)) if v}
+        self.fixed = tile
 
-    # Not torch.bincount: on CUDA it reads the min and max of its input on the host.
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    start = torch.cumsum(counts, 0) - counts
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-
-    max_padded = (num_pairs + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
-    sorted_ok = sorted_key < num_experts
-    e = sorted_key.clamp(max=num_experts - 1)
-    rank = torch.arange(num_pairs, device=device) - start[e]
-    dest = torch.where(sorted_ok, padded_start[e] + rank, torch.full_like(rank, max_padded))
-    sorted_ids = torch.full((max_padded + 1,), num_pairs, dtype=torch.int64, device=device)
-    sorted_ids[dest] = order
-    sorted_ids = sorted_ids[:max_padded].contiguous()
-
-    block_start = torch.arange(0, max_padded, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
-    return sorted_ids, block_expert.to(torch.int32).contiguous()
+    def pick(self, num_experts: int, n: int, k: int, num_tokens: int, top_k: int, device: torch.device) -> TileConfig:
+        tile = self.fixed or tile_config(num_experts, n, k, num_tokens, top_k, device)
+        return TileConfig(**{**tile.as_dict(), **self.overrides}) if self.overrides else tile
 
 
 class TritonExperts(Experts):
@@ -246,9 +229,12 @@ class TritonExperts(Experts):
     activation_format = ActivationFormat.STANDARD
     name = "triton"
 
-    def __init__(self, block_m: int = 16, block_n: int = 64, block_k: int = 64):
+    def __init__(
+        self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None, *,
+        tile: TileConfig | None = None,
+    ):  # fmt: skip
         _import_triton()
-        self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
+        self.tiles = TileChoice(block_m, block_n, block_k, tile)
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         x = tokens.dequantized()
@@ -259,9 +245,8 @@ class TritonExperts(Experts):
         num_experts, two_i, _ = w1.shape
         inter = two_i // 2
         device = x.device
-        out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
         if num_tokens == 0 or top_k == 0 or num_experts == 0:
-            return out.to(tokens.dtype)
+            return torch.zeros((num_tokens, hidden), dtype=tokens.dtype, device=device)
 
         kern = _kernels(_interpreting())
         cdiv = kern.triton.cdiv
@@ -272,40 +257,38 @@ class TritonExperts(Experts):
         w2c = w2.to(dtype)
         num_pairs = num_tokens * top_k
         flat_weights = weights.reshape(-1).to(device=device, dtype=torch.float32).contiguous()
-        sorted_ids, block_expert = align_pairs_by_expert(ids.to(device), num_experts, self.block_m)
+        tile = self.tiles.pick(num_experts, inter, hidden, num_tokens, top_k, device)
+        launch = dict(PRECISION=precision, BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
+                      num_warps=tile.num_warps, num_stages=tile.num_stages)  # fmt: skip
+        sorted_ids, block_expert = align_pairs_by_expert(ids.to(device), num_experts, tile.block_m)
         num_blocks = block_expert.numel()
 
-        # GEMM 1: h[pair] = x[pair // K] @ w1[e]^T  ->  [N*K, 2I], rows of skipped pairs stay 0.
-        h = torch.zeros((num_pairs, two_i), dtype=torch.float32, device=device)
-        bn = _block_n(two_i, self.block_n)
-        kern.grouped_gemm[(num_blocks, cdiv(two_i, bn))](
-            x, w1c, h, flat_weights, sorted_ids, block_expert,
-            num_pairs, two_i, hidden,
+        # GEMM 1 with SiLU-and-mul: act[pair] = silu(x @ gate^T) * (x @ up^T)  ->  [N*K, I].
+        # Rows of pairs no block holds (another rank's experts) are never read: no zero fill.
+        act = torch.empty((num_pairs, inter), dtype=dtype, device=device)
+        bn = _block_n(inter, tile.block_n)
+        kern.grouped_gemm[(num_blocks, cdiv(inter, bn))](
+            x, w1c, act, flat_weights, sorted_ids, block_expert,
+            num_pairs, inter, hidden,
             x.stride(0), x.stride(1),
             w1c.stride(0), w1c.stride(1), w1c.stride(2),
-            h.stride(0), h.stride(1),
-            A_ROW_DIV=top_k, MUL_WEIGHT=False, PRECISION=precision,
-            BLOCK_M=self.block_m, BLOCK_N=bn, BLOCK_K=self.block_k,
+            act.stride(0), act.stride(1),
+            A_ROW_DIV=top_k, MUL_WEIGHT=False, GATED=True, BLOCK_N=bn, **launch,
         )  # fmt: skip
 
-        act = (F.silu(h[:, :inter]) * h[:, inter:]).to(dtype).contiguous()
-
-        # GEMM 2: y[pair] = weight[pair] * act[pair] @ w2[e]^T  ->  [N*K, H].
+        # GEMM 2: y[pair] = weight[pair] * act[pair] @ w2^T  ->  [N*K, H]; skipped pairs stay 0.
         y = torch.zeros((num_pairs, hidden), dtype=torch.float32, device=device)
-        bn = _block_n(hidden, self.block_n)
+        bn = _block_n(hidden, tile.block_n)
         kern.grouped_gemm[(num_blocks, cdiv(hidden, bn))](
             act, w2c, y, flat_weights, sorted_ids, block_expert,
             num_pairs, hidden, inter,
             act.stride(0), act.stride(1),
             w2c.stride(0), w2c.stride(1), w2c.stride(2),
             y.stride(0), y.stride(1),
-            A_ROW_DIV=1, MUL_WEIGHT=True, PRECISION=precision,
-            BLOCK_M=self.block_m, BLOCK_N=bn, BLOCK_K=self.block_k,
+            A_ROW_DIV=1, MUL_WEIGHT=True, GATED=False, BLOCK_N=bn, **launch,
         )  # fmt: skip
-
-        token_of_pair = torch.arange(num_pairs, device=device) // top_k
-        out.index_add_(0, token_of_pair, y)
-        return out.to(tokens.dtype)
+        # A token's pairs are consecutive rows: a fixed-order sum (no atomics, no index_add).
+        return y.view(num_tokens, top_k, hidden).sum(dim=1).to(tokens.dtype)
 
 
 class TritonBatchedExperts(Experts):
@@ -316,24 +299,25 @@ class TritonBatchedExperts(Experts):
     activation_format = ActivationFormat.MASKED
     name = "triton"
 
-    def __init__(self, block_m: int = 16, block_n: int = 64, block_k: int = 64):
+    def __init__(self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None):
         _import_triton()
-        self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
+        self.tiles = TileChoice(block_m, block_n, block_k)
 
-    def _gemm(self, kern, a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, precision: str) -> torch.Tensor:
+    def _gemm(self, kern, a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, precision: str, tile: TileConfig):
         """`[E, M, K] @ [E, N, K]^T -> [E, M, N]` float32, rows past `counts[e]` zero."""
         num_experts, m, k = a.shape
         n = b.shape[1]
         c = torch.zeros((num_experts, m, n), dtype=torch.float32, device=a.device)
-        bn = _block_n(n, self.block_n)
-        grid = (num_experts, kern.triton.cdiv(m, self.block_m), kern.triton.cdiv(n, bn))
+        bn = _block_n(n, tile.block_n)
+        grid = (num_experts, kern.triton.cdiv(m, tile.block_m), kern.triton.cdiv(n, bn))
         kern.masked_gemm[grid](
             a, b, c, counts,
             n, k,
             a.stride(0), a.stride(1), a.stride(2),
             b.stride(0), b.stride(1), b.stride(2),
             c.stride(0), c.stride(1), c.stride(2),
-            PRECISION=precision, BLOCK_M=self.block_m, BLOCK_N=bn, BLOCK_K=self.block_k,
+            PRECISION=precision, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
         return c
 
@@ -350,7 +334,9 @@ class TritonBatchedExperts(Experts):
         # Counts above M would index past the slot; clamp them to the slot size.
         counts = tokens.expert_num_tokens.to(device=x.device, dtype=torch.int32).clamp(0, m).contiguous()
 
-        h = self._gemm(kern, x.to(dtype), w1.to(dtype), counts, precision)
-        act = (F.silu(h[..., :inter]) * h[..., inter:]).to(dtype).contiguous()
-        out = self._gemm(kern, act, w2.to(dtype), counts, precision)
+        # Every expert's slot holds up to M tokens: the masked GEMM's rows per expert.
+        tile = self.tiles.pick(num_experts, inter, hidden, m * num_experts, 1, x.device)
+        h = self._gemm(kern, x.to(dtype), w1.to(dtype), counts, precision, tile)
+        act = silu_and_mul(h).to(dtype)
+        out = self._gemm(kern, act, w2.to(dtype), counts, precision, tile)
         return out.to(tokens.dtype)

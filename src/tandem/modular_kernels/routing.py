@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.modular_kernels import triton_utils
+from tandem.modular_kernels.topk_kernel import fused_topk_triton
+
 
 def select_experts(
     router_logits: torch.Tensor,
@@ -25,25 +28,35 @@ def select_experts(
     - DeepSeek-V3: `scoring="sigmoid"` with `correction_bias`: the bias only steers the
       choice (groups ranked by the sum of their two best biased scores); weights come from
       the unbiased scores.
+
+    On CUDA this is one Triton kernel (`topk_kernel.py`).
     """
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [tokens, experts], got shape {tuple(router_logits.shape)}")
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in [1, {num_experts}]")
-    if scoring == "softmax":
-        scores = torch.softmax(router_logits.float(), dim=-1)
-    elif scoring == "sigmoid":
-        scores = torch.sigmoid(router_logits.float())
-    else:
+    if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"unknown scoring {scoring!r}: expected 'softmax' or 'sigmoid'")
-
-    choice = scores if correction_bias is None else scores + correction_bias.float().unsqueeze(0)
-    if num_expert_group is not None and num_expert_group > 1:
+    group_limited = num_expert_group is not None and num_expert_group > 1
+    if group_limited:
         if topk_group is None or not 1 <= topk_group <= num_expert_group:
             raise ValueError(f"topk_group={topk_group} must lie in [1, num_expert_group={num_expert_group}]")
         if num_experts % num_expert_group:
             raise ValueError(f"{num_experts} experts do not split into {num_expert_group} groups")
+    if triton_utils.use_triton(router_logits):
+        return fused_topk_triton(
+            router_logits, top_k, renormalize=renormalize, scoring=scoring, correction_bias=correction_bias,
+            routed_scaling_factor=routed_scaling_factor, num_expert_group=num_expert_group if group_limited else None,
+            topk_group=topk_group,
+        )  # fmt: skip
+    if scoring == "softmax":
+        scores = torch.softmax(router_logits.float(), dim=-1)
+    else:
+        scores = torch.sigmoid(router_logits.float())
+
+    choice = scores if correction_bias is None else scores + correction_bias.float().unsqueeze(0)
+    if group_limited:
         grouped = choice.view(num_tokens, num_expert_group, -1)
         if correction_bias is None:
             group_scores = grouped.max(dim=-1).values

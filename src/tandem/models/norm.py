@@ -1,0 +1,95 @@
+"""RMSNorm, alone or fused with the residual add before it.
+
+`rms_norm` is `torch.nn.functional.rms_norm` (one fused op on CUDA). `fused_add_rms_norm`
+returns `(rms_norm(x + residual), x + residual)`: one Triton kernel on CUDA, the two torch
+ops on CPU. Both keep the reference's roundings: the sum is rounded to the model dtype (it
+is the next residual), normalised in float32, cast back, then scaled by the weight.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.modular_kernels import triton_utils
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _define(triton) -> SimpleNamespace:
+    tl = triton.language
+
+    @triton.jit
+    def add_rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+        H, stride_x, stride_res, eps,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One row: `s = x + res` (rounded to the model dtype), `out = w * (s / rms(s))`."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < H
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+        total = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * H + cols, total, mask=ok)
+        s = total.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
+        normed = (s * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * H + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+    return SimpleNamespace(add_rms_norm=add_rms_norm_kernel)
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (any device the interpreter or a GPU runs it on); rows of `x` and
+    `residual` may be strided, the last dim must be contiguous."""
+    hidden = x.shape[-1]
+    x2, res2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
+    if x2.stride(-1) != 1 or res2.stride(-1) != 1:
+        x2, res2 = x2.contiguous(), res2.contiguous()
+    rows = x2.shape[0]
+    # One allocation for both outputs: [0] the normalised rows, [1] the new residual.
+    both = torch.empty((2, rows, hidden), dtype=residual.dtype, device=x.device)
+    if rows:
+        triton_utils.kernels(_define).add_rms_norm[(rows,)](
+            x2, res2, weight, both[0], both[1], hidden, x2.stride(0), res2.stride(0), eps,
+            BLOCK=triton_utils.next_power_of_2(hidden),
+        )  # fmt: skip
+    return both[0].view(residual.shape), both[1].view(residual.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(x + residual), x + residual)`."""
+    if triton_utils.use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    total = residual + x
+    return rms_norm(total, weight, eps), total
+
+
+class RMSNorm(nn.Module):
+    """`weight * x / rms(x)`, normalised in float32 and cast back before the weight. Given a
+    `residual`, normalises `x + residual` and returns `(normed, x + residual)`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+__all__ = ["RMSNorm", "fused_add_rms_norm", "fused_add_rms_norm_triton", "rms_norm"]

@@ -1,0 +1,88 @@
+"""Tile configurations of the Triton grouped GEMM, chosen per (experts, N, K, tokens,
+device) from small tables, as vLLM's fused-MoE config tables are.
+
+A table is one JSON file per shape and device, `E={E},N={N},K={K},device={name}.json` in
+`moe_configs/` (N is the expert intermediate size, K the hidden size), mapping a token count
+to `{"block_m", "block_n", "block_k", "num_warps", "num_stages"}`; a call takes the entry of
+the nearest token count. `benchmarks/tune_moe_configs.py` measures and writes them. Without
+a table (or off CUDA) a default by token count applies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+TABLE_DIR = Path(__file__).with_name("moe_configs")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def table_name(num_experts: int, n: int, k: int, device_name: str) -> str:
+    return f"E={num_experts},N={n},K={k},device={device_name}.json"
+
+
+@lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str | None:
+    """The CUDA device's name as table files spell it (None off CUDA or without a driver)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.get_device_name(device).replace(" ", "_")
+    except (RuntimeError, AssertionError):
+        return None
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> TileConfig:
+    """Few rows per expert (decode): short M blocks so padding stays small; many: wider."""
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        return TileConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    if rows_per_expert <= 64:
+        return TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return TileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@lru_cache(maxsize=None)
+def load_table(path: Path) -> dict[int, TileConfig] | None:
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    return {int(tokens): TileConfig(**entry) for tokens, entry in raw.items()}
+
+
+def write_table(path: Path, table: dict[int, TileConfig]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({str(t): c.as_dict() for t, c in sorted(table.items())}, f, indent=1)
+        f.write("\n")
+    load_table.cache_clear()
+
+
+def tile_config(
+    num_experts: int, n: int, k: int, num_tokens: int, top_k: int, device: torch.device, table_dir: Path = TABLE_DIR
+) -> TileConfig:
+    """The tuned entry of the nearest token count for this shape and device, else the default."""
+    name = device_name(device)
+    table = load_table(table_dir / table_name(num_experts, n, k, name)) if name else None
+    if not table:
+        return default_config(num_tokens, top_k, num_experts)
+    return table[min(table, key=lambda tokens: (abs(tokens - num_tokens), tokens))]
+
+
+__all__ = ["TABLE_DIR", "TileConfig", "default_config", "device_name", "load_table", "table_name", "tile_config", "write_table"]
