@@ -178,7 +178,8 @@ def test_decode_attention_takes_the_triton_split_kv_kernels_on_cuda(graph_mode, 
     from tandem.models.tiny_moe import CONFIG
 
     ubatches = 2
-    assert fake_cuda["triton"] == ["decode_split", "merge_splits"] * (CONFIG["num_hidden_layers"] * ubatches)
+    attention = [name for name in fake_cuda["triton"] if name in ("decode_split", "merge_splits")]
+    assert attention == ["decode_split", "merge_splits"] * (CONFIG["num_hidden_layers"] * ubatches)
 
 
 def test_prefill_step_on_fake_cuda_without_dbo(fake_cuda, one_rank_group):
