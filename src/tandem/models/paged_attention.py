@@ -160,31 +160,32 @@ def _decode_attention(
 def _varlen_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Requests grouped by query length, one attention call per group (a step's decodes are
-    one group, and equal-length prefills another), each over the blocks its longest request
-    uses."""
+    """One attention call per run of consecutive requests with the same query length (a
+    step's decodes are one run, equal-length prefills admitted together another), each over
+    the blocks its longest request uses. Runs are slices of the step's tensors: no index
+    tensor is built, nothing is copied to the device."""
     num_tokens, num_heads, _ = query.shape
-    device = query.device
     qsl, seq_lens = metadata.host_lists()
-    by_length: dict[int, list[int]] = {}
+    runs: list[list[int]] = []  # [first request, end request, query length]
     for r in range(len(seq_lens)):
-        if qsl[r + 1] > qsl[r]:
-            by_length.setdefault(qsl[r + 1] - qsl[r], []).append(r)
-    groups = []
-    for length, requests in by_length.items():
-        rows = torch.tensor([qsl[r] for r in requests]).unsqueeze(1) + torch.arange(length)  # [G, L]
-        lens = [seq_lens[r] for r in requests]
-        block_table = metadata.block_table.index_select(0, to_device_async(torch.tensor(requests), device))
-        block_table = block_table[:, : _blocks_for(max(lens), metadata.block_size)]
-        seq_lens_group = to_device_async(torch.tensor(lens, dtype=torch.int32), device)
-        from_start = all(n == length for n in lens)
-        groups.append((to_device_async(rows, device), _attend(
-            query[rows], key_cache, value_cache, block_table, seq_lens_group, scale, from_start)))
-    if len(groups) == 1 and groups[0][0].numel() == num_tokens:  # one group of every row, in order
-        return groups[0][1].flatten(0, 1)
+        length = qsl[r + 1] - qsl[r]
+        if runs and runs[-1][1] == r and runs[-1][2] == length:
+            runs[-1][1] = r + 1
+        elif length:
+            runs.append([r, r + 1, length])
+    attended = []
+    for first, end, length in runs:
+        lens = seq_lens[first:end]
+        block_table = metadata.block_table[first:end, : _blocks_for(max(lens), metadata.block_size)]
+        group_query = query[qsl[first] : qsl[end]].view(end - first, length, num_heads, -1)
+        out = _attend(group_query, key_cache, value_cache, block_table, metadata.seq_lens[first:end], scale,
+                      from_start=all(n == length for n in lens))
+        attended.append((qsl[first], qsl[end], out.flatten(0, 1)))
+    if len(attended) == 1 and attended[0][:2] == (0, num_tokens):
+        return attended[0][2]
     out = query.new_zeros((num_tokens, num_heads, value_cache.shape[-1]))
-    for rows, attended in groups:
-        out.index_copy_(0, rows.flatten(), attended.flatten(0, 1))
+    for start, stop, rows in attended:
+        out[start:stop] = rows
     return out
 
 
@@ -223,8 +224,10 @@ def _gather(
 
 
 def _is_prefix_view(value_cache: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    base = key_cache if key_cache._base is None else key_cache._base
     return (
-        value_cache.data_ptr() == key_cache.data_ptr()
+        value_cache._base is base
+        and value_cache.storage_offset() == key_cache.storage_offset()
         and value_cache.shape[:-1] == key_cache.shape[:-1]
         and value_cache.stride() == key_cache.stride()
     )
