@@ -7,9 +7,13 @@ written to cache slot `slot_mapping[t]` (block * block_size + offset), and reque
 its whole sequence back through `block_table[r]`. Rows past `num_actual_tokens` are
 padding: they write nothing and attend to nothing.
 
-A *decode-only* batch (every request one query row, `decode_only=True`) takes a vectorised
-path with no host reads: the whole batch gathers its blocks at once and masks by
-`seq_lens`, so it can be captured in a graph. Under a graph capture, cache writes cannot
+Attention is `scaled_dot_product_attention` in the cache dtype over each request's blocks,
+gathered once (`index_select`) up to the longest request of the call, never to the block
+table's width when the host knows the lengths. A *decode-only* batch (every request one
+query row, `decode_only=True`) is one call with no host reads: under a capture it reads the
+whole table and masks by the device `seq_lens`, so it can be captured in a graph. Mixed
+batches make one call per run of consecutive requests with the same query length (see
+`_varlen_attention`). Under a graph capture, cache writes cannot
 drop padding rows by a boolean mask (a data-dependent shape); they write them into
 `NULL_BLOCK` instead, which the runner's block allocator never hands out.
 """
