@@ -34,6 +34,10 @@ from tandem.testing.model_harness import GreedyHarness
 
 LAYER_INDEX = re.compile(r"layers\.\d+\.")
 
+#: The clock every figure is read with (`--clock`): wall time, or this process's CPU time,
+#: which on a shared machine does not count the time other jobs hold the cores.
+clock = time.perf_counter
+
 
 def module_timers(model: torch.nn.Module, totals: dict[str, float]) -> list:
     """Forward hooks adding each per-layer submodule's wall time to totals[name without index]."""
@@ -45,9 +49,9 @@ def module_timers(model: torch.nn.Module, totals: dict[str, float]) -> list:
             continue
         key = LAYER_INDEX.sub("layers.*.", name)
         starts: list[float] = []
-        handles.append(module.register_forward_pre_hook(lambda m, a, s=starts: s.append(time.perf_counter())))
+        handles.append(module.register_forward_pre_hook(lambda m, a, s=starts: s.append(clock())))
         handles.append(module.register_forward_hook(
-            lambda m, a, o, s=starts, k=key: totals.__setitem__(k, totals[k] + time.perf_counter() - s.pop())))
+            lambda m, a, o, s=starts, k=key: totals.__setitem__(k, totals[k] + clock() - s.pop())))
     return handles
 
 
@@ -56,9 +60,9 @@ def timed_logits(model, totals: dict[str, float]):
     original = model.compute_logits
 
     def compute_logits(hidden):
-        start = time.perf_counter()
+        start = clock()
         out = original(hidden)
-        totals["compute_logits"] += time.perf_counter() - start
+        totals["compute_logits"] += clock() - start
         return out
 
     return compute_logits
@@ -76,10 +80,10 @@ def profile_batch(model, batch: int, context: int, steps: int, vocab: int) -> di
         seq["tokens"].append(token)  # every decode step then has one new token per sequence
 
     def decode() -> float:
-        start = time.perf_counter()
+        start = clock()
         logits = harness.step(sequences)
         next_tokens = logits.argmax(-1).tolist()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         assert len(next_tokens) == batch, f"a decode step gave {len(next_tokens)} rows for {batch} sequences"
         for seq, token in zip(sequences, next_tokens):
             seq["tokens"].append(token)
@@ -129,12 +133,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, steadier on a shared machine (with --threads 1 it is the work done)")
     args = parser.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     info = load_model(args.model, device="cpu", dtype=torch.float32)
     vocab = info.tokenizer.get_vocab_size()
     print(f"{args.model}: {sum(p.numel() for p in info.model.parameters()) / 1e6:.1f} M parameters, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock", file=sys.stderr)
     results = []
     for batch in [int(b) for b in args.batch.split(",")]:
         r = profile_batch(info.model, batch, args.context, args.steps, vocab)
@@ -150,7 +161,7 @@ def main() -> None:
         for name, ms in r["ops_ms_per_step"].items():
             print(f"| {name} | {ms:.2f} | {100 * ms / r['aten_self_ms_per_step']:.0f}% |")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "torch": torch.__version__,
+        args.json.write_text(json.dumps({"model": args.model, "torch": torch.__version__, "clock": args.clock,
                                          "threads": torch.get_num_threads(), "results": results}, indent=1))
 
 

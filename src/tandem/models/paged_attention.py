@@ -7,9 +7,13 @@ written to cache slot `slot_mapping[t]` (block * block_size + offset), and reque
 its whole sequence back through `block_table[r]`. Rows past `num_actual_tokens` are
 padding: they write nothing and attend to nothing.
 
-A *decode-only* batch (every request one query row, `decode_only=True`) takes a vectorised
-path with no host reads: the whole batch gathers its blocks at once and masks by
-`seq_lens`, so it can be captured in a graph. Under a graph capture, cache writes cannot
+Attention is `scaled_dot_product_attention` in the cache dtype over each request's blocks,
+gathered once (`index_select`) up to the longest request of the call, never to the block
+table's width when the host knows the lengths. A *decode-only* batch (every request one
+query row, `decode_only=True`) is one call with no host reads: under a capture it reads the
+whole table and masks by the device `seq_lens`, so it can be captured in a graph. Mixed
+batches make one call per run of consecutive requests with the same query length (see
+`_varlen_attention`). Under a graph capture, cache writes cannot
 drop padding rows by a boolean mask (a data-dependent shape); they write them into
 `NULL_BLOCK` instead, which the runner's block allocator never hands out.
 """
@@ -21,6 +25,7 @@ from functools import lru_cache
 from importlib.util import find_spec
 
 import torch
+import torch.nn.functional as F
 
 from tandem.platform.device import to_device_async
 from tandem.platform.graph import graph_capture_active
@@ -72,6 +77,7 @@ class AttentionMetadata:
 
     def decode_rows(self, rows: slice) -> "AttentionMetadata":
         n = rows.stop - rows.start
+        seq_lens_host = None if self.seq_lens_host is None else self.seq_lens_host[rows]
         return replace(
             self,
             query_start_loc=torch.arange(n + 1, dtype=self.query_start_loc.dtype, device=self.query_start_loc.device),
@@ -79,8 +85,8 @@ class AttentionMetadata:
             max_query_len=1,
             slot_mapping=self.slot_mapping[rows],
             block_table=self.block_table[rows],
-            query_start_loc_host=None,
-            seq_lens_host=None,
+            query_start_loc_host=None if seq_lens_host is None else tuple(range(n + 1)),
+            seq_lens_host=seq_lens_host,
         )
 
     def for_ubatch(self, ubatch: UBatchSlice, attention: AttentionSlice) -> "AttentionMetadata":
@@ -138,24 +144,7 @@ def paged_attention(
 
             return triton_decode_attention(query, key_cache, value_cache, metadata.seq_lens, metadata.block_table, scale)
         return _decode_attention(query, key_cache, value_cache, metadata, scale)
-    num_tokens, num_heads, _ = query.shape
-    out = query.new_zeros((num_tokens, num_heads, value_cache.shape[-1]))
-    qsl, seq_lens = metadata.host_lists()
-    for r, seq_len in enumerate(seq_lens):
-        start, stop = qsl[r], qsl[r + 1]
-        if stop == start:
-            continue
-        k = read_from_cache(key_cache, metadata.block_table[r], seq_len)
-        v = read_from_cache(value_cache, metadata.block_table[r], seq_len)
-        group = num_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1).float()
-        v = v.repeat_interleave(group, dim=1).float()
-        q = query[start:stop].float()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - (stop - start), seq_len, device=query.device).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(seq_len, device=query.device).unsqueeze(0) > q_pos, float("-inf"))
-        out[start:stop] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
-    return out
+    return _varlen_attention(query, key_cache, value_cache, metadata, scale)
 
 
 @lru_cache(maxsize=1)
@@ -177,24 +166,110 @@ def _triton_decode_applies(cache: torch.Tensor) -> bool:
 def _decode_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """One query row per request, all requests at once, no host read: gather every block of
-    the block table and mask positions at or past each request's `seq_len`."""
+    """One query row per request, all requests at once. With the host's `seq_lens` (eager)
+    it reads the blocks up to the longest request; without them (a captured graph, whose
+    table is as wide as the longest request could be) it reads every block of the table and
+    masks by the device `seq_lens`, with no host read."""
     num_tokens, num_heads, _ = query.shape
-    requests = metadata.block_table.shape[0]
-    blocks = metadata.block_table.long()
-    k = key_cache[blocks].flatten(1, 2)  # [R, max_blocks * block_size, Hkv, Dk]
-    v = value_cache[blocks].flatten(1, 2)
-    kv_heads = k.shape[2]
-    group = num_heads // kv_heads
-    # Grouped-query without materialising repeated K/V: heads are [kv_head, group] major.
-    q = query[:requests].float().view(requests, kv_heads, group, query.shape[-1])
-    scores = torch.einsum("rngd,rknd->rngk", q, k.float()) * scale
-    seq_lens = metadata.seq_lens.long().view(-1, 1, 1, 1)
-    positions = torch.arange(k.shape[1], device=query.device)
-    # A padding request (seq_len 0) attends to its first slot, and its output is zeroed.
-    scores = scores.masked_fill(positions >= seq_lens.clamp(min=1), float("-inf"))
-    out = torch.einsum("rngk,rknd->rngd", scores.softmax(-1), v.float()).reshape(requests, num_heads, v.shape[-1])
-    out = torch.where((seq_lens.view(-1) > 0).view(-1, 1, 1), out, 0.0).to(query.dtype)
+    requests = metadata.num_requests
+    block_table = metadata.block_table
+    if metadata.seq_lens_host is not None and not graph_capture_active():
+        block_table = block_table[:, : _blocks_for(max(metadata.seq_lens_host, default=0), metadata.block_size)]
+    out = _attend(query[:requests].unsqueeze(1), key_cache, value_cache, block_table, metadata.seq_lens, scale)
+    # A padding request (seq_len 0) attended to its first slot only: its output is zeroed.
+    out = torch.where((metadata.seq_lens > 0).view(-1, 1, 1), out.squeeze(1), 0.0)
     if requests == num_tokens:
         return out
     return torch.cat((out, out.new_zeros((num_tokens - requests, *out.shape[1:]))))
+
+
+def _varlen_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One attention call per run of consecutive requests with the same query length (a
+    step's decodes are one run, equal-length prefills admitted together another), each over
+    the blocks its longest request uses. Runs are slices of the step's tensors: no index
+    tensor is built, nothing is copied to the device."""
+    num_tokens, num_heads, _ = query.shape
+    qsl, seq_lens = metadata.host_lists()
+    runs: list[list[int]] = []  # [first request, end request, query length]
+    for r in range(len(seq_lens)):
+        length = qsl[r + 1] - qsl[r]
+        if runs and runs[-1][1] == r and runs[-1][2] == length:
+            runs[-1][1] = r + 1
+        elif length:
+            runs.append([r, r + 1, length])
+    attended = []
+    for first, end, length in runs:
+        lens = seq_lens[first:end]
+        block_table = metadata.block_table[first:end, : _blocks_for(max(lens), metadata.block_size)]
+        group_query = query[qsl[first] : qsl[end]].view(end - first, length, num_heads, -1)
+        out = _attend(group_query, key_cache, value_cache, block_table, metadata.seq_lens[first:end], scale,
+                      from_start=all(n == length for n in lens))
+        attended.append((qsl[first], qsl[end], out.flatten(0, 1)))
+    if len(attended) == 1 and attended[0][:2] == (0, num_tokens):
+        return attended[0][2]
+    out = query.new_zeros((num_tokens, num_heads, value_cache.shape[-1]))
+    for start, stop, rows in attended:
+        out[start:stop] = rows
+    return out
+
+
+def _attend(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, from_start: bool = False,
+) -> torch.Tensor:
+    """`query [G, L, Hq, Dk]`: request g's last L positions of its `seq_lens[g]` tokens
+    (cached through `block_table [G, W]`); returns `[G, L, Hq, Dv]`. Reads `W` blocks per
+    request in the cache dtype; no host read. `from_start`: every `seq_lens[g]` is L (a
+    prefill with nothing cached before), so plain causal attention needs no mask."""
+    length = query.shape[1]
+    k, v = _gather(key_cache, value_cache, block_table)
+    if from_start:
+        return _sdpa(query, k[:, :length], v[:, :length], None, scale)
+    # Query i of request g sees positions up to seq_len - L + i (at least position 0).
+    last_visible = seq_lens.long().clamp(min=1).view(-1, 1) - length + torch.arange(length, device=query.device)
+    mask = torch.arange(k.shape[1], device=query.device).view(1, 1, -1) <= last_visible.unsqueeze(-1)
+    return _sdpa(query, k, v, mask.unsqueeze(1), scale)
+
+
+def _gather(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's blocks, `[G, W * block_size, Hkv, D]`. A value cache that is the first
+    channels of the key cache (MLA's latent cache) is sliced from the gathered keys, not
+    gathered twice."""
+    requests, width = block_table.shape
+    flat = block_table.reshape(-1).long()
+    k = key_cache.index_select(0, flat)
+    k = k.view(requests, width * key_cache.shape[1], *key_cache.shape[2:])
+    if _is_prefix_view(value_cache, key_cache):
+        return k, k[..., : value_cache.shape[-1]]
+    v = value_cache.index_select(0, flat)
+    return k, v.view(requests, width * value_cache.shape[1], *value_cache.shape[2:])
+
+
+def _is_prefix_view(value_cache: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    base = key_cache if key_cache._base is None else key_cache._base
+    return (
+        value_cache._base is base
+        and value_cache.storage_offset() == key_cache.storage_offset()
+        and value_cache.shape[:-1] == key_cache.shape[:-1]
+        and value_cache.stride() == key_cache.stride()
+    )
+
+
+def _sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """`query [G, L, Hq, D]`, `key`/`value [G, S, Hkv, D]` (head-minor, as the cache stores
+    them) -> `[G, L, Hq, Dv]`; `mask` None means causal from position 0."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=query.shape[2] != key.shape[2],
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return max(1, -(-num_tokens // block_size))
