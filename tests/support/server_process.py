@@ -80,8 +80,35 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def session_pids(session_id: int) -> list[int]:
+    """Live processes of a session (the server started with `start_new_session`: every process
+    it or its ranks started, unless one left the session on purpose)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # Fields after the command name, which may hold spaces: state ppid pgrp session ...
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session_id:
+            found.append(int(entry))
+    return found
+
+
+def wait_session_empty(session_id: int, timeout_s: float = 10.0) -> list[int]:
+    """The session's processes still alive after up to `timeout_s` ([] when all are gone)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := session_pids(session_id)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 class Server:
-    """`tandem serve ARGS` on a free loopback port; `stop()` sends SIGINT like Ctrl-C."""
+    """`tandem serve ARGS` on a free loopback port, in a session of its own (its pid is the
+    session and process-group id); `stop()` sends SIGINT like Ctrl-C."""
 
     def __init__(self, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None):
         self.port = find_free_port()
@@ -110,9 +137,17 @@ class Server:
         self.log.seek(0)
         return self.log.read()
 
-    def stop(self, timeout_s: float = 45.0, sig: signal.Signals = signal.SIGINT) -> int:
-        if self.proc.poll() is None:
+    def send(self, sig: signal.Signals, *, group: bool = False) -> None:
+        """`sig` to the head alone, or (`group`) to every process of its group, as systemd's
+        `KillMode=control-group`, `timeout(1)` and `kill -- -PGID` do."""
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
             self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 45.0, sig: signal.Signals = signal.SIGINT, *, group: bool = False) -> int:
+        if self.proc.poll() is None:
+            self.send(sig, group=group)
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -121,9 +156,15 @@ class Server:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL whatever is left of the server's session."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+        for pid in session_pids(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> "Server":
         return self

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -107,17 +106,6 @@ def hard_exit(code: int, outbox=None) -> None:
     _flush(outbox)
     sys.stderr.flush()
     os._exit(code)
-
-
-def _die_with_parent() -> None:
-    """Linux: get SIGTERM when the parent process dies, so no rank outlives the server."""
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:  # noqa: BLE001 - not Linux: the front end's shutdown still reaps ranks
-        pass
 
 
 def _drain(inbox, block_s: float) -> list[ToHead]:
@@ -343,9 +331,14 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
 
 def local_rank_main(rank: int, world_size: int, env: dict, config, options: ServeOptions, inbox, outbox) -> None:
     """Entry point of a rank process started by the local front end."""
-    _die_with_parent()
-    # Ctrl-C reaches the whole process group; the front end shuts ranks down in order.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import multiprocessing
+
+    from tandem.serving.ranks.lifetime import die_with_parent, ignore_stop_signals
+
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent.pid if parent is not None else None)
+    # A stop signal to the whole group: the front end drains, then shuts the ranks down in order.
+    ignore_stop_signals()
     from tandem.distributed.launch import use_thread_env
 
     use_thread_env(env)
