@@ -80,6 +80,15 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def session_id(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # Fields after the command name, which may hold spaces: state ppid pgrp session ...
+            return int(f.read().rpartition(")")[2].split()[3])
+    except OSError:
+        return None
+
+
 def session_pids(session_id: int) -> list[int]:
     """Live processes of a session (the server started with `start_new_session`: every process
     it or its ranks started, unless one left the session on purpose)."""
@@ -98,24 +107,22 @@ def session_pids(session_id: int) -> list[int]:
     return found
 
 
-def wait_session_empty(session_id: int, timeout_s: float = 10.0) -> list[int]:
-    """The session's processes still alive after up to `timeout_s` ([] when all are gone)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := session_pids(session_id)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
-
 class Server:
     """`tandem serve ARGS` on a free loopback port, in a session of its own (its pid is the
     session and process-group id); `stop()` sends SIGINT like Ctrl-C."""
 
-    def __init__(self, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None):
+    def __init__(self, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None,
+                 torchrun_nproc: int | None = None):
+        """`torchrun_nproc`: run under torchrun, that many ranks on this host (loopback)."""
         self.port = find_free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")
+        launcher = [sys.executable, "-m"]
+        if torchrun_nproc is not None:
+            launcher += ["torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(torchrun_nproc),
+                         "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()), "-m"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem", "serve", *args, "--port", str(self.port)],
+            [*launcher, "tandem", "serve", *args, "--port", str(self.port)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -128,6 +135,15 @@ class Server:
             self.kill()
             raise
         self.children = rank_pids([self.proc.pid])
+        # torchrun starts each rank in a session of its own.
+        self.sessions = {self.proc.pid} | {sid for sid in map(session_id, self.children) if sid is not None}
+
+    def leftover(self, timeout_s: float = 10.0) -> list[int]:
+        """Processes of the server's sessions still alive after up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (left := [pid for sid in self.sessions for pid in session_pids(sid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
 
     @property
     def url(self) -> str:
@@ -160,7 +176,7 @@ class Server:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
-        for pid in session_pids(self.proc.pid):
+        for pid in [pid for sid in getattr(self, "sessions", {self.proc.pid}) for pid in session_pids(sid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
