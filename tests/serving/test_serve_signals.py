@@ -86,7 +86,7 @@ def _start(tmp_path, layout: str, *extra: str) -> tuple[Server, os.PathLike]:
 def test_a_stop_signal_drains_writes_the_trace_and_leaves_nothing(sig, target, layout, tmp_path):
     server, trace = _start(tmp_path, layout, "--shutdown-timeout", "60")
     try:
-        request = StreamedRequest(server, max_tokens=48)
+        request = StreamedRequest(server, max_tokens=160)  # still streaming while the 503s are checked
         assert request.first_token.wait(60) and request.outcome is None, request.outcome
         server.send(sig, group=target == "group")
         _wait_health(server, 503)
@@ -111,7 +111,7 @@ def test_under_torchrun_a_stop_signal_drains_too(sig, tmp_path):
     server = Server("tiny-moe", "--kv-cache-tokens", "2048", "--trace", str(trace), "--shutdown-timeout", "20",
                     torchrun_nproc=2, env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=300)
     try:
-        request = StreamedRequest(server, max_tokens=48)
+        request = StreamedRequest(server, max_tokens=160)  # still streaming while the 503s are checked
         assert request.first_token.wait(60) and request.outcome is None, request.outcome
         server.send(sig, group=True)
         _wait_health(server, 503)

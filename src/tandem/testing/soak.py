@@ -63,6 +63,11 @@ class SoakConfig:
     max_tokens: int = 24
     #: Words of a "long" prompt (about five tokens each with tiny-moe's tokenizer).
     long_prompt_words: int = 120
+    #: Distinct short and long prompts every request draws from. Bounded on purpose: the
+    #: tokenizer caches the encodings of up to 10,000 distinct prompts, a bounded cache that
+    #: would otherwise read as memory growth over the first thousands of requests.
+    prompt_pool: int = 64
+    long_prompt_pool: int = 8
     request_timeout_s: float = 120.0
     drain_timeout_s: float = 60.0
     model: str = "tiny-moe"
@@ -122,9 +127,21 @@ class _Lost(Exception):
     """The request broke its contract: counted as `lost`, with this message as the problem."""
 
 
+def _prompt_pools(config: SoakConfig) -> dict[bool, list[str]]:
+    """Short (False) and long (True) prompts, the same for every wave of a run."""
+    rng = random.Random(config.seed)
+
+    def prompt(words: int) -> str:
+        return " ".join(f"w{rng.randint(0, 999)}" for _ in range(words))
+
+    return {False: [prompt(rng.randint(1, 16)) for _ in range(config.prompt_pool)],
+            True: [prompt(config.long_prompt_words) for _ in range(config.long_prompt_pool)]}
+
+
 class _Wave:
     def __init__(self, base_url: str, config: SoakConfig, index: int):
         self.base_url, self.config, self.index = base_url, config, index
+        self.prompts = _prompt_pools(config)
         self.outcomes: dict[str, int] = {name: 0 for name in OUTCOMES}
         self.kinds: dict[str, int] = {name: 0 for name in KINDS}
         self.problems: list[str] = []
@@ -173,11 +190,10 @@ class _Wave:
         if kind == "json":
             return await self._json(http, rng)
         cfg = self.config
-        words = cfg.long_prompt_words if kind == "long" else rng.randint(1, 16)
         max_tokens = rng.randint(2, cfg.max_tokens)
         n = rng.randint(2, 3) if kind == "n" else 1
         body = {
-            "model": cfg.model, "prompt": " ".join(f"w{rng.randint(0, 999)}" for _ in range(words)),
+            "model": cfg.model, "prompt": rng.choice(self.prompts[kind == "long"]),
             "max_tokens": max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31), "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "n": n,
         }

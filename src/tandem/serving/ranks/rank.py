@@ -198,7 +198,10 @@ def serve_rank(
             _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive, watchdog)
             watchdog.beat()
             engine.close()
-            write_rank_trace(runner, config.trace_path, group=control)
+            # Pipeline: every stage's timeline, gathered over all ranks (the later stages
+            # join once `close` has told them to stop), not just the first stage's.
+            pipeline = config.parallel.pipeline_parallel_size > 1
+            write_rank_trace(runner, config.trace_path, group=cpu_group() if pipeline else control)
         finally:
             watchdog.stop()
     except BaseException as exc:  # noqa: BLE001 - tell the front end before dying
@@ -231,7 +234,9 @@ def _pipeline_verdict(engine, max_num_seqs: int) -> str:
 def _pipeline_stage(rank: int, config, options: ServeOptions):
     """Pipeline parallelism: the first stage's engine, or (a later stage) run the stage loop
     to its end, under the watchdog, and return None."""
+    from tandem.distributed.launch import cpu_group
     from tandem.engine.pipeline import build_pipeline_stage, pipeline_engine, run_stage
+    from tandem.worker.build import write_rank_trace
 
     runner, groups = build_pipeline_stage(config, timeout_s=options.collective_timeout_s)
     if groups.stage == 0:
@@ -247,6 +252,8 @@ def _pipeline_stage(rank: int, config, options: ServeOptions):
     try:
         run_stage(runner, groups, num_micro_batches=config.parallel.num_micro_batches,
                   step_timeout_s=config.scheduler.step_timeout_s, on_message=watchdog.beat)
+        watchdog.beat()
+        write_rank_trace(runner, config.trace_path, group=cpu_group())
     finally:
         watchdog.stop()
     return None
