@@ -58,3 +58,17 @@ def test_device_and_dtype_flags_are_shared_by_every_engine_command():
     for command in ("generate", "serve", "bench", "tune"):
         help_text = CliRunner().invoke(app, [command, "--help"], terminal_width=200).output
         assert "--device" in help_text and "--dtype" in help_text, command
+
+
+def test_serve_takes_the_model_as_an_option_as_vllm_serve_does():
+    # Both forms reach the loader: the error names the directory given either way.
+    for args in (["--model", "/does/not/exist"], ["/does/not/exist"], ["/does/not/exist", "--model", "/does/not/exist"]):
+        result = run_cli("serve", *args, "--port", "1")
+        assert result.returncode == 1, result.stderr
+        assert "model path '/does/not/exist' does not exist" in result.stderr, result.stderr
+
+
+def test_serve_refuses_two_different_models():
+    result = run_cli("serve", "tiny-moe", "--model", "small-moe", "--port", "1")
+    assert result.returncode == 2, result.stderr
+    assert "two models" in result.stderr and "'tiny-moe'" in result.stderr and "'small-moe'" in result.stderr, result.stderr

@@ -169,13 +169,23 @@ def generate(
 
 
 @app.command()
-@config_command(*ENGINE_SECTIONS, "http", arguments=("model",))
-def serve(flags: Flags = None) -> None:
+@config_command(
+    *ENGINE_SECTIONS, "http", arguments=("model",), defaults={"model": None},
+    helps={"model": "A Hugging Face model directory, or a built-in preset: tiny-moe (the default), small-moe, "
+                    "deepseek-v2-lite-random. Or give it as --model."},
+)
+def serve(
+    model_option: str = typer.Option(
+        None, "--model", help="The model, as `vllm serve --model` takes it (the same as the MODEL argument)."
+    ),
+    flags: Flags = None,
+) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (also runs under torchrun, one
     process per rank, for several nodes)."""
     from tandem.serving.ranks.rank import ServeOptions
     from tandem.serving.server import run_server, run_torchrun_rank, under_torchrun
 
+    flags = flags.replace(model=_one_model(flags["model"], model_option))
     config = _build_config(flags, parallel=_torchrun_parallel(flags))
     http = flags.http_options()
     options = ServeOptions()
@@ -192,6 +202,15 @@ def serve(flags: Flags = None) -> None:
         raise typer.Exit(code=1) from None
     except KeyboardInterrupt:
         raise typer.Exit(code=130) from None
+
+
+def _one_model(positional: str | None, option: str | None) -> str:
+    """MODEL or --model (vLLM's two spellings); both given must agree."""
+    if positional is not None and option is not None and positional != option:
+        raise typer.BadParameter(f"two models given: {positional!r} (argument) and {option!r} (--model); give one")
+    from tandem.config import EngineConfig
+
+    return positional or option or EngineConfig.model
 
 
 # -- tandem bench / tandem tune ------------------------------------------------------------

@@ -127,6 +127,13 @@ class Flags:
     def __contains__(self, param: str) -> bool:
         return param in self._values
 
+    def replace(self, **values: Any) -> "Flags":
+        """The same flags with some values changed (a command that resolves one itself)."""
+        unknown = values.keys() - self._values.keys()
+        if unknown:
+            raise TypeError(f"no option(s) {sorted(unknown)}")
+        return Flags(list(self._flags.values()), {**self._values, **values})
+
     def section_values(self, section: str) -> dict[str, Any]:
         """Field name -> value (parsed) for the options of one section."""
         out = {}

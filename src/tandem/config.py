@@ -335,7 +335,14 @@ class HttpOptions:
         None, "Streaming requests open at once per API key (per client address without a key); more get 429."
     )
 
+    shutdown_timeout: float = option(
+        20.0, "On SIGTERM or SIGINT, how long the requests in flight get to finish (new ones get 503) before "
+        "they end with an error and the server stops; a second signal stops at once."
+    )
+
     def __post_init__(self) -> None:
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_streams_per_key is not None and self.max_streams_per_key < 1:

@@ -99,17 +99,17 @@ CLIENT = textwrap.dedent(
 )
 
 
-def _serve_node(cluster: NetnsCluster, node: int) -> list[str]:
+def _serve_node(cluster: NetnsCluster, node: int, *extra: str) -> list[str]:
     return torchrun_argv(
         nnodes=2, node_rank=node, master_addr=cluster.hosts[0].address, master_port=29500,
         args=["tandem", "serve", "tiny-moe", "--port", str(HTTP_PORT), "--step-timeout", str(STEP_TIMEOUT_S),
-              *DBO_FLAGS],
+              *DBO_FLAGS, *extra],
     )
 
 
-def _start(cluster: NetnsCluster) -> list[subprocess.Popen]:
+def _start(cluster: NetnsCluster, *extra: str) -> list[subprocess.Popen]:
     env = lambda i: {**cluster.env(i), "OMP_NUM_THREADS": "1"}  # noqa: E731
-    return [cluster.popen(i, _serve_node(cluster, i), env=env(i), stdout=subprocess.DEVNULL,
+    return [cluster.popen(i, _serve_node(cluster, i, *extra), env=env(i), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL) for i in range(2)]
 
 
@@ -198,3 +198,30 @@ def test_a_killed_node_is_a_503_and_the_other_node_ends(tmp_path):
                 subprocess.run(["kill", "-9", pid])
 
         _fault_is_reported_and_everything_ends(cluster, client_script, nodes, kill_node_1)
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_both_nodes_drains_writes_the_trace_and_leaves_nothing(tmp_path):
+    # A supervisor on each host stops its torchrun node. The ranks ignore the signal torchrun
+    # relays; node 0's front end drains (the 1500-token stream runs into the 5 s
+    # --shutdown-timeout and ends with an error, or finishes), then every rank stops.
+    trace = tmp_path / "serve.json"
+    with NetnsCluster(2, rate_mbit=200) as cluster:
+        client_script = _client(tmp_path)
+        nodes = _start(cluster, "--shutdown-timeout", "5", "--trace", str(trace))
+        probe = cluster.popen(0, [sys.executable, str(client_script), "fault"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = probe.stdout.readline().strip()
+        assert line == "streaming", f"the stream never started: {line!r}"
+        for node in nodes:
+            node.send_signal(subprocess.signal.SIGTERM)
+        probe.stdin.write("go\n")
+        probe.stdin.flush()
+        out, err = probe.communicate(timeout=240)
+        outcome = json.loads(out.strip().splitlines()[-1])
+        assert outcome["health"] == 503 and outcome["health_after_s"] < 5, outcome
+        assert outcome["stream"] == "completed" or "--shutdown-timeout 5 s" in outcome["stream"], outcome
+        # torchrun exits 1 after a signal whatever its workers did (it re-raises it).
+        assert _wait_all_exit(nodes, 60) == [1, 1]
+        assert json.loads(trace.read_text())["traceEvents"]
+        assert _wait_no_pids(cluster, 10) == [], "a process outlived its node"

@@ -80,15 +80,49 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-class Server:
-    """`tandem serve ARGS` on a free loopback port; `stop()` sends SIGINT like Ctrl-C."""
+def session_id(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # Fields after the command name, which may hold spaces: state ppid pgrp session ...
+            return int(f.read().rpartition(")")[2].split()[3])
+    except OSError:
+        return None
 
-    def __init__(self, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None):
+
+def session_pids(session_id: int) -> list[int]:
+    """Live processes of a session (the server started with `start_new_session`: every process
+    it or its ranks started, unless one left the session on purpose)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # Fields after the command name, which may hold spaces: state ppid pgrp session ...
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session_id:
+            found.append(int(entry))
+    return found
+
+
+class Server:
+    """`tandem serve ARGS` on a free loopback port, in a session of its own (its pid is the
+    session and process-group id); `stop()` sends SIGINT like Ctrl-C."""
+
+    def __init__(self, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None,
+                 torchrun_nproc: int | None = None):
+        """`torchrun_nproc`: run under torchrun, that many ranks on this host (loopback)."""
         self.port = find_free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")
+        launcher = [sys.executable, "-m"]
+        if torchrun_nproc is not None:
+            launcher += ["torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(torchrun_nproc),
+                         "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()), "-m"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem", "serve", *args, "--port", str(self.port)],
+            [*launcher, "tandem", "serve", *args, "--port", str(self.port)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -101,6 +135,15 @@ class Server:
             self.kill()
             raise
         self.children = rank_pids([self.proc.pid])
+        # torchrun starts each rank in a session of its own.
+        self.sessions = {self.proc.pid} | {sid for sid in map(session_id, self.children) if sid is not None}
+
+    def leftover(self, timeout_s: float = 10.0) -> list[int]:
+        """Processes of the server's sessions still alive after up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (left := [pid for sid in self.sessions for pid in session_pids(sid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
 
     @property
     def url(self) -> str:
@@ -110,9 +153,17 @@ class Server:
         self.log.seek(0)
         return self.log.read()
 
-    def stop(self, timeout_s: float = 45.0, sig: signal.Signals = signal.SIGINT) -> int:
-        if self.proc.poll() is None:
+    def send(self, sig: signal.Signals, *, group: bool = False) -> None:
+        """`sig` to the head alone, or (`group`) to every process of its group, as systemd's
+        `KillMode=control-group`, `timeout(1)` and `kill -- -PGID` do."""
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
             self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 45.0, sig: signal.Signals = signal.SIGINT, *, group: bool = False) -> int:
+        if self.proc.poll() is None:
+            self.send(sig, group=group)
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -121,9 +172,15 @@ class Server:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL whatever is left of the server's session."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+        for pid in [pid for sid in getattr(self, "sessions", {self.proc.pid}) for pid in session_pids(sid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> "Server":
         return self

@@ -4,8 +4,9 @@ as one unit.
 Local (`--data-parallel-size N`): this process is the front end (HTTP + `ProcessEngineClient`)
 and starts N rank processes. Under `torchrun` (one process per rank, env:// rendezvous,
 any number of nodes): every process is a rank, and rank 0 also starts the front end as a
-child process attached to it by two queues. Either way, Ctrl-C or SIGTERM stops the HTTP
-server, then the ranks, and no rank process outlives the server.
+child process attached to it by two queues. Either way, SIGTERM or SIGINT, to the head or to
+the whole process group, drains the requests in flight (`serving.shutdown`), then stops the
+ranks, and no rank process outlives the server.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 
 from tandem.config import HttpOptions
 from tandem.distributed.torchrun import under_torchrun
+from tandem.serving.ranks.lifetime import STOP_SIGNALS, die_with_parent, ignore_stop_signals
 from tandem.serving.ranks.rank import ServeOptions
 
 
@@ -55,6 +57,7 @@ def _serve_http(client, http: HttpOptions) -> None:
     import uvicorn
 
     from tandem.serving.openai.api_server import create_app
+    from tandem.serving.shutdown import DrainingServer
 
     if not _is_loopback(http.host) and not http.api_key:
         _log(f"warning: binding {http.host} without --api-key: anyone who can reach this port can use the server")
@@ -66,39 +69,51 @@ def _serve_http(client, http: HttpOptions) -> None:
         max_request_bytes=http.max_request_bytes,
         max_streams_per_key=http.max_streams_per_key,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=http.host, port=http.port, log_level="warning", timeout_graceful_shutdown=5)
-    )
-    server.run()
+    config = uvicorn.Config(app, host=http.host, port=http.port, log_level="warning", timeout_graceful_shutdown=5)
+    DrainingServer(config, client, http.shutdown_timeout, _log).run()
 
 
-def _sigterm_like_sigint() -> None:
-    """systemd, Docker and Kubernetes stop a service with SIGTERM: make it Ctrl-C (drain,
-    write the trace, stop the ranks). Left at its default, the SIGTERM uvicorn re-raises once
-    the HTTP server has stopped would kill the process before any of that."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+def _stop_signals_interrupt() -> None:
+    """Outside the HTTP server's drain (while the ranks start, or stop), a stop signal is
+    KeyboardInterrupt, for SIGTERM as for Ctrl-C: the default SIGTERM would kill the head
+    before it stops its ranks."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.default_int_handler)
 
 
 def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
-    """Local mode: start the ranks, serve until interrupted, stop everything."""
+    """Local mode: start the ranks, serve until a stop signal has drained the requests in
+    flight, stop the ranks (they write the trace). A stop signal during start-up stops too."""
     from tandem.serving.ranks.process_client import ProcessEngineClient
 
-    _sigterm_like_sigint()
-
+    _stop_signals_interrupt()
     client = ProcessEngineClient(config, options, max_queue_len=http.max_queue_len, log=_log)
     _log(describe(config, options, http, client.world_size))
     try:
         client.start()
         _log(f"ready: http://{http.host}:{http.port}/v1 (model {http.served_model_name or client.model_name})")
         _serve_http(client, http)
+    except KeyboardInterrupt:
+        _log("stop signal during start-up")
     finally:
         _log("shutting down")
+        _stop_ranks(client)
+
+
+def _stop_ranks(client) -> None:
+    """Ask the ranks to stop and join them; a stop signal meanwhile kills them at once."""
+    try:
         client.stop()
+    except KeyboardInterrupt:
+        _log("stop signal while the ranks were stopping: killing them")
+        client.kill_ranks()
+    _log("stopped")
 
 
 def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, world_size: int) -> None:
     from tandem.serving.ranks.process_client import ProcessEngineClient
-    _sigterm_like_sigint()
+
+    _stop_signals_interrupt()
 
     # No death signal from the head: a head that dies (even by os._exit) is noticed by the
     # client, which answers 503 with the reason for a while and then stops this process.
@@ -109,8 +124,10 @@ def _frontend_main(config, options: ServeOptions, http: HttpOptions, queues, wor
         client.start()
         _log(f"ready: http://{http.host}:{http.port}/v1 (model {http.served_model_name or client.model_name})")
         _serve_http(client, http)
+    except KeyboardInterrupt:
+        _log("stop signal during start-up")
     finally:
-        client.stop()
+        _stop_ranks(client)
 
 
 def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
@@ -123,6 +140,10 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
     from tandem.serving.ranks.rank import serve_rank
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun relays a stop signal to each rank's process group (rank 0's holds the front
+    # end): the front end drains and tells the ranks to stop; a killed torchrun takes them along.
+    ignore_stop_signals()
+    die_with_parent(os.getppid())
     if config.parallel.world_size != world_size:
         raise ValueError(
             f"--pipeline-parallel-size {config.parallel.pipeline_parallel_size} x --data-parallel-size "
@@ -140,11 +161,8 @@ def run_torchrun_rank(config, options: ServeOptions, http: HttpOptions) -> None:
                 target=_frontend_main, args=(config, options, http, queues, world_size), name="tandem-frontend"
             )
             frontend.start()
-            # The front end handles Ctrl-C and tells the ranks to stop.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
             serve_rank(0, world_size, config, options, *queues, frontend_alive=frontend.is_alive)
         else:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
             serve_rank(rank, world_size, config, options)
     except BaseException:
         failed = True

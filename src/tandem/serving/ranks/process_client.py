@@ -102,6 +102,7 @@ class ProcessEngineClient(EngineClient):
         self._reaped = False
         self.heartbeat_timeout_s = self.config.scheduler.step_timeout_s + HEARTBEAT_GRACE_S
         self._stopping = False
+        self._draining = False
         self._pump: threading.Thread | None = None
         self.ready = False
 
@@ -128,20 +129,20 @@ class ProcessEngineClient(EngineClient):
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if time.monotonic() > deadline:
-                self._kill_ranks()
+                self.kill_ranks()
                 raise RuntimeError(f"the engine ranks did not become ready within {self.startup_timeout_s:g} s")
             dead = self._dead_rank()
             try:
                 message = self._outbox.get(timeout=0.2)
             except queue.Empty:
                 if dead:
-                    self._kill_ranks()
+                    self.kill_ranks()
                     raise RuntimeError(f"engine start failed: {dead}") from None
                 continue
             if isinstance(message, Progress):
                 self.log(message.text)
             elif isinstance(message, Fatal):
-                self._kill_ranks()
+                self.kill_ranks()
                 raise RuntimeError(f"engine start failed: {message.message}")
             elif isinstance(message, Ready):
                 break
@@ -167,10 +168,23 @@ class ProcessEngineClient(EngineClient):
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
-        self._kill_ranks()
+        self.kill_ranks()
         self._fail_all("the server is shutting down")
 
-    def _kill_ranks(self) -> None:
+    def begin_drain(self) -> None:
+        """Stop taking requests (503, and /health says so); those in flight go on."""
+        self._draining = True
+
+    def end_drain(self, message: str) -> None:
+        """End every request still in flight with `message` as its error."""
+        self._fail_all(message)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def kill_ranks(self) -> None:
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
@@ -230,7 +244,7 @@ class ProcessEngineClient(EngineClient):
                 )
             if self._failed_at is not None and not self._reaped and time.monotonic() - self._failed_at > FAILURE_GRACE_S:
                 self._reaped = True
-                self._kill_ranks()  # the survivors cannot serve without the lost rank
+                self.kill_ranks()  # the survivors cannot serve without the lost rank
             if self._attached and self._failed_at is not None and time.monotonic() - self._failed_at > ATTACHED_FAILURE_LINGER_S:
                 import signal
 
@@ -285,6 +299,8 @@ class ProcessEngineClient(EngineClient):
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if self._failure is not None:
             raise EngineUnavailableError(f"{self._failure} (restart the server)")
+        if self._draining:
+            raise EngineUnavailableError("the server is shutting down")
         if self._stopping or not self.ready:
             raise EngineUnavailableError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -324,7 +340,7 @@ class ProcessEngineClient(EngineClient):
             return False, self._failure
         if not self.ready:
             return False, "starting"
-        if self._stopping:
+        if self._stopping or self._draining:
             return False, "shutting down"
         return True, "ok"
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -108,17 +107,6 @@ def hard_exit(code: int, outbox=None) -> None:
     os._exit(code)
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGTERM when the parent process dies, so no rank outlives the server."""
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:  # noqa: BLE001 - not Linux: the front end's shutdown still reaps ranks
-        pass
-
-
 def _drain(inbox, block_s: float) -> list[ToHead]:
     messages = []
     try:
@@ -152,6 +140,7 @@ def serve_rank(
 ) -> None:
     """Body of one engine rank, after the default process group (if any) is initialised.
     `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
+    from tandem.distributed.launch import cpu_group
     from tandem.engine.build import LaterStage, build_engine
     from tandem.worker.build import write_rank_trace
 
@@ -202,7 +191,10 @@ def serve_rank(
             _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive, watchdog)
             watchdog.beat()
             engine.close()
-            write_rank_trace(runner, config.trace_path, group=control)
+            # Pipeline: every stage's timeline, gathered over all ranks (the later stages
+            # join once `close` has told them to stop), not just the first stage's.
+            pipeline = config.parallel.pipeline_parallel_size > 1
+            write_rank_trace(runner, config.trace_path, group=cpu_group() if pipeline else control)
         finally:
             watchdog.stop()
     except BaseException as exc:  # noqa: BLE001 - tell the front end before dying
@@ -233,7 +225,11 @@ def _pipeline_verdict(engine, max_num_seqs: int) -> str:
 
 
 def _run_later_stage(rank: int, stage, config) -> None:
-    """A pipeline stage after the first: run its loop to its end under the watchdog."""
+    """A pipeline stage after the first: run its loop to its end under the watchdog, then
+    join the trace gather of every rank."""
+    from tandem.distributed.launch import cpu_group
+    from tandem.worker.build import write_rank_trace
+
     where = stage.groups.topology.describe(rank)
 
     def stuck(stalled_s: float) -> None:
@@ -244,6 +240,8 @@ def _run_later_stage(rank: int, stage, config) -> None:
     watchdog = Watchdog(config.scheduler.step_timeout_s, stuck).start()
     try:
         stage.run(on_message=watchdog.beat)
+        watchdog.beat()
+        write_rank_trace(stage.runner, config.trace_path, group=cpu_group())
     finally:
         watchdog.stop()
 
@@ -327,9 +325,14 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
 
 def local_rank_main(rank: int, world_size: int, env: dict, config, options: ServeOptions, inbox, outbox) -> None:
     """Entry point of a rank process started by the local front end."""
-    _die_with_parent()
-    # Ctrl-C reaches the whole process group; the front end shuts ranks down in order.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import multiprocessing
+
+    from tandem.serving.ranks.lifetime import die_with_parent, ignore_stop_signals
+
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent.pid if parent is not None else None)
+    # A stop signal to the whole group: the front end drains, then shuts the ranks down in order.
+    ignore_stop_signals()
     from tandem.distributed.launch import use_thread_env
 
     use_thread_env(env)

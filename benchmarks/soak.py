@@ -1,0 +1,108 @@
+"""Soak: `tandem serve --data-parallel-size 2 --enable-dbo` (small KV cache, chunked prefill)
+under waves of mixed requests for N minutes: streams, hang-ups, aborts, n > 1, long prompts
+that chunk and preempt, structured output, logprobs (see `tandem.testing.soak`).
+
+After every wave: every request ended (finished, hung up, aborted, or an HTTP status), the
+engine is back to no running or waiting request and no KV in use, and the resident memory and
+open file descriptors of every server process are sampled; after the warm-up wave they must
+not grow by more than `--tolerance` (2 %). The server is then stopped with SIGTERM to its
+whole process group: exit 0 and no process left.
+
+    python benchmarks/soak.py --minutes 10
+    python benchmarks/soak.py --minutes 60 --clients 32 --wave-requests 192
+
+Prints one line per wave and a table; writes benchmarks/results/soak.json. Exits 1 when a
+request was lost or failed with a 5xx, the engine did not settle, something grew, or the
+stop left a process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tandem.testing.soak import HEADER, SERVE_FLAGS, SoakConfig, as_dict, format_wave, growth, run_wave  # noqa: E402
+from tests.support.server_process import Server, rank_pids  # noqa: E402
+
+
+def _wave_problems(wave) -> list[str]:
+    problems = []
+    if wave.outcomes["lost"] or wave.unaccounted:
+        problems.append(f"wave {wave.wave}: {wave.outcomes['lost'] + wave.unaccounted} request(s) lost: {wave.problems[:3]}")
+    if wave.server_errors:
+        problems.append(f"wave {wave.wave}: {wave.server_errors} server error(s): {wave.outcomes}")
+    if (wave.running_after, wave.waiting_after, wave.kv_usage_after) != (0, 0, 0):
+        problems.append(f"wave {wave.wave}: the engine did not settle (running/waiting/kv "
+                        f"{wave.running_after:g}/{wave.waiting_after:g}/{wave.kv_usage_after:g})")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="Waves start until this much time has passed.")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--wave-requests", type=int, default=96)
+    parser.add_argument("--tolerance", type=float, default=0.02, help="Allowed RSS / fd growth after the warm-up wave.")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "soak.json")
+    args = parser.parse_args()
+
+    config = SoakConfig(clients=args.clients, wave_requests=args.wave_requests)
+    print(f"tandem serve tiny-moe {' '.join(SERVE_FLAGS)}", file=sys.stderr)
+    started = time.time()
+    server = Server("tiny-moe", *SERVE_FLAGS, startup_timeout_s=300, env={"OMP_NUM_THREADS": "1"})
+    waves, problems = [], []
+    try:
+        def pids() -> dict[str, int]:
+            return {"head": server.proc.pid, **{f"pid {pid}": pid for pid in rank_pids([server.proc.pid])}}
+
+        print(HEADER, file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 60 * args.minutes
+        while time.monotonic() < deadline or len(waves) < 3:
+            waves.append(run_wave(server.base, config, len(waves), pids))
+            print(format_wave(waves[-1]), file=sys.stderr, flush=True)
+            problems += _wave_problems(waves[-1])
+        code = server.stop(timeout_s=120, sig=signal.SIGTERM, group=True)
+        left = server.leftover()
+    finally:
+        server.kill()
+    rss, fds = growth(waves, warmup=1)
+    if rss > args.tolerance or fds > args.tolerance:
+        problems.append(f"growth after the warm-up wave: RSS {100 * rss:+.1f} %, open fds {100 * fds:+.1f} %")
+    if code != 0 or left:
+        problems.append(f"stop (SIGTERM to the group): exit code {code}, left behind {left}")
+
+    print(HEADER)
+    for wave in waves:
+        print(format_wave(wave))
+    print(f"\n{len(waves)} waves, {sum(w.requests for w in waves)} requests in {(time.time() - started) / 60:.1f} min; "
+          f"growth after wave 1: RSS {100 * rss:+.2f} %, fds {100 * fds:+.2f} %; stop: exit {code}, "
+          f"{len(left)} left; " + ("; ".join(problems) if problems else "all good"))
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "serve_flags": list(SERVE_FLAGS),
+        "config": vars(args) | {"json": str(args.json)},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "note": "shared machine: 2 cores, other work running"},
+        "started": started,
+        "waves": [as_dict(w) for w in waves],
+        "rss_growth": rss,
+        "fd_growth": fds,
+        "stop_exit_code": code,
+        "left_behind": left,
+        "problems": problems,
+    }, indent=2) + "\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

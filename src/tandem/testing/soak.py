@@ -1,0 +1,318 @@
+"""A soak for `tandem serve`: waves of concurrent requests of every kind a deployment sees,
+with every request accounted for and the server checked for leaks between waves.
+
+A wave sends `wave_requests` requests, `clients` at a time, each of a kind drawn at random:
+
+- stream: a streamed completion (`ignore_eos`): it must end with a finish reason, the usage
+  and `[DONE]`, with exactly `max_tokens` tokens;
+- hangup: the client walks away after the first tokens (the server must abort it);
+- abort: the client gives up after a few milliseconds, before or around its first token;
+- n: a streamed completion with `n` > 1: every choice must finish;
+- long: a prompt long enough to be prefilled in chunks, and (with a small KV cache, several
+  at once) to make the scheduler preempt;
+- json: a chat completion with `response_format` json_schema; a reply that stops (rather
+  than running out of tokens) must validate against the schema;
+- logprobs: a streamed completion with `logprobs`: every token chunk carries them.
+
+Each request ends as one outcome: finished, hung_up, aborted, `status_<code>` (the server
+answered an HTTP error), `error_event` (a stream that ended with an error event) or `lost`
+(anything else: a cut stream, a transport error, a timeout, a reply that breaks its
+contract). After each wave the engine must return to no running or waiting request and no
+KV in use (`/metrics`, vLLM's names), and the resident memory and open file descriptors of
+every server process are recorded: after a warm-up wave they must not grow.
+
+`run_wave` drives one wave; `benchmarks/soak.py` (minutes of waves) and
+`tests/serving/test_soak.py` (a short run) use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import httpx
+
+from tandem.testing.load import rss_mb
+
+#: The deployment the soak runs against (`tandem serve tiny-moe ...`): two DBO ranks, a KV
+#: cache two long prompts cannot share, a step budget that chunks them.
+SERVE_FLAGS = (
+    "--data-parallel-size", "2", "--enable-dbo", "--dbo-decode-token-threshold", "8",
+    "--dbo-prefill-token-threshold", "64", "--kv-cache-tokens", "1024", "--max-num-batched-tokens", "256",
+)
+KINDS = {"stream": 4, "hangup": 2, "abort": 1, "n": 1, "long": 1, "json": 1, "logprobs": 1}
+OUTCOMES = ("finished", "hung_up", "aborted", "error_event", "lost")
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+@dataclass
+class SoakConfig:
+    clients: int = 16
+    wave_requests: int = 64
+    max_tokens: int = 24
+    #: Words of a "long" prompt (about five tokens each with tiny-moe's tokenizer).
+    long_prompt_words: int = 120
+    #: Distinct short and long prompts every request draws from. Bounded on purpose: the
+    #: tokenizer caches the encodings of up to 10,000 distinct prompts, a bounded cache that
+    #: would otherwise read as memory growth over the first thousands of requests.
+    prompt_pool: int = 64
+    long_prompt_pool: int = 8
+    request_timeout_s: float = 120.0
+    drain_timeout_s: float = 60.0
+    model: str = "tiny-moe"
+    seed: int = 0
+
+
+@dataclass
+class WaveResult:
+    wave: int
+    duration_s: float
+    requests: int
+    outcomes: dict[str, int]
+    kinds: dict[str, int]
+    problems: list[str]
+    drained_s: float
+    running_after: float
+    waiting_after: float
+    kv_usage_after: float
+    preemptions_total: float
+    rss_mb: dict[str, float] = field(default_factory=dict)
+    open_fds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rss_total_mb(self) -> float:
+        return sum(self.rss_mb.values())
+
+    @property
+    def fds_total(self) -> int:
+        return sum(self.open_fds.values())
+
+    @property
+    def unaccounted(self) -> int:
+        return self.requests - sum(self.outcomes.values())
+
+    @property
+    def server_errors(self) -> int:
+        """5xx answers and error events: a correct server under this load gives none."""
+        return self.outcomes.get("error_event", 0) + sum(
+            count for name, count in self.outcomes.items() if name.startswith("status_5"))
+
+
+def engine_metric(base_url: str, name: str, combine: Callable[[list[float]], float] = sum) -> float:
+    """One of vLLM's per-engine metrics (`engine` label), combined over the engines."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    return combine(values) if values else float("nan")
+
+
+def open_fds(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+class _Lost(Exception):
+    """The request broke its contract: counted as `lost`, with this message as the problem."""
+
+
+def _prompt_pools(config: SoakConfig) -> dict[bool, list[str]]:
+    """Short (False) and long (True) prompts, the same for every wave of a run."""
+    rng = random.Random(config.seed)
+
+    def prompt(words: int) -> str:
+        return " ".join(f"w{rng.randint(0, 999)}" for _ in range(words))
+
+    return {False: [prompt(rng.randint(1, 16)) for _ in range(config.prompt_pool)],
+            True: [prompt(config.long_prompt_words) for _ in range(config.long_prompt_pool)]}
+
+
+class _Wave:
+    def __init__(self, base_url: str, config: SoakConfig, index: int):
+        self.base_url, self.config, self.index = base_url, config, index
+        self.prompts = _prompt_pools(config)
+        self.outcomes: dict[str, int] = {name: 0 for name in OUTCOMES}
+        self.kinds: dict[str, int] = {name: 0 for name in KINDS}
+        self.problems: list[str] = []
+
+    def _count(self, outcome: str, problem: str | None = None) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if problem and len(self.problems) < 20:
+            self.problems.append(problem)
+
+    async def run(self) -> float:
+        rng = random.Random(self.config.seed * 1_000_003 + self.index)
+        kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=self.config.wave_requests)
+        seeds = [rng.randrange(2**31) for _ in kinds]
+        gate = asyncio.Semaphore(self.config.clients)
+        # No keep-alive: an idle pooled connection the server closes as a request goes out on
+        # it is the client's race, not a lost request.
+        limits = httpx.Limits(max_connections=self.config.clients + 4, max_keepalive_connections=0)
+        timeout = httpx.Timeout(self.config.request_timeout_s, connect=30)
+        async with httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout) as http:
+            start = time.monotonic()
+            await asyncio.gather(*(self._guarded(http, gate, kind, seed) for kind, seed in zip(kinds, seeds)))
+            return time.monotonic() - start
+
+    async def _guarded(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, kind: str, seed: int) -> None:
+        async with gate:
+            self.kinds[kind] += 1
+            rng = random.Random(seed)
+            try:
+                if kind == "abort":
+                    await self._abort(http, rng)
+                    return
+                self._count(await asyncio.wait_for(self._request(http, kind, rng), self.config.request_timeout_s))
+            except _Lost as exc:
+                self._count("lost", f"{kind}: {exc}")
+            except (httpx.HTTPError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+                self._count("lost", f"{kind}: {type(exc).__name__}: {exc}"[:240])
+
+    async def _abort(self, http: httpx.AsyncClient, rng: random.Random) -> None:
+        try:
+            outcome = await asyncio.wait_for(self._request(http, "stream", rng), rng.uniform(0.005, 0.08))
+        except asyncio.TimeoutError:
+            outcome = "aborted"
+        self._count(outcome)
+
+    async def _request(self, http: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
+        if kind == "json":
+            return await self._json(http, rng)
+        cfg = self.config
+        max_tokens = rng.randint(2, cfg.max_tokens)
+        n = rng.randint(2, 3) if kind == "n" else 1
+        body = {
+            "model": cfg.model, "prompt": rng.choice(self.prompts[kind == "long"]),
+            "max_tokens": max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31), "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "n": n,
+        }
+        if kind == "logprobs":
+            body["logprobs"] = 2
+        finished: set[int] = set()
+        usage = None
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return f"status_{response.status_code}"
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    return "error_event"
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    if kind == "logprobs" and choice.get("text") and not (choice.get("logprobs") or {}).get("tokens"):
+                        raise _Lost("a token chunk without logprobs")
+                    if choice.get("finish_reason"):
+                        finished.add(choice["index"])
+                    elif choice.get("text") and kind == "hangup":
+                        return "hung_up"  # leaving the block closes the connection mid-stream
+        if finished != set(range(n)) or usage is None:
+            raise _Lost(f"stream ended with choices {sorted(finished)} of {n} finished, usage {usage}")
+        if usage["completion_tokens"] != n * max_tokens:
+            raise _Lost(f"asked for {n} x {max_tokens} tokens, got {usage['completion_tokens']}")
+        return "finished"
+
+    async def _json(self, http: httpx.AsyncClient, rng: random.Random) -> str:
+        import jsonschema
+
+        body = {
+            "model": self.config.model, "max_tokens": 48, "temperature": 0.8, "seed": rng.randrange(2**31),
+            "messages": [{"role": "user", "content": "Is it ok? Answer in JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": JSON_SCHEMA}},
+        }
+        response = await http.post("/v1/chat/completions", json=body)
+        if response.status_code != 200:
+            return f"status_{response.status_code}"
+        choice = response.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            try:
+                jsonschema.validate(json.loads(choice["message"]["content"]), JSON_SCHEMA)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                raise _Lost(f"structured output broke its schema: {exc}"[:200]) from None
+        return "finished"
+
+
+def _settle(base_url: str, timeout_s: float, stable_s: float = 0.6) -> tuple[float, float, float, float]:
+    """Wait until nothing runs, waits or holds KV for `stable_s` (longer than the 0.25 s
+    between engine stats reports); returns (seconds, running, waiting, kv usage)."""
+    start = time.monotonic()
+    idle_since = None
+    while True:
+        values = (engine_metric(base_url, "vllm:num_requests_running"),
+                  engine_metric(base_url, "vllm:num_requests_waiting"),
+                  engine_metric(base_url, "vllm:kv_cache_usage_perc", max))
+        now = time.monotonic()
+        if values == (0, 0, 0):
+            idle_since = now if idle_since is None else idle_since
+            if now - idle_since >= stable_s:
+                return (idle_since - start, *values)
+        else:
+            idle_since = None
+        if now - start > timeout_s:
+            return (now - start, *values)
+        time.sleep(0.1)
+
+
+def run_wave(base_url: str, config: SoakConfig, index: int, pids: Callable[[], dict[str, int]]) -> WaveResult:
+    """One wave against the server at `base_url`, then the drain and the per-process samples
+    (`pids()` names the server's processes)."""
+    wave = _Wave(base_url, config, index)
+    duration = asyncio.run(wave.run())
+    drained, running, waiting, kv = _settle(base_url, config.drain_timeout_s)
+    memory, fds = {}, {}
+    for name, pid in pids().items():
+        rss, count = rss_mb(pid), open_fds(pid)
+        if rss is not None and count is not None:
+            memory[name], fds[name] = rss, count
+    return WaveResult(
+        wave=index + 1, duration_s=duration, requests=config.wave_requests,
+        outcomes={k: v for k, v in wave.outcomes.items() if v or k in OUTCOMES}, kinds=wave.kinds,
+        problems=wave.problems, drained_s=drained, running_after=running, waiting_after=waiting,
+        kv_usage_after=kv, preemptions_total=engine_metric(base_url, "vllm:num_preemptions_total"), rss_mb=memory,
+        open_fds=fds,
+    )
+
+
+def growth(waves: list[WaveResult], warmup: int = 1) -> tuple[float, float]:
+    """(RSS, open fds) of the waves after the first `warmup`, as the largest fraction over
+    the first of them (0.01: 1 % more)."""
+    measured = waves[warmup:]
+    if len(measured) < 2:
+        return 0.0, 0.0
+    base = measured[0]
+    rss = max(w.rss_total_mb for w in measured[1:]) / base.rss_total_mb - 1
+    fds = max(w.fds_total for w in measured[1:]) / base.fds_total - 1
+    return rss, fds
+
+
+HEADER = (f"{'wave':>4} {'reqs':>5} {'time s':>7} {'finished':>8} {'hung_up':>7} {'aborted':>7} {'http err':>8} "
+          f"{'lost':>4} {'run/wait/kv':>11} {'preempt':>7} {'RSS MB':>7} {'fds':>4}")
+
+
+def format_wave(w: WaveResult) -> str:
+    o = w.outcomes
+    http_errors = sum(v for k, v in o.items() if k.startswith("status_")) + o.get("error_event", 0)
+    after = f"{w.running_after:g}/{w.waiting_after:g}/{w.kv_usage_after:g}"
+    return (f"{w.wave:>4} {w.requests:>5} {w.duration_s:>7.1f} {o['finished']:>8} {o['hung_up']:>7} "
+            f"{o['aborted']:>7} {http_errors:>8} {o['lost'] + w.unaccounted:>4} {after:>11} "
+            f"{w.preemptions_total:>7g} {w.rss_total_mb:>7.0f} {w.fds_total:>4}")
+
+
+def as_dict(w: WaveResult) -> dict:
+    return {**asdict(w), "rss_total_mb": w.rss_total_mb, "fds_total": w.fds_total, "unaccounted": w.unaccounted}
+
+
+__all__ = ["HEADER", "KINDS", "SERVE_FLAGS", "SoakConfig", "WaveResult", "as_dict", "engine_metric", "format_wave", "growth", "open_fds", "run_wave"]
