@@ -224,7 +224,7 @@ def _pipeline_verdict(engine, max_num_seqs: int) -> str:
     keeps one in flight."""
     import torch
 
-    from tandem.engine.pipeline import choose_micro_batches
+    from tandem.engine.pipeline_choice import choose_micro_batches
 
     topology = engine.worker.topology
     if engine.worker.device.type == "cpu" and hasattr(os, "sched_getaffinity"):
