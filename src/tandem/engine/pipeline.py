@@ -190,6 +190,10 @@ class PipelineEngine(Engine):
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished or any(step.scheduled for step, _, _ in self._in_flight)
 
+    @property
+    def micro_batches_in_flight(self) -> int:
+        return len(self._in_flight)
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
         if params.json_schema is not None:
             # The last stage samples, away from the first stage's scheduler where grammars live.
