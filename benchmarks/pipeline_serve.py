@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -44,13 +45,17 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from tests.support.server_process import Server  # noqa: E402
+from tests.support.server_process import Server, rank_pids  # noqa: E402
 
 CONFIGS = {
     "pp1": (),
     "pp2": ("--pipeline-parallel-size", "2"),
+    # The first stage also schedules and (through serve) shares its host with the front end:
+    # on small-moe (5 layers) the default split 3,2 gives it the dense layer and two MoE layers.
+    "pp2-2,3": ("--pipeline-parallel-size", "2", "--pp-layer-partition", "2,3"),
 }
-STAGES = {"pp1": 1, "pp2": 2}
+STAGES = {"pp1": 1, "pp2": 2, "pp2-2,3": 2}
+DEFAULT_CONFIGS = ["pp1", "pp2"]
 
 
 def _metric(base: str, name: str) -> float:
@@ -90,6 +95,18 @@ def _run(base: str, model: str, streams: int, max_tokens: int) -> float:
         time.sleep(0.1)
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and all their descendants (Linux /proc)."""
+    total, ticks = 0.0, os.sysconf("SC_CLK_TCK")
+    for pid in set(pids) | set(rank_pids(pids)):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
 class LocalServers:
     """Every configuration as a `tandem serve` subprocess on this host."""
 
@@ -100,8 +117,15 @@ class LocalServers:
         for server in self.servers.values():
             asyncio.run(_drive(server.url, args.model, 4, 8))  # warm the HTTP path
 
+        self.cpu_ms_per_token: dict[str, list[list[float]]] = {name: [] for name in args.configs}
+
     def run(self, name: str, streams: int) -> float:
-        return _run(self.servers[name].base, self.args.model, streams, self.args.max_tokens)
+        server = self.servers[name]
+        before = _cpu_seconds([server.proc.pid])
+        tok_s = _run(server.base, self.args.model, streams, self.args.max_tokens)
+        tokens = streams * self.args.max_tokens
+        self.cpu_ms_per_token[name].append([1000 * (_cpu_seconds([server.proc.pid]) - before) / tokens])
+        return tok_s
 
     def output(self, name: str) -> str:
         return self.servers[name].output()
@@ -111,7 +135,7 @@ class PinnedHostServers:
     """pp1 on namespace host 0 alone, pp2 as one torchrun node per host; every process of host
     i pinned to core i with one compute thread, as two one-core machines would run them."""
 
-    PORTS = {"pp1": 8001, "pp2": 8002}  # inside host 0's namespace: nothing else listens there
+    BASE_PORT = 8001  # inside host 0's namespace: nothing else listens there
 
     def __init__(self, stack: contextlib.ExitStack, args, common: tuple[str, ...]):
         from netns_cluster import NetnsCluster, torchrun_argv
@@ -121,15 +145,16 @@ class PinnedHostServers:
         self.logs: dict[str, Path] = {}
         self.procs: dict[str, list] = {}
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pipeline_serve_")))
-        for name in args.configs:
-            serve = ["tandem", "serve", args.model, "--port", str(self.PORTS[name]), *common, *CONFIGS[name]]
+        self.ports = {name: self.BASE_PORT + i for i, name in enumerate(args.configs)}
+        for index, name in enumerate(args.configs):
+            serve = ["tandem", "serve", args.model, "--port", str(self.ports[name]), *common, *CONFIGS[name]]
             hosts = range(STAGES[name])  # one stage per host
             self.logs[name] = log_dir / f"{name}.log"
             self.procs[name] = []
             for host in hosts:
                 argv = ([sys.executable, "-m", *serve] if len(hosts) == 1 else
                         torchrun_argv(nnodes=len(hosts), node_rank=host, master_addr=self.cluster.hosts[0].address,
-                                      master_port=29500, args=serve))
+                                      master_port=29500 + index, args=serve))
                 log = open(log_dir / f"{name}.{host}.log" if host else self.logs[name], "w")
                 stack.callback(log.close)
                 self.procs[name].append(self.cluster.popen(host, self._pinned(host, argv), env=self._env(host),
@@ -137,6 +162,8 @@ class PinnedHostServers:
         for name in args.configs:
             self._wait_ready(name)
             self.run(name, 4, max_tokens=8)  # warm the HTTP path
+        #: config -> per run [host 0's server processes, host 1's, the client], CPU ms per token.
+        self.cpu_ms_per_token: dict[str, list[list[float]]] = {name: [] for name in args.configs}
 
     def _pinned(self, host: int, argv: list[str]) -> list[str]:
         return ["taskset", "-c", str(host), *argv]
@@ -154,14 +181,21 @@ class PinnedHostServers:
 
     def run(self, name: str, streams: int, max_tokens: int | None = None) -> float:
         """Drive the server from host 0 (the client is a process there, pinned like the rest)."""
-        driver = [sys.executable, str(Path(__file__).resolve()), "--drive", f"http://127.0.0.1:{self.PORTS[name]}",
+        driver = [sys.executable, str(Path(__file__).resolve()), "--drive", f"http://127.0.0.1:{self.ports[name]}",
                   "--model", self.args.model, "--streams", str(streams),
                   "--max-tokens", str(max_tokens or self.args.max_tokens)]
+        pids = [[proc.pid] for proc in self.procs[name]]
+        before = [_cpu_seconds(host) for host in pids]
         done = self.cluster.run(0, ["taskset", "-c", str(self.args.client_core), *driver], env=self._env(0),
                                 timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"the client on host 0 failed:\n{done.stderr[-3000:]}\n{self.output(name)[-3000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])["tok_s"]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        if max_tokens is None:
+            tokens = streams * self.args.max_tokens
+            used = [_cpu_seconds(host) - b for host, b in zip(pids, before)] + [0.0] * (2 - len(pids))
+            self.cpu_ms_per_token[name].append([1000 * c / tokens for c in (*used, result["cpu_s"])])
+        return result["tok_s"]
 
     def output(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")
@@ -186,6 +220,32 @@ def _table(args, runs: dict[str, dict[int, list[float]]]) -> list[dict]:
     return rows
 
 
+def _cpu_table(args, cpu: dict[str, list[list[float]]]) -> dict:
+    """CPU ms per generated token, medians over the runs: what each config costs the cores
+    whatever else runs on them. With one core per host, 1 / (the busiest core's ms per token)
+    bounds a configuration's tok/s on a quiet machine; the ratio of those bounds is what
+    pinned hosts would give without hand-off latency."""
+    print("\nCPU ms per generated token (median over runs; user + system, every server process)")
+    summary = {}
+    for name in args.configs:
+        columns = [statistics.median(column) for column in zip(*cpu[name])] if cpu[name] else []
+        if args.hosts == 2 and columns:
+            cores = [columns[0], columns[1]]
+            cores[args.client_core] += columns[2]
+            summary[name] = {"host0": columns[0], "host1": columns[1], "client": columns[2], "cores": cores,
+                             "busiest_core": max(cores)}
+            print(f"{name:<8} host0 {columns[0]:6.2f}  host1 {columns[1]:6.2f}  client {columns[2]:6.2f}  "
+                  f"busiest core {max(cores):6.2f}")
+        elif columns:
+            summary[name] = {"server": columns[0]}
+            print(f"{name:<8} server {columns[0]:6.2f}")
+    if args.hosts == 2 and "pp1" in summary:
+        for name in summary:
+            summary[name]["bound_vs_pp1"] = summary["pp1"]["busiest_core"] / summary[name]["busiest_core"]
+            print(f"  {name}: busiest-core bound {summary[name]['bound_vs_pp1']:.2f}x pp1")
+    return summary
+
+
 def _load_average() -> list[float]:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else []
 
@@ -196,7 +256,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     parser.add_argument("--extra", default="", help="More serve flags for every configuration, space separated.")
     parser.add_argument("--hosts", type=int, default=1, choices=(1, 2),
                         help="2: pinned namespace hosts, one core each (needs root)")
@@ -206,7 +266,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "pipeline_serve.json")
     args = parser.parse_args()
     if args.drive:
-        print(json.dumps({"tok_s": _run(args.drive, args.model, args.streams[0], args.max_tokens)}))
+        tok_s = _run(args.drive, args.model, args.streams[0], args.max_tokens)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        print(json.dumps({"tok_s": tok_s, "cpu_s": usage.ru_utime + usage.ru_stime}))
         return 0
     started, load_before = time.time(), _load_average()
     common = ("--kv-cache-tokens", "16384", "--max-num-seqs", str(max(args.streams)), *args.extra.split())
@@ -221,6 +283,7 @@ def main() -> int:
                           file=sys.stderr, flush=True)
         logs = {name: servers.output(name) for name in args.configs}
     rows = _table(args, runs)
+    cpu = _cpu_table(args, servers.cpu_ms_per_token)
     notes = [line for text in logs.values() for line in text.splitlines() if "pipeline parallelism" in line]
     for line in notes:
         print(f"  server said: {line}")
@@ -230,7 +293,7 @@ def main() -> int:
     args.json.write_text(json.dumps({
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("json", "drive")},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": load},
-        "rows": rows, "server_notes": notes, "wall_s": time.time() - started,
+        "rows": rows, "cpu_ms_per_token": cpu, "server_notes": notes, "wall_s": time.time() - started,
     }, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
