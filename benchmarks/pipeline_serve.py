@@ -32,6 +32,7 @@ import os
 import platform
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -270,6 +271,10 @@ def main() -> int:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         print(json.dumps({"tok_s": tok_s, "cpu_s": usage.ru_utime + usage.ru_stime}))
         return 0
+    def stop(signum, frame):  # SIGTERM (timeout, a supervisor) unwinds like Ctrl-C: servers and namespaces go
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     started, load_before = time.time(), _load_average()
     common = ("--kv-cache-tokens", "16384", "--max-num-seqs", str(max(args.streams)), *args.extra.split())
     runs: dict[str, dict[int, list[float]]] = {name: {s: [] for s in args.streams} for name in args.configs}
