@@ -42,6 +42,11 @@ def local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
+def local_world_size(world_size: int) -> int:
+    """How many ranks share this host: torchrun's LOCAL_WORLD_SIZE, else all of them (local launch)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def init_rank(
     rank: int, world_size: int, *, device: str | torch.device = "cpu", timeout_s: float = 120.0
 ) -> torch.device:

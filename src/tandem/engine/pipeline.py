@@ -1,30 +1,31 @@
 """Pipeline parallelism: P stage processes, several micro-batches in flight (SGLang's
 `event_loop_pp` semantics).
 
-The first stage owns the scheduler. Each `PipelineEngine.step()` plans one micro-batch (a
-scheduler step capped to about 1/S of the live requests, S = P + async depth, skipping
-requests whose sampled token is still in flight), runs the stage's layers on it and sends
-the hidden states on with an asynchronous send, then, once S micro-batches are in flight
-(or when it had nothing to launch), receives the sampled ids of the oldest one from the
-last stage and applies them (stop checks, detokenization, freeing KV) while the later
-stages work on the younger micro-batches.
+The first stage owns the scheduler. Each `PipelineEngine.step()` first, when S micro-batches
+are in flight (S = P + async depth), receives the sampled ids of the oldest one from the last
+stage and applies them (stop checks, detokenization, freeing KV); then it plans the next
+micro-batch (a scheduler step capped to about 1/S of the live requests, skipping requests
+whose sampled token is still in flight), runs the stage's layers on it, sends the hidden
+states on with an asynchronous send and returns. So the ring stays full between steps: the
+later stages work while the first stage's caller hands the outputs to the front end (with
+S = 1 too, where the stages otherwise take turns).
 
-Every stage learns a micro-batch's requests by *forwarding*: the plan (each request's chunk
-tokens, positions and KV block ids, its sampling parameters, the padded size and the ubatch
-decision the first stage's DP group agreed on) travels as the metadata of the tensor dict
-that carries the hidden states. No stage schedules or allocates: every stage has a KV cache
-of the same block count for its own layers and writes the blocks the first stage chose.
-Micro-batches flow in order through every stage, so a block freed and reused by a later
-micro-batch is always written after the earlier one read it, and successive chunks of one
-prompt can ride back-to-back micro-batches (chunked pipeline prefill).
+Every stage learns a micro-batch's requests by *forwarding*: the plan (request ids, the
+padded size and the ubatch decision the first stage's DP group agreed on) and the step inputs
+the first stage built (positions, KV slots and block table) travel in the tensor dict that
+carries the hidden states (`stage_handoff`). No stage schedules or allocates: every stage has
+a KV cache of the same block count for its own layers and writes the blocks the first stage
+chose. Micro-batches flow in order through every stage, so a block freed and reused by a
+later micro-batch is always written after the earlier one read it, and successive chunks of
+one prompt can ride back-to-back micro-batches (chunked pipeline prefill).
 
-The last stage samples with per-request generators it keeps (created from the request's
-seed on first sight, dropped when the first stage reports the request finished) and sends
+The last stage samples with per-request parameters and generators it keeps (announced with
+the request's first micro-batch, dropped when the first stage reports it finished) and sends
 the ids back to the first stage, with only the outcome and the stages' counters (the first
 stage kept the plan). Every transfer is one message into a receive posted in advance
-(`tandem.distributed.StageLink`). `choose_micro_batches` measures at start-up whether the
-micro-batch ring beats one micro-batch in flight (it does not on a model whose step costs the
-same whatever its size) and keeps the faster. A stage whose forward raises passes the error on instead
+(`tandem.distributed.StageLink`). `pipeline_choice.choose_micro_batches` measures at start-up
+whether the micro-batch ring beats one micro-batch in flight (it does not on a model whose step
+costs the same whatever its size) and keeps the faster. A stage whose forward raises passes the error on instead
 of hidden states; the first stage fails that micro-batch's requests and goes on. A dead
 stage breaks the links: its neighbours' transfers fail (or time out after the step
 timeout), they exit, and the front end reports the engine unavailable. While idle the first
@@ -40,7 +41,7 @@ import dataclasses
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,42 +54,13 @@ from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import SchedulerStep
 from tandem.worker.step_plan import StepPlan
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.stage_handoff import (
+    HEARTBEAT, STEP, STOP, MicroBatchPlan, MicroBatchResult, SamplingAnnouncer, SamplingKeeper, input_tensors,
+    pack_inputs, unpack_inputs,
+)
 
 #: How often an idle first stage tells the others it is alive.
 HEARTBEAT_INTERVAL_S = 1.0
-
-STEP, HEARTBEAT, STOP = "step", "heartbeat", "stop"
-
-
-@dataclass
-class MicroBatchPlan:
-    """What every stage needs to run one micro-batch; the metadata of its tensor dict."""
-
-    kind: str = STEP
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
-    sampling: list[SamplingParams] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    #: The step as the first stage's DP ranks planned it (padding, ubatch cut, TBO strategy,
-    #: SBO): every later stage runs it the same way rather than deciding again.
-    step: StepPlan = field(default_factory=lambda: StepPlan(num_tokens=0, num_tokens_padded=0))
-    #: Requests finished since the previous micro-batch (the last stage drops their generators).
-    finished_ids: list[str] = field(default_factory=list)
-    #: A start-up measurement (`choose_micro_batches`), not serving work: no stage counts it
-    #: among its runner's steps (fault injection and the step counters see serving steps only).
-    probe: bool = False
-    error: str | None = None
-    #: stage -> its counters, filled in on the way (the first stage reads them at the end).
-    stage_stats: dict[int, dict] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class MicroBatchResult:
-    """What the last stage sends back to the first beside the sampled ids: the first stage
-    kept the plan, so only the outcome and the stages' counters travel back."""
-
-    error: str | None
-    stage_stats: dict[int, dict]
 
 
 @dataclass
@@ -154,23 +126,26 @@ class StageWorker:
     # -- compute --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward_first(self, chunks: list[ScheduledChunk], probe: bool = False) -> tuple[torch.Tensor, StepPlan]:
+    def forward_first(self, chunks: list[ScheduledChunk], probe: bool = False):
         """Embed and run the first stage's layers. The step is planned here, with the stage's
-        other DP ranks, and its `StepPlan` is forwarded to the later stages."""
+        other DP ranks; its `StepPlan` and built inputs are forwarded to the later stages.
+        Returns the hidden states, the plan and the inputs (None when the step is empty)."""
         runner = self.runner
         step = runner.plan_step(chunks)
         if step.num_tokens_padded == 0:
-            return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), step
+            return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), step, None
         inputs = runner.step_inputs(chunks, step)
-        return runner.forward(inputs.input_ids, inputs, step, count=not probe), step
+        return runner.forward(inputs.input_ids, inputs, step, count=not probe), step, inputs
 
     @torch.no_grad()
-    def forward_later(self, plan: MicroBatchPlan, hidden: torch.Tensor):
-        """Run this stage's layers on the previous stage's hidden states as the first stage
-        planned; returns the hidden states and the step inputs (the last stage samples from both)."""
-        inputs = self.runner.step_inputs(plan.chunks, plan.step)
+    def forward_later(self, plan: MicroBatchPlan, message: dict):
+        """Run this stage's layers on the previous stage's hidden states with the inputs the
+        first stage built; returns the hidden states and the inputs (the last stage samples
+        from both)."""
+        hidden = message["hidden"]
         if plan.step.num_tokens_padded == 0:
-            return hidden, inputs
+            return hidden, None
+        inputs = unpack_inputs(plan, message)
         return self.runner.forward(hidden, inputs, plan.step, count=not plan.probe), inputs
 
 
@@ -199,6 +174,7 @@ class PipelineEngine(Engine):
         self.num_micro_batches = num_micro_batches
         self._in_flight: deque[tuple[SchedulerStep, MicroBatchPlan, object]] = deque()
         self._finished: list[str] = []
+        self._announcer = SamplingAnnouncer()
         self._last_send = time.monotonic()
         #: stage -> that stage's latest counters (this stage's own under index 0).
         self.stage_stats: dict[int, dict] = {}
@@ -209,6 +185,10 @@ class PipelineEngine(Engine):
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished or any(step.scheduled for step, _, _ in self._in_flight)
+
+    @property
+    def micro_batches_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
         if params.json_schema is not None:
@@ -224,52 +204,62 @@ class PipelineEngine(Engine):
         return output
 
     def step(self) -> list[RequestOutput]:
+        """Retire the oldest micro-batch if the ring is full, then launch the next one and
+        return without waiting for it: the ring stays full *between* steps, so the later
+        stages work while this stage's caller hands the outputs on."""
+        outputs: list[RequestOutput] = []
+        retired = len(self._in_flight) >= self.num_micro_batches
+        if retired:
+            outputs += self._retire_oldest()
         live = len(self.scheduler.running) + len(self.scheduler.waiting)
         planned = self.scheduler.schedule(
             max_requests=max(1, math.ceil(live / self.num_micro_batches)), skip_in_flight=True
         )
-        launched = bool(planned.scheduled) or self.lockstep  # DP peers of a stage run every micro-batch together
-        if launched:
+        if planned.scheduled or self.lockstep:  # DP peers of a stage run every micro-batch together
             self._launch(planned)
-        outputs: list[RequestOutput] = []
-        while self._in_flight and (len(self._in_flight) >= self.num_micro_batches or not launched):
-            outputs += self._retire()
-            if not launched:
-                break
-        self._finished += [o.request_id for o in outputs if o.finished]
+        elif self._in_flight and not retired:
+            outputs += self._retire_oldest()  # nothing new to run: wait for the oldest results
         return outputs
 
     def drain(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         while self._in_flight:
-            outputs += self._retire()
-        self._finished += [o.request_id for o in outputs if o.finished]
+            outputs += self._retire_oldest()
         return outputs
 
     def _launch(self, planned: SchedulerStep) -> None:
         worker = self.worker
         chunks = [entry.chunk for entry in planned.scheduled]
+        request_ids = [entry.request.request_id for entry in planned.scheduled]
+        self._announcer.forget(self._finished)  # before `new`: an id used again is announced again
         plan = MicroBatchPlan(
-            chunks=chunks,
-            request_ids=[entry.request.request_id for entry in planned.scheduled],
-            sampling=[entry.request.params for entry in planned.scheduled],
+            request_ids=request_ids,
+            new_sampling=self._announcer.new(request_ids, [entry.request.params for entry in planned.scheduled]),
             samples=[entry.slot is not None for entry in planned.scheduled],
             finished_ids=self._finished,
             probe=self.probing,
         )
         self._finished = []
         start = time.perf_counter()
+        inputs: dict = {}
         try:
-            hidden, plan.step = worker.forward_first(chunks, self.probing)
+            hidden, plan.step, built = worker.forward_first(chunks, self.probing)
+            inputs = pack_inputs(plan, built)
         except Exception as exc:  # noqa: BLE001 - the micro-batch's requests fail, the pipeline goes on
             plan.error = f"stage 0: {type(exc).__name__}: {exc}"
             hidden = torch.empty(0, dtype=worker.dtype, device=worker.device)
         worker.counters.busy_s += time.perf_counter() - start
         worker.counters.micro_batches += 1
         self.forward_busy_s += time.perf_counter() - start
-        self._in_flight.append((planned, plan, worker.send({"plan": plan, "hidden": hidden}, worker.next_rank)))
+        message = {"plan": plan, "hidden": hidden, **inputs}
+        self._in_flight.append((planned, plan, worker.send(message, worker.next_rank)))
         worker.expect(worker.prev_rank)  # its results will come back: be ready for them
         self._last_send = time.monotonic()
+
+    def _retire_oldest(self) -> list[RequestOutput]:
+        outputs = self._retire()
+        self._finished += [o.request_id for o in outputs if o.finished]
+        return outputs
 
     def _retire(self) -> list[RequestOutput]:
         planned, plan, send = self._in_flight.popleft()
@@ -332,7 +322,7 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
     worker = StageWorker(runner, groups, timeout_s=step_timeout_s)
     if worker.is_first:
         raise ValueError("run_stage runs the stages after the first; the first runs a PipelineEngine")
-    generators: dict[str, torch.Generator | None] = {}
+    keeper = SamplingKeeper(runner.device) if worker.is_last else None
     pending: deque = deque()
     counters = worker.counters
     previous_was_step = False
@@ -356,20 +346,7 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
             counters.idle_s += waited
         previous_was_step = True
         start = time.perf_counter()
-        for request_id in plan.finished_ids:
-            generators.pop(request_id, None)
-        out: dict = {"plan": plan}
-        if plan.error is None:
-            try:
-                hidden, inputs = worker.forward_later(plan, message["hidden"])
-                if worker.is_last:
-                    out["tokens"] = _sample(worker, plan, hidden, inputs, generators)
-                else:
-                    out["hidden"] = hidden
-            except Exception as exc:  # noqa: BLE001 - reported to the first stage, which fails the requests
-                plan.error = f"stage {worker.stage}: {type(exc).__name__}: {exc}"
-        if plan.error is not None:
-            out = {"plan": plan, "hidden" if not worker.is_last else "tokens": torch.empty(0, dtype=torch.int64)}
+        out = _run_micro_batch(worker, plan, message, keeper)
         counters.busy_s += time.perf_counter() - start
         counters.micro_batches += 1
         plan.stage_stats[worker.stage] = counters.as_dict()
@@ -383,66 +360,28 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
     return counters
 
 
-def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, generators) -> torch.Tensor:
-    if not plan.chunks:
+def _run_micro_batch(worker: StageWorker, plan: MicroBatchPlan, message: dict, keeper: SamplingKeeper | None) -> dict:
+    """One later stage's work on a micro-batch: its layers, then (last stage) sampling; an
+    error goes on in the plan instead of hidden states."""
+    if keeper is not None:
+        keeper.update(plan)  # also for a failed micro-batch: its requests' drops will come
+    if plan.error is None:
+        try:
+            hidden, inputs = worker.forward_later(plan, message)
+            if keeper is not None:
+                return {"plan": plan, "tokens": _sample(worker, plan, hidden, inputs, keeper)}
+            return {"plan": plan, "hidden": hidden, **input_tensors(message)}
+        except Exception as exc:  # noqa: BLE001 - reported to the first stage, which fails the requests
+            plan.error = f"stage {worker.stage}: {type(exc).__name__}: {exc}"
+    return {"plan": plan, "hidden" if keeper is None else "tokens": torch.empty(0, dtype=torch.int64)}
+
+
+def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, keeper: SamplingKeeper) -> torch.Tensor:
+    if plan.num_requests == 0:
         return torch.empty(0, dtype=torch.int64)
-    for request_id, params in zip(plan.request_ids, plan.sampling):
-        if request_id not in generators:
-            generators[request_id] = params.make_sampler(worker.runner.device)
-    tokens = worker.runner.sample_tokens(
-        hidden, inputs, plan.sampling, [generators[r] for r in plan.request_ids], plan.samples
-    )
+    params, generators = keeper.for_requests(plan.request_ids)
+    tokens = worker.runner.sample_tokens(hidden, inputs, params, generators, plan.samples)
     return torch.tensor([-1 if t is None else t for t in tokens], dtype=torch.int64)
-
-
-
-
-def _decode_burst_s(engine: PipelineEngine, tag: str, num_requests: int, decode_tokens: int) -> float:
-    """Seconds for `num_requests` short prompts to decode `decode_tokens` tokens each."""
-    params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
-    for i in range(num_requests):
-        engine.add_request(f"__{tag}_{i}__", [1, 2, 3, 4], params)
-    start = time.perf_counter()
-    while engine.has_work:
-        engine.step()
-    return time.perf_counter() - start
-
-
-def choose_micro_batches(engine: PipelineEngine, num_requests: int, decode_tokens: int = 8) -> str:
-    """Measure, on a short decode burst of `num_requests` requests, the configured ring
-    (M micro-batches in flight) against one micro-batch in flight (the stages take turns);
-    keep the faster and return the reason in words.
-
-    M micro-batches pay only when a step's cost grows with its size: the busiest stage runs
-    M steps of N/M requests per round where one process runs one step of N. On a small model
-    a step costs about the same whatever its size (Python and kernel launches, not
-    arithmetic), so splitting multiplies that cost by M and the ring loses to one process;
-    one micro-batch in flight then costs only the transfers. Run on the first stage of a
-    pipeline without DP (DP peers would have to agree on the choice), before serving."""
-    configured = engine.num_micro_batches
-    if configured == 1:
-        return "one micro-batch in flight (configured)"
-    num_requests = max(1, min(num_requests, engine.scheduler.max_num_seqs))
-    timings = {}
-    engine.probing = True
-    try:
-        for trial, micro_batches in enumerate((configured, 1, configured, 1)):
-            engine.num_micro_batches = micro_batches
-            seconds = _decode_burst_s(engine, f"probe{trial}", num_requests, decode_tokens)
-            timings[micro_batches] = min(timings.get(micro_batches, math.inf), seconds)
-    finally:
-        engine.probing = False
-    rate = {m: num_requests * decode_tokens / s for m, s in timings.items()}
-    measured = (f"{num_requests} decode streams at start-up: {configured} micro-batches in flight "
-                f"{rate[configured]:.0f} tok/s, one in flight {rate[1]:.0f} tok/s")
-    engine.worker.counters = StageCounters()  # the probe is no serving work
-    if rate[1] > rate[configured]:
-        engine.num_micro_batches = 1
-        return (f"pipeline parallelism will not pay for this model here ({measured}): a step costs about the same "
-                f"whatever its size, so splitting the batch over {configured} micro-batches loses; serving with one "
-                "micro-batch in flight (serve without --pipeline-parallel-size to save the transfers)")
-    engine.num_micro_batches = configured
-    return f"pipeline parallelism pays ({measured}): serving with {configured} micro-batches in flight"
 
 
 def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
@@ -457,7 +396,6 @@ def any_first_stage_rank(groups: StageGroups, flag: bool) -> bool:
 
 
 __all__ = [
-    "choose_micro_batches",
     "MicroBatchPlan",
     "MicroBatchResult",
     "PipelineEngine",

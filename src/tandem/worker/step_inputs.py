@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -49,45 +50,45 @@ def build_step_inputs(
     num_tokens_padded: int | None = None,
     device: torch.device | str = "cpu",
 ) -> StepInputs:
-    """Built on the host, then copied to `device` without blocking (one staged copy each)."""
+    """Built on the host, then copied to `device` without blocking (one staged copy each).
+    A step's worth of tensor ops, not a few per request: with 64 decode requests the
+    per-request ops cost more than a small model's layers (docs/pipeline.md)."""
     counts = [len(c.token_ids) for c in chunks]
     total = sum(counts)
     padded = total if num_tokens_padded is None else num_tokens_padded
     if padded < total:
         raise ValueError(f"num_tokens_padded={padded} is smaller than the {total} scheduled tokens")
-    input_ids = torch.zeros(padded, dtype=torch.int64)
-    positions = torch.zeros(padded, dtype=torch.int64)
-    slot_mapping = torch.full((padded,), -1, dtype=torch.int64)
+    seq_lens = [c.num_computed + n for c, n in zip(chunks, counts)]
     max_blocks = max((len(c.block_ids) for c in chunks), default=0)
-    block_table = torch.zeros((len(chunks), max(max_blocks, 1)), dtype=torch.int32)
-    seq_lens = []
-    start = 0
-    for r, chunk in enumerate(chunks):
-        n = len(chunk.token_ids)
-        seq_len = chunk.num_computed + n
+    for r, (chunk, seq_len) in enumerate(zip(chunks, seq_lens)):
         if len(chunk.block_ids) * block_size < seq_len:
             raise ValueError(
                 f"request {r} needs {seq_len} cached tokens but has {len(chunk.block_ids)} blocks of {block_size}"
             )
-        pos = torch.arange(chunk.num_computed, seq_len)
-        blocks = torch.tensor(list(chunk.block_ids), dtype=torch.int64)
-        input_ids[start : start + n] = torch.tensor(list(chunk.token_ids), dtype=torch.int64)
-        positions[start : start + n] = pos
-        slot_mapping[start : start + n] = blocks[pos // block_size] * block_size + pos % block_size
-        block_table[r, : len(chunk.block_ids)] = blocks.to(torch.int32)
-        seq_lens.append(seq_len)
-        start += n
-    query_start_loc = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()] if counts else [0], dtype=torch.int32)
+    block_table = torch.tensor(
+        [list(c.block_ids) + [0] * (max_blocks - len(c.block_ids)) for c in chunks] if max_blocks else
+        [[0] for _ in chunks], dtype=torch.int32,
+    ).reshape(len(chunks), max(max_blocks, 1))
+    input_ids = torch.zeros(padded, dtype=torch.int64)
+    positions = torch.zeros(padded, dtype=torch.int64)
+    slot_mapping = torch.full((padded,), -1, dtype=torch.int64)
+    if total:
+        input_ids[:total] = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        pos = torch.tensor([p for c, end in zip(chunks, seq_lens) for p in range(c.num_computed, end)], dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(counts))
+        positions[:total] = pos
+        slot_mapping[:total] = block_table[owner, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    query_start_loc = [0, *itertools.accumulate(counts)]
     move = lambda t: to_device_async(t, device)  # noqa: E731
     metadata = AttentionMetadata(
-        query_start_loc=move(query_start_loc),
+        query_start_loc=move(torch.tensor(query_start_loc, dtype=torch.int32)),
         seq_lens=move(torch.tensor(seq_lens, dtype=torch.int32)),
         max_query_len=max(counts, default=0),
         slot_mapping=move(slot_mapping),
         block_table=move(block_table),
         block_size=block_size,
         decode_only=bool(counts) and all(n == 1 for n in counts),
-        query_start_loc_host=tuple(query_start_loc.tolist()),
+        query_start_loc_host=tuple(query_start_loc),
         seq_lens_host=tuple(seq_lens),
     )
     return StepInputs(move(input_ids), move(positions), metadata, counts)

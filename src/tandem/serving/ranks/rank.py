@@ -208,15 +208,17 @@ def _pipeline_verdict(engine, max_num_seqs: int) -> str:
     keeps one in flight."""
     import torch
 
-    from tandem.engine.pipeline import choose_micro_batches
+    from tandem.distributed.launch import local_world_size
+    from tandem.engine.pipeline_choice import choose_micro_batches
 
     topology = engine.worker.topology
     if engine.worker.device.type == "cpu" and hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
-        wanted = topology.world_size * torch.get_num_threads()
+        here = local_world_size(topology.world_size)  # under torchrun, the other hosts' ranks have their own
+        wanted = here * torch.get_num_threads()
         if wanted > cores:
-            return (f"pipeline parallelism will not pay here: its {topology.world_size} rank processes x "
-                    f"{torch.get_num_threads()} threads need {wanted} CPU cores and this host has {cores} (the stages "
+            return (f"pipeline parallelism will not pay here: this host's {here} rank processes x "
+                    f"{torch.get_num_threads()} threads need {wanted} CPU cores and it has {cores} (the stages "
                     "would take turns on the cores instead of running side by side)")
     if topology.data_parallel_size > 1:
         return (f"pipeline parallelism: {engine.num_micro_batches} micro-batches in flight (not measured at start-up "

@@ -1,0 +1,69 @@
+"""What travels between pipeline stages: the built step inputs survive the trip exactly, and a
+request's sampling parameters travel once, are dropped when it finishes and are announced
+again if its id comes back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tandem.engine.stage_handoff import (
+    MicroBatchPlan, SamplingAnnouncer, SamplingKeeper, input_tensors, pack_inputs, unpack_inputs,
+)
+from tandem.models.paged_attention import AttentionMetadata
+from tandem.worker.sampling import SamplingParams
+from tandem.worker.step_inputs import ScheduledChunk, build_step_inputs
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+SEEDED = SamplingParams(max_tokens=4, temperature=0.7, seed=11)
+
+
+def _inputs():
+    chunks = [ScheduledChunk([7, 8, 9], 0, [3]), ScheduledChunk([5], 6, [0, 4]), ScheduledChunk([2], 0, [1])]
+    return build_step_inputs(chunks, block_size=4, num_tokens_padded=8)
+
+
+def test_built_inputs_survive_the_hand_off_without_token_ids():
+    built = _inputs()
+    plan = MicroBatchPlan()
+    tensors = pack_inputs(plan, built)
+    # A middle stage passes exactly these tensors on; nothing else of the message is inputs.
+    assert input_tensors({"plan": plan, "hidden": torch.zeros(1), **tensors}).keys() == tensors.keys()
+    received = unpack_inputs(plan, {"plan": plan, **{k: v.clone() for k, v in tensors.items()}})
+    assert received.input_ids.numel() == 0  # later stages start from hidden states
+    assert torch.equal(received.positions, built.positions)
+    assert received.num_scheduled_tokens == [3, 1, 1]
+    for item in dataclasses.fields(AttentionMetadata):
+        got, want = getattr(received.attn_metadata, item.name), getattr(built.attn_metadata, item.name)
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, item.name
+
+
+def test_an_empty_step_carries_no_inputs():
+    assert pack_inputs(MicroBatchPlan(), None) == {}
+
+
+def test_sampling_parameters_travel_once_per_request_and_again_after_a_drop():
+    announcer, keeper = SamplingAnnouncer(), SamplingKeeper("cpu")
+    first = MicroBatchPlan(request_ids=["a", "b"], new_sampling=announcer.new(["a", "b"], [GREEDY, SEEDED]))
+    second = MicroBatchPlan(request_ids=["a", "b"], new_sampling=announcer.new(["a", "b"], [GREEDY, SEEDED]))
+    assert list(first.new_sampling) == ["a", "b"] and second.new_sampling == {}
+    for plan in (first, second):
+        keeper.update(plan)
+    params, generators = keeper.for_requests(["b", "a"])
+    assert params == [SEEDED, GREEDY] and len(generators) == 2
+
+    # "a" finishes; a new request reuses its id in the very next micro-batch.
+    announcer.forget(["a"])
+    reused = SamplingParams(max_tokens=2, temperature=0.5, seed=3)
+    third = MicroBatchPlan(request_ids=["a"], finished_ids=["a"], new_sampling=announcer.new(["a"], [reused]))
+    assert third.new_sampling == {"a": reused}
+    keeper.update(third)  # drop first, then learn: the reused id keeps its new parameters
+    assert keeper.for_requests(["a"])[0] == [reused]
+    assert len(announcer) == len(keeper) == 2
+
+    keeper.update(MicroBatchPlan(finished_ids=["a", "b"]))
+    assert len(keeper) == 0
+    with pytest.raises(RuntimeError, match="no sampling parameters for request 'b'"):
+        keeper.for_requests(["b"])
