@@ -239,7 +239,11 @@ class _StackLayer(DecoderLayerOperations):
     def input_layernorm(x: torch.Tensor) -> torch.Tensor:
         return x
 
-    post_attention_layernorm = input_layernorm
+    @staticmethod
+    def post_attention_layernorm(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add with no norm, in the decoder's fused add + norm shape: (normed, sum)."""
+        hidden = x + residual
+        return hidden, hidden
 
     def prepare(self, positions, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ self.weights["wa"])

@@ -21,12 +21,11 @@ drop padding rows by a boolean mask (a data-dependent shape); they write them in
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
-from importlib.util import find_spec
 
 import torch
 import torch.nn.functional as F
 
+from tandem.modular_kernels.triton_utils import use_triton
 from tandem.platform.device import to_device_async
 from tandem.platform.graph import graph_capture_active
 from tandem.ubatch import AttentionSlice, UBatchSlice, slice_attention_metadata
@@ -147,20 +146,11 @@ def paged_attention(
     return _varlen_attention(query, key_cache, value_cache, metadata, scale)
 
 
-@lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    return find_spec("triton") is not None
-
-
 def _triton_decode_applies(cache: torch.Tensor) -> bool:
     """A CUDA cache takes the Triton split-KV kernels (`triton_decode_attention`), which read
     each request's blocks in place up to its `seq_len`; the gather below reads the table's
     whole width (under a graph: `max_model_len`) and stays for CPU and Triton-less hosts."""
-    return (
-        cache.device.type == "cuda"
-        and cache.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and _triton_importable()
-    )
+    return use_triton(cache) and cache.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _decode_attention(

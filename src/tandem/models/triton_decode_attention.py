@@ -27,13 +27,14 @@ width), so eager and captured steps give the same bits.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
+
+from tandem.modular_kernels.triton_utils import interpreting
 
 #: KV splits per request: the most programs one request's tokens are spread over. A short
 #: request uses fewer (each split is at least one `BLOCK_N` tile).
@@ -149,10 +150,6 @@ def _merge_splits(
     tl.store(out_ptr + request * stride_ot + head * stride_oh + offs_v, out.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @lru_cache(maxsize=None)
 def _kernels(interpret: bool) -> SimpleNamespace:
     """The two stages as Triton kernels in the mode asked for, whatever TRITON_INTERPRET says
@@ -195,7 +192,7 @@ def merge_kernel_meta(split_meta: dict) -> dict:
 
 
 def _check_operands(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    if query.device.type == "cpu" and not _interpreting():
+    if query.device.type == "cpu" and not interpreting():
         raise RuntimeError(
             "triton decode attention got CPU tensors: Triton runs on CPU only under the interpreter "
             "(TRITON_INTERPRET=1)"

@@ -18,7 +18,6 @@ kernel is defined, so kernels are built on first use and cached per mode.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from types import SimpleNamespace
 
@@ -28,31 +27,15 @@ from tandem.modular_kernels.activation import silu_and_mul
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
 from tandem.modular_kernels.moe_align import align_pairs_by_expert
 from tandem.modular_kernels.moe_configs import TileConfig, tile_config
+from tandem.modular_kernels.triton_utils import import_triton, interpreting
 
-_TRITON_MISSING = (
-    "the 'triton' moe backend needs the triton package, which is not installed; "
-    "install it with: pip install 'tandem[gpu]'"
-)
 
 #: dtypes `tl.dot` takes directly; anything else is computed in float32.
 _DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _import_triton():
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - exercised only without triton
-        raise ImportError(_TRITON_MISSING) from exc
-    return triton
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check_device(*tensors: torch.Tensor) -> None:
-    if any(t.device.type == "cpu" for t in tensors) and not _interpreting():
+    if any(t.device.type == "cpu" for t in tensors) and not interpreting():
         raise RuntimeError(
             "the 'triton' moe backend got CPU tensors: Triton kernels run on CPU only under the "
             "Triton interpreter; set TRITON_INTERPRET=1 in the environment before triton is "
@@ -65,7 +48,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     """Define the Triton kernels (once per interpreter mode: `triton.jit` fixes the mode at
     definition time)."""
     del interpret  # only the cache key
-    triton = _import_triton()
+    triton = import_triton()
     tl = triton.language
 
     @triton.jit
@@ -193,7 +176,7 @@ def _compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> torch.dtype:
     bfloat16 operands are promoted to float32 first.
     """
     if x.dtype in _DOT_DTYPES and all(w.dtype == x.dtype for w in weights):
-        if x.dtype == torch.bfloat16 and _interpreting():
+        if x.dtype == torch.bfloat16 and interpreting():
             return torch.float32
         return x.dtype
     return torch.float32
@@ -233,7 +216,7 @@ class TritonExperts(Experts):
         self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None, *,
         tile: TileConfig | None = None,
     ):  # fmt: skip
-        _import_triton()
+        import_triton()
         self.tiles = TileChoice(block_m, block_n, block_k, tile)
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -248,7 +231,7 @@ class TritonExperts(Experts):
         if num_tokens == 0 or top_k == 0 or num_experts == 0:
             return torch.zeros((num_tokens, hidden), dtype=tokens.dtype, device=device)
 
-        kern = _kernels(_interpreting())
+        kern = _kernels(interpreting())
         cdiv = kern.triton.cdiv
         dtype = _compute_dtype(x, w1, w2)
         precision = _precision(dtype)
@@ -300,7 +283,7 @@ class TritonBatchedExperts(Experts):
     name = "triton"
 
     def __init__(self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None):
-        _import_triton()
+        import_triton()
         self.tiles = TileChoice(block_m, block_n, block_k)
 
     def _gemm(self, kern, a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, precision: str, tile: TileConfig):
@@ -328,7 +311,7 @@ class TritonBatchedExperts(Experts):
         inter = w1.shape[1] // 2
         if x.numel() == 0:
             return torch.zeros((num_experts, m, hidden), dtype=tokens.dtype, device=x.device)
-        kern = _kernels(_interpreting())
+        kern = _kernels(interpreting())
         dtype = _compute_dtype(x, w1, w2)
         precision = _precision(dtype)
         # Counts above M would index past the slot; clamp them to the slot size.
