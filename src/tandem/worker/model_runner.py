@@ -183,23 +183,13 @@ class ModelRunner:
     def _split(self, counts: list[int], contexts: list[int], num_ubatches: int, padded: int):
         if self.overlap.ubatch_split == "tokens":
             return split_by_tokens(
-                counts, num_ubatches, num_tokens_padded=padded, split_point=self._tbo_split_point(counts, num_ubatches)
+                counts, num_ubatches, num_tokens_padded=padded, split_point=tbo_split_point(counts, num_ubatches, self.overlap)
             )
         weight = self.planner.model.attention_weight if self.planner is not None else None
         return split_by_cost(
             counts, contexts, num_ubatches, num_tokens_padded=padded,
             attention_weight=DEFAULT_ATTENTION_WEIGHT if weight is None else weight,
         )
-
-    def _tbo_split_point(self, counts: list[int], num_ubatches: int) -> int | None:
-        """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split
-        by sequences, or inside one sequence when no boundary is balanced enough; None (cut
-        by tokens) for decode batches and for the other executors."""
-        num_tokens = sum(counts)
-        if self.overlap.executor != "stages" or num_ubatches != 2 or all(n == 1 for n in counts):
-            return None
-        split = balanced_split(counts, self.overlap.tbo_token_distribution_threshold)
-        return split.token_index if 0 < split.token_index < num_tokens else None
 
     def step_inputs(self, chunks: Sequence[ScheduledChunk], plan: StepPlan) -> StepInputs:
         """The step's input ids, positions and attention metadata, padded as `plan` says."""
@@ -365,6 +355,17 @@ class ModelRunner:
                 for r, lo, hi in zip(prompt.owners, bounds, bounds[1:])
             ]
         return tokens, logprobs, prompt_logprobs
+
+
+def tbo_split_point(counts: list[int], num_ubatches: int, overlap: OverlapConfig) -> int | None:
+    """Where TBO (the stages executor) cuts a two-ubatch prefill: SGLang's balanced split by
+    sequences, or inside one sequence when no boundary is balanced enough; None (cut by
+    tokens) for decode batches and for the other executors."""
+    num_tokens = sum(counts)
+    if overlap.executor != "stages" or num_ubatches != 2 or all(n == 1 for n in counts):
+        return None
+    split = balanced_split(counts, overlap.tbo_token_distribution_threshold)
+    return split.token_index if 0 < split.token_index < num_tokens else None
 
 
 def _scatter_rows(num_requests: int, rows: list[int], values: list[int]) -> list[int | None]:

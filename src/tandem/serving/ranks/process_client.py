@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -44,6 +45,17 @@ ATTACHED_FAILURE_LINGER_S = 5.0
 
 def _stderr(message: str) -> None:
     print(f"[tandem] {message}", file=sys.stderr, flush=True)
+
+
+def describe_exit(who: str, exitcode: int) -> str:
+    """`who` ended with `exitcode` (a process's: negative for a signal), in words."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"{who} was killed by {name}"
+    return f"{who} exited with code {exitcode}"
 
 
 class ProcessEngineClient(EngineClient):
@@ -199,17 +211,7 @@ class ProcessEngineClient(EngineClient):
         exited = [(rank, proc) for rank, proc in enumerate(self._procs) if proc.exitcode is not None]
         exited.sort(key=lambda item: item[1].exitcode >= 0)
         for rank, proc in exited:
-            code = proc.exitcode
-            if code is not None:
-                if code < 0:
-                    try:
-                        import signal
-
-                        name = signal.Signals(-code).name
-                    except ValueError:
-                        name = f"signal {-code}"
-                    return f"{self.topology.describe(rank)} (pid {proc.pid}) was killed by {name}"
-                return f"{self.topology.describe(rank)} (pid {proc.pid}) exited with code {code}"
+            return describe_exit(f"{self.topology.describe(rank)} (pid {proc.pid})", proc.exitcode)
         return None
 
     # -- output pump ----------------------------------------------------------------------
@@ -345,29 +347,33 @@ class ProcessEngineClient(EngineClient):
         return True, "ok"
 
     def stats(self) -> EngineStats:
-        per_rank = [s for s in self._rank_stats if s is not None]
-        total = RankCounters.merge(per_rank)
-        return EngineStats(
-            num_ranks=self.world_size,
-            waiting=total.waiting,
-            running=total.running,
-            kv_usage=total.kv_usage,
-            steps=total.steps,
-            ubatched_steps=total.ubatched_steps,
-            ubatch_yields=total.ubatch_yields,
-            step_time_s=total.step_time_s,
-            forward_busy_s=total.forward_busy_s,
-            failed_steps=total.failed_steps,
-            times=total.times,
-            generated_tokens=total.generated_tokens,
-            prompt_tokens=total.prompt_tokens,
-            per_rank=[dataclasses.asdict(s) for s in per_rank],
-            pipeline_stage_idle_fraction=total.pipeline_stage_idle_fraction or [],
-        )
+        return merged_stats(self.world_size, [s for s in self._rank_stats if s is not None])
 
     @property
     def in_flight(self) -> list[int]:
         return list(self._in_flight)
+
+
+def merged_stats(num_ranks: int, per_rank: list[RankCounters]) -> EngineStats:
+    """The engine's figures from every rank's latest counters, merged typed."""
+    total = RankCounters.merge(per_rank)
+    return EngineStats(
+        num_ranks=num_ranks,
+        waiting=total.waiting,
+        running=total.running,
+        kv_usage=total.kv_usage,
+        steps=total.steps,
+        ubatched_steps=total.ubatched_steps,
+        ubatch_yields=total.ubatch_yields,
+        step_time_s=total.step_time_s,
+        forward_busy_s=total.forward_busy_s,
+        failed_steps=total.failed_steps,
+        times=total.times,
+        generated_tokens=total.generated_tokens,
+        prompt_tokens=total.prompt_tokens,
+        per_rank=[dataclasses.asdict(s) for s in per_rank],
+        pipeline_stage_idle_fraction=total.pipeline_stage_idle_fraction or [],
+    )
 
 
 __all__ = ["ProcessEngineClient"]
