@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tandem.worker.model_runner import tbo_split_point
 from tandem.config import CacheConfig, EngineConfig, OverlapConfig, ParallelConfig
 from tandem.engine.offline import build_runner, generate
 from tandem.worker.sampling import SamplingParams
@@ -110,11 +111,11 @@ def test_balanced_prefill_split_under_the_stages_executor():
     """SGLang's split for a TBO prefill: at the sequence boundary nearest half the tokens,
     or inside a sequence when that leaves one ubatch under the threshold share."""
     runner = build_runner(_config("tiny-moe", 1, True))
-    assert runner._tbo_split_point([4, 4, 8], 2) == 8  # by sequences
-    assert runner._tbo_split_point([14, 2], 2) == 8  # two-chunk: 14/16 is outside [0.48, 0.52]
-    assert runner._tbo_split_point([1, 1, 1], 2) is None  # decode: by tokens
-    assert runner._tbo_split_point([4, 4, 8], 3) is None  # three ubatches (the planner may pick them): by tokens
+    assert tbo_split_point([4, 4, 8], 2, runner.overlap) == 8  # by sequences
+    assert tbo_split_point([14, 2], 2, runner.overlap) == 8  # two-chunk: 14/16 is outside [0.48, 0.52]
+    assert tbo_split_point([1, 1, 1], 2, runner.overlap) is None  # decode: by tokens
+    assert tbo_split_point([4, 4, 8], 3, runner.overlap) is None  # three ubatches (the planner may pick them): by tokens
     runner.overlap = replace(runner.overlap, tbo_token_distribution_threshold=0.0)
-    assert runner._tbo_split_point([14, 2], 2) == 14
+    assert tbo_split_point([14, 2], 2, runner.overlap) == 14
     runner.overlap = replace(runner.overlap, executor="thread")
-    assert runner._tbo_split_point([4, 4, 8], 2) is None
+    assert tbo_split_point([4, 4, 8], 2, runner.overlap) is None
