@@ -96,10 +96,15 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def metric(base_url: str, name: str) -> float:
+def metric_values(base_url: str, name: str) -> list[float]:
+    """Every series of metric `name` on the server's `/metrics`, in the order listed."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return float(match.group(1)) if match else float("nan")
+    return [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+
+
+def metric(base_url: str, name: str) -> float:
+    values = metric_values(base_url, name)
+    return values[0] if values else float("nan")
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -31,14 +31,13 @@ import asyncio
 import json
 import os
 import random
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import httpx
 
-from tandem.testing.load import rss_mb
+from tandem.testing.load import metric_values, rss_mb
 
 #: The deployment the soak runs against (`tandem serve tiny-moe ...`): two DBO ranks, a KV
 #: cache two long prompts cannot share, a step budget that chunks them.
@@ -111,8 +110,7 @@ class WaveResult:
 
 def engine_metric(base_url: str, name: str, combine: Callable[[list[float]], float] = sum) -> float:
     """One of vLLM's per-engine metrics (`engine` label), combined over the engines."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    values = metric_values(base_url, name)
     return combine(values) if values else float("nan")
 
 
