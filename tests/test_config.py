@@ -121,7 +121,7 @@ def test_old_deepep_budget_flag_is_an_alias_of_the_one_dispatch_budget(monkeypat
 
 
 def test_the_deprecated_budget_name_is_resolved_by_one_rule_for_flags_and_the_factory():
-    from tandem.modular_kernels.factory import build_moe_kernel
+    from tandem.modular_kernels import build_moe_kernel
 
     LL = "torch_a2a_ll"
     assert ParallelConfig(2, all2all_backend=LL, deepep_ll_max_tokens_per_rank=32, dispatch_max_tokens_per_rank=32)\

@@ -213,7 +213,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         from tandem.modular_kernels.fabric import FabricModel
-        from tandem.modular_kernels.factory import check_dispatch_options, resolve_budget_alias
+        from tandem.modular_kernels.factory import check_dispatch_options
+        from tandem.modular_kernels.moe_config import resolve_budget_alias
 
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
@@ -248,7 +249,6 @@ class ParallelConfig:
             self.all2all_backend,
             dispatch_max_tokens_per_rank=self.dispatch_max_tokens_per_rank,
             fabric=True if has_fabric else None,
-            use_fp8_dispatch=self.use_fp8_dispatch or None,
         )
         if self.all2all_backend == "deepep_low_latency":
             from tandem.modular_kernels.prepare_deepep import check_low_latency_budget
@@ -395,6 +395,24 @@ class EngineConfig:
     def dispatch_max_tokens_per_rank(self) -> int | None:
         """The dispatch token budget every MoE layer's kernel is built with."""
         return self.parallel.dispatch_budget(self.max_num_batched_tokens)
+
+    def moe_config(self, group=None):
+        """The `MoEConfig` every MoE layer of this rank's model is built with; `group` is the
+        expert-parallel group (None: the default one)."""
+        from tandem.modular_kernels import FabricModel, MoEConfig
+
+        par = self.parallel
+        return MoEConfig(
+            all2all_backend=par.all2all_backend,
+            moe_backend=par.moe_backend,
+            group=group,
+            dispatch_max_tokens_per_rank=self.dispatch_max_tokens_per_rank,
+            use_fp8_dispatch=par.use_fp8_dispatch,
+            enable_sbo=par.enable_sbo,
+            sbo_mode=par.sbo_mode,
+            fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
+            comm_sms=self.overlap.comm_sms,
+        )
 
     def resolve_device(self, local_rank: int = 0):
         from tandem.platform.device import resolve_device

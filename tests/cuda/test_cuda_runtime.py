@@ -149,11 +149,11 @@ def one_rank_nccl():
 
 
 def _tiny(all2all: str, moe_backend: str, group=None):
-    from tandem.models.base import MoEOptions
+    from tandem.modular_kernels import MoEConfig
     from tandem.models.tiny_moe import build_tiny_moe
 
     budget = 16 if all2all in ("torch_a2a_ll", "deepep_low_latency") else None
-    options = MoEOptions(all2all_backend=all2all, moe_backend=moe_backend, group=group, dispatch_max_tokens_per_rank=budget)
+    options = MoEConfig(all2all_backend=all2all, moe_backend=moe_backend, group=group, dispatch_max_tokens_per_rank=budget)
     return build_tiny_moe(options, dtype=torch.float32, device="cuda").model
 
 

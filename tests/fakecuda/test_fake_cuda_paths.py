@@ -76,11 +76,11 @@ SIZES = {"hidden_size": 2048, "intermediate_size": 256, "moe_intermediate_size":
 
 
 def _model(all2all: str, moe_backend: str, group, dtype=torch.bfloat16):
-    from tandem.models.base import MoEOptions
+    from tandem.modular_kernels import MoEConfig
     from tandem.models.deepseek import DeepseekV3ForCausalLM
     from tandem.models.tiny_moe import CONFIG
 
-    options = MoEOptions(
+    options = MoEConfig(
         all2all_backend=all2all, moe_backend=moe_backend, group=None if all2all == "local" else group,
         # The one dispatch budget; a backend without a fixed buffer (local) refuses one.
         dispatch_max_tokens_per_rank=None if all2all == "local" else 16,

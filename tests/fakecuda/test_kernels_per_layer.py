@@ -100,12 +100,12 @@ def count_decode_step(name: str, launches: list) -> dict:
     from tandem.bench.op_count import count_ops_per_layer
     from tandem.bench.step_cost import is_moe_block
     from tandem.contexts import ForwardContext, set_forward_context
-    from tandem.models.base import MoEOptions
+    from tandem.modular_kernels import MoEConfig
 
     cls, config = MODELS[name]()
     with FakeTensorMode(allow_non_fake_inputs=True):
         with torch.device("cuda"):
-            model = cls(config, moe=MoEOptions(all2all_backend="local", moe_backend="triton"), dtype=torch.bfloat16)
+            model = cls(config, moe=MoEConfig(all2all_backend="local", moe_backend="triton"), dtype=torch.bfloat16)
         model.prepare_weights_after_loading()
         model.eval()
         inputs = _decode_inputs(model)

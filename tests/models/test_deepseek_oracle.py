@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from tandem.models.base import MoEOptions  # noqa: E402
+from tandem.modular_kernels import MoEConfig  # noqa: E402
 from tandem.models.deepseek import DeepseekConfig, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM  # noqa: E402
 from tandem.testing.model_harness import GreedyHarness  # noqa: E402
 
@@ -137,7 +137,7 @@ def _hf_classes(version: int):
     return transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DeepseekV3ForCausalLM
 
 
-def _build(name: str, tmp_path, kv_cache_mode: str = "latent", moe: MoEOptions | None = None):
+def _build(name: str, tmp_path, kv_cache_mode: str = "latent", moe: MoEConfig | None = None):
     version, kwargs = CASES[name]
     config_cls, hf_cls, our_cls = _hf_classes(version)
     config = config_cls(**kwargs)
@@ -252,7 +252,7 @@ def test_unknown_checkpoint_names_raise(tmp_path):
         ours.load_weights(wrong_shape.items())
 
 
-class _SecondHalf(MoEOptions):
+class _SecondHalf(MoEConfig):
     """Rank 1 of 2 for loading purposes (the kernel itself stays single-rank)."""
 
     def local_experts(self, num_experts: int) -> range:

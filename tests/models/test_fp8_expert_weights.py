@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.models.base import MoEOptions
+from tandem.modular_kernels import MoEConfig
 from tandem.models.random_deepseek import build_random_deepseek_v2_lite
 from tandem.modular_kernels import BlockFP8Weight
 from tandem.testing import fake_deep_gemm
@@ -37,7 +37,7 @@ def _expert_tensors(block):
 
 
 def test_deep_gemm_models_hold_fp8_expert_weights_and_no_bf16_copy(deep_gemm):
-    info = build_random_deepseek_v2_lite(MoEOptions(moe_backend="deep_gemm"), dtype=torch.bfloat16, overrides=SMALL)
+    info = build_random_deepseek_v2_lite(MoEConfig(moe_backend="deep_gemm"), dtype=torch.bfloat16, overrides=SMALL)
     blocks = _moe_blocks(info)
     assert len(blocks) == 1
     for block in blocks:
@@ -65,8 +65,8 @@ def test_fp8_expert_weights_give_the_outputs_of_the_lazy_path(deep_gemm):
     """The same random model (same seed) with the torch backend keeps its bf16 weights: the
     deep_gemm kernel fed those (quantizing them lazily, the previous path) gives bit for bit
     what the model's own fp8 weights give, and both are within fp8 error of the torch experts."""
-    fp8_model = build_random_deepseek_v2_lite(MoEOptions(moe_backend="deep_gemm"), dtype=torch.bfloat16, overrides=SMALL)
-    bf16_model = build_random_deepseek_v2_lite(MoEOptions(moe_backend="torch"), dtype=torch.bfloat16, overrides=SMALL)
+    fp8_model = build_random_deepseek_v2_lite(MoEConfig(moe_backend="deep_gemm"), dtype=torch.bfloat16, overrides=SMALL)
+    bf16_model = build_random_deepseek_v2_lite(MoEConfig(moe_backend="torch"), dtype=torch.bfloat16, overrides=SMALL)
     x = torch.randn(7, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     for fp8_block, bf16_block in zip(_moe_blocks(fp8_model), _moe_blocks(bf16_model)):
         assert bf16_block.experts.w13.dtype == torch.bfloat16
@@ -89,7 +89,7 @@ def test_the_loader_quantizes_a_checkpoints_expert_weights(deep_gemm, tmp_path):
     from tandem.models.random_deepseek import DEEPSEEK_V2_LITE
     from tandem.models.tiny_moe import build_tokenizer
 
-    source = build_random_deepseek_v2_lite(MoEOptions(moe_backend="torch"), dtype=torch.bfloat16, overrides=SMALL)
+    source = build_random_deepseek_v2_lite(MoEConfig(moe_backend="torch"), dtype=torch.bfloat16, overrides=SMALL)
     renamed = {"experts.w13": "experts.gate_up_proj", "experts.w2": "experts.down_proj"}
     tensors = {}
     for name, tensor in source.model.state_dict().items():
@@ -100,8 +100,8 @@ def test_the_loader_quantizes_a_checkpoints_expert_weights(deep_gemm, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK_V2_LITE, **SMALL}))
     build_tokenizer().save(str(tmp_path / "tokenizer.json"))
 
-    loaded = load_model(tmp_path, MoEOptions(moe_backend="deep_gemm"), dtype=torch.bfloat16)
-    built = build_random_deepseek_v2_lite(MoEOptions(moe_backend="deep_gemm"), dtype=torch.bfloat16, overrides=SMALL)
+    loaded = load_model(tmp_path, MoEConfig(moe_backend="deep_gemm"), dtype=torch.bfloat16)
+    built = build_random_deepseek_v2_lite(MoEConfig(moe_backend="deep_gemm"), dtype=torch.bfloat16, overrides=SMALL)
     for ours, theirs in zip(_moe_blocks(loaded), _moe_blocks(built)):
         got, want = _expert_tensors(ours), _expert_tensors(theirs)
         assert {n: t.dtype for n, t in got.items()} == {n: t.dtype for n, t in want.items()}

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tandem.models import ModelInfo, MoEOptions
+from tandem.models import ModelInfo
+from tandem.modular_kernels import MoEConfig
 from tandem.models.loader import load_model, supported_architectures
 from tandem.testing.model_harness import GreedyHarness
 from tandem.testing import run_distributed
@@ -131,7 +132,7 @@ def _ep_rank(rank, world, per_expert_dir, fused_dir):
     out = {}
     for key, directory, num_experts in (("qwen2", per_expert_dir, 4), ("mixtral", fused_dir, 8)):
         log.clear()
-        ep = load_model(directory, MoEOptions(all2all_backend="torch_a2a", group=dist.group.WORLD))
+        ep = load_model(directory, MoEConfig(all2all_backend="torch_a2a", group=dist.group.WORLD))
         reads = list(log)
         local = range(rank * num_experts // world, (rank + 1) * num_experts // world)
         shapes = [
@@ -194,7 +195,7 @@ def test_tiny_moe_delegates_to_build_tiny_moe(monkeypatch):
     fake = types.ModuleType("tandem.models.tiny_moe")
     fake.build_tiny_moe = build_tiny_moe
     monkeypatch.setitem(sys.modules, "tandem.models.tiny_moe", fake)
-    options = MoEOptions()
+    options = MoEConfig()
     assert load_model("tiny-moe", options) is sentinel
     assert calls == [options]
 

@@ -32,9 +32,9 @@ from tandem.modular_kernels import (
     select_experts,
     torch_moe_reference,
 )
-from tandem.modular_kernels import experts_deep_gemm
+from tandem.modular_kernels import MoEConfig, experts_deep_gemm
 from tandem.modular_kernels.experts_deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
-from tandem.modular_kernels.factory import _make_experts
+from tandem.modular_kernels.factory import experts_class
 from tandem.testing import fake_deep_gemm
 from tests.support.moe_cases import failing_import
 
@@ -342,8 +342,9 @@ def test_build_moe_kernel_local_deep_gemm_end_to_end(deep_gemm, use_fp8_dispatch
 
 def test_factory_registers_both_formats(deep_gemm):
     assert set(MOE_BACKENDS["deep_gemm"]) == {ActivationFormat.STANDARD, ActivationFormat.MASKED}
-    standard = _make_experts("deep_gemm", ActivationFormat.STANDARD)
-    masked = _make_experts("deep_gemm", ActivationFormat.MASKED)
+    config = MoEConfig(moe_backend="deep_gemm")
+    standard = experts_class("deep_gemm", ActivationFormat.STANDARD).from_moe_config(config, num_experts=E, top_k=TOP_K)
+    masked = experts_class("deep_gemm", ActivationFormat.MASKED).from_moe_config(config, num_experts=E, top_k=TOP_K)
     assert type(standard) is DeepGemmExperts and standard.activation_format is ActivationFormat.STANDARD
     assert type(masked) is DeepGemmBatchedExperts and masked.activation_format is ActivationFormat.MASKED
 

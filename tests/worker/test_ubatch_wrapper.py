@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tandem.contexts import ForwardContext, set_forward_context
-from tandem.models.base import MoEOptions
+from tandem.modular_kernels import MoEConfig
 from tandem.models.tiny_moe import build_tiny_moe
 from tandem.platform import GraphCaptureError
 from tandem.worker import BlockAllocator, ScheduledChunk, allocate_kv_caches, blocks_needed, build_step_inputs
@@ -119,7 +119,7 @@ def test_capture_refuses_host_sync_with_named_op():
 def _graph_replay_rank(rank: int, world: int, num_ubatches: int, executor: str):
     import torch.distributed as dist
 
-    options = MoEOptions(all2all_backend="torch_a2a_ll", group=dist.group.WORLD, dispatch_max_tokens_per_rank=16)
+    options = MoEConfig(all2all_backend="torch_a2a_ll", group=dist.group.WORLD, dispatch_max_tokens_per_rank=16)
     model = build_tiny_moe(options).model
     batch = Batch(model)
     eager = UBatchWrapper(model, num_ubatches=max(num_ubatches, 2), executor=executor)

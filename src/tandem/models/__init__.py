@@ -1,7 +1,7 @@
 """MoE transformer families (DeepSeek-V2/V3, Qwen2-MoE, Qwen3-MoE, Mixtral), the built-in
 tiny-moe preset and loading from Hugging Face model directories."""
 
-from tandem.models.base import CausalLM, KVCacheSpec, ModelInfo, MoEOptions
+from tandem.models.base import CausalLM, KVCacheSpec, ModelInfo
 from tandem.models.paged_attention import AttentionMetadata, paged_attention, read_from_cache, write_to_cache
 
 __all__ = [
@@ -9,7 +9,6 @@ __all__ = [
     "CausalLM",
     "KVCacheSpec",
     "ModelInfo",
-    "MoEOptions",
     "paged_attention",
     "read_from_cache",
     "write_to_cache",

@@ -1,15 +1,13 @@
-"""What every model family implements, and the options its MoE layers are built with."""
+"""What every model family implements."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
-
-from tandem.modular_kernels import FabricModel, FusedMoEModularKernel, build_moe_kernel
 
 
 @dataclass(frozen=True)
@@ -21,65 +19,6 @@ class KVCacheSpec:
 
     shapes: dict[str, tuple[int, ...]]
     dtype: torch.dtype
-
-
-@dataclass
-class MoEOptions:
-    """How the MoE layers communicate and compute; one rank of `group` holds experts
-    `[rank * E / R, (rank + 1) * E / R)` (expert parallelism across the DP ranks)."""
-
-    all2all_backend: str = "local"
-    moe_backend: str = "torch"
-    group: object = None
-    #: The dispatch token budget (fixed-buffer backends only; see build_moe_kernel).
-    dispatch_max_tokens_per_rank: int | None = None
-    use_fp8_dispatch: bool = False
-    enable_sbo: bool = False
-    sbo_mode: str = "auto"
-    fabric: FabricModel | None = None
-    comm_sms: int | None = None
-
-    @property
-    def ep_rank(self) -> int:
-        return torch.distributed.get_rank(self.group) if self._distributed else 0
-
-    @property
-    def ep_size(self) -> int:
-        return torch.distributed.get_world_size(self.group) if self._distributed else 1
-
-    @property
-    def _distributed(self) -> bool:
-        return self.all2all_backend != "local" and torch.distributed.is_initialized()
-
-    def local_experts(self, num_experts: int) -> range:
-        if num_experts % self.ep_size:
-            raise ValueError(f"{num_experts} experts do not divide over {self.ep_size} expert-parallel ranks")
-        per_rank = num_experts // self.ep_size
-        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
-
-    def build_kernel(
-        self,
-        *,
-        num_experts: int,
-        top_k: int,
-        hidden_size: int,
-        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> FusedMoEModularKernel:
-        return build_moe_kernel(
-            self.all2all_backend,
-            self.moe_backend,
-            num_experts=num_experts,
-            top_k=top_k,
-            hidden_size=hidden_size,
-            group=self.group,
-            dispatch_max_tokens_per_rank=self.dispatch_max_tokens_per_rank,
-            shared_experts=shared_experts,
-            use_fp8_dispatch=self.use_fp8_dispatch,
-            enable_sbo=self.enable_sbo,
-            sbo_mode=self.sbo_mode,
-            fabric=self.fabric,
-            comm_sms=self.comm_sms,
-        )
 
 
 class CausalLM(nn.Module, ABC):

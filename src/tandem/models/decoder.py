@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from tandem.distributed.partition import MissingLayer, StageLayers, build_layers
-from tandem.models.base import CausalLM, KVCacheSpec, MoEOptions
+from tandem.models.base import CausalLM, KVCacheSpec
+from tandem.modular_kernels import MoEConfig
 from tandem.models.hf_config import as_config, check_silu, config_value
 from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
 from tandem.models.layers import Attention, StackedExperts
@@ -82,11 +83,11 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
     mlp_name = "mlp"
 
     def __init__(
-        self, config: Any, moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, stage: StageLayers | None = None
+        self, config: Any, moe: MoEConfig | None = None, dtype: torch.dtype = torch.float32, stage: StageLayers | None = None
     ):
         super().__init__()
         self.config = config = as_config(config)
-        self.moe = moe or MoEOptions()
+        self.moe = moe or MoEConfig()
         self.dtype = dtype
         # One rotary embedding (and cos/sin table) per (dim, layout), shared by the layers.
         self._rotaries: dict[tuple, RotaryEmbedding] = {}

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tandem.distributed.partition import StageLayers
-from tandem.models.base import MoEOptions
+from tandem.modular_kernels import MoEConfig
 from tandem.models.decoder import MoEDecoderForCausalLM
 from tandem.models.deepseek_config import DeepseekConfig
 from tandem.models.layers import GatedMLP, MoEBlock
@@ -31,7 +31,7 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 class DeepseekMoE(MoEBlock):
     """Routed experts and `n_shared_experts` shared ones (one `GatedMLP` of their summed width)."""
 
-    def __init__(self, cfg: DeepseekConfig, moe: MoEOptions, dtype: torch.dtype):
+    def __init__(self, cfg: DeepseekConfig, moe: MoEConfig, dtype: torch.dtype):
         grouped = cfg.grouped_routing
         super().__init__(
             cfg.hidden_size,
@@ -63,7 +63,7 @@ class _DeepseekForCausalLM(MoEDecoderForCausalLM):
     def __init__(
         self,
         config: Any,
-        moe: MoEOptions | None = None,
+        moe: MoEConfig | None = None,
         dtype: torch.dtype = torch.float32,
         stage: StageLayers | None = None,
         *,

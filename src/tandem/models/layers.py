@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.contexts import get_forward_context
-from tandem.models.base import KVCacheSpec, MoEOptions
+from tandem.models.base import KVCacheSpec
+from tandem.modular_kernels import MoEConfig
 from tandem.models.norm import RMSNorm
 from tandem.models.paged_attention import AttentionMetadata, paged_attention
 from tandem.models.rope import RopeConfig, RotaryEmbedding
@@ -248,7 +249,7 @@ class MoEBlock(nn.Module):
         top_k: int,
         *,
         renormalize: bool,
-        moe: MoEOptions | None = None,
+        moe: MoEConfig | None = None,
         proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
         with_shared_experts: bool = False,
         scoring: str = "softmax",
@@ -260,7 +261,7 @@ class MoEBlock(nn.Module):
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
-        moe = moe or MoEOptions()
+        moe = moe or MoEConfig()
         self.top_k, self.renormalize = top_k, renormalize
         self.scoring, self.num_expert_group, self.topk_group = scoring, num_expert_group, topk_group
         self.routed_scaling_factor, self.float32_router = routed_scaling_factor, float32_router

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator
 import torch
 from safetensors import safe_open
 
-from tandem.models.base import CausalLM, ModelInfo, MoEOptions
+from tandem.models.base import CausalLM, ModelInfo
+from tandem.modular_kernels import MoEConfig
 from tandem.models.hf_config import HFConfig, config_value
 
 #: The model families: HF `model_type` -> (architecture, the module defining the class of
@@ -152,7 +153,7 @@ def _eos_token_ids(path: Path, config: HFConfig) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype, device: torch.device, stage=None) -> ModelInfo:
+def _load_builtin(name: str, moe: MoEConfig | None, dtype: torch.dtype, device: torch.device, stage=None) -> ModelInfo:
     build = _import(BUILTIN_MODELS[name])
     accepted = inspect.signature(build).parameters
     kwargs = {key: value for key, value in (("dtype", dtype), ("device", device)) if key in accepted}
@@ -168,7 +169,7 @@ def _load_builtin(name: str, moe: MoEOptions | None, dtype: torch.dtype, device:
 
 def load_model(
     path_or_name: str,
-    moe: MoEOptions | None = None,
+    moe: MoEConfig | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     stage=None,

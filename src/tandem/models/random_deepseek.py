@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.models.base import ModelInfo, MoEOptions
+from tandem.models.base import ModelInfo
+from tandem.modular_kernels import MoEConfig
 
 SEED = 20261122
 
@@ -55,7 +56,7 @@ DEEPSEEK_V2_LITE: dict = {
 
 
 def build_random_deepseek_v2_lite(
-    moe: MoEOptions | None = None,
+    moe: MoEConfig | None = None,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     overrides: dict | None = None,

@@ -15,7 +15,8 @@ from functools import lru_cache
 
 import torch
 
-from tandem.models.base import ModelInfo, MoEOptions
+from tandem.models.base import ModelInfo
+from tandem.modular_kernels import MoEConfig
 from tandem.models.tiny_moe import BOS_ID, CONFIG as TINY_CONFIG, EOS_ID, _hf_shapes, byte_model_info
 
 SEED = 20261123
@@ -71,7 +72,7 @@ def small_moe_tensor(name: str) -> torch.Tensor:
 
 
 def build_small_moe(
-    moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", stage=None
+    moe: MoEConfig | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", stage=None
 ) -> ModelInfo:
     """The small-moe model for this expert-parallel rank and pipeline stage, on `device`;
     only the tensors this rank holds are drawn."""

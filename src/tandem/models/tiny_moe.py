@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.models.base import ModelInfo, MoEOptions
+from tandem.models.base import ModelInfo
+from tandem.modular_kernels import MoEConfig
 
 SEED = 20261121
 BOS_TOKEN = "<|bos|>"
@@ -157,7 +158,7 @@ def build_tokenizer():
 
 
 def build_tiny_moe(
-    moe: MoEOptions | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", stage=None
+    moe: MoEConfig | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", stage=None
 ) -> ModelInfo:
     """The tiny-moe model for this expert-parallel rank (`moe` says which experts it holds)
     and pipeline stage (`stage`, a `StageLayers`: which layers; default all), its parameters

@@ -3,9 +3,10 @@
 
 from tandem.modular_kernels.experts_torch import TorchBatchedExperts, TorchExperts
 from tandem.modular_kernels.fabric import FabricModel
-from tandem.modular_kernels.factory import ALL2ALL_BACKENDS, MOE_BACKENDS, build_moe_kernel
+from tandem.modular_kernels.factory import ALL2ALL_BACKENDS, MOE_BACKENDS
 from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, Experts, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.kernel import FusedMoEModularKernel, MoEStepState
+from tandem.modular_kernels.moe_config import MoEConfig, build_moe_kernel
 from tandem.modular_kernels.prepare_local import LocalPrepareAndFinalize
 from tandem.modular_kernels.quant import BlockFP8Weight, dequantize_fp8, quantize_fp8_per_token_group
 from tandem.modular_kernels.sbo import SBO_MODES
@@ -22,6 +23,7 @@ __all__ = [
     "FusedMoEModularKernel",
     "LocalPrepareAndFinalize",
     "MOE_BACKENDS",
+    "MoEConfig",
     "MoEStepState",
     "PrepareAndFinalize",
     "SBO_MODES",

@@ -227,12 +227,16 @@ class _DeepGemmBase(Experts):
     compiles_on_first_use = True
     name = "deep_gemm"
 
+    @classmethod
+    def from_moe_config(cls, config, *, num_experts: int, top_k: int) -> _DeepGemmBase:
+        return cls(top_k=top_k, num_experts=num_experts)
+
     def __init__(
         self, power_of_two_scales: bool | None = None, *, top_k: int | None = None, num_experts: int | None = None
     ) -> None:
         """`power_of_two_scales`: UE8M0 scales; None decides per device (SM100: yes).
         `top_k` and `num_experts` (global) describe the routing the experts serve:
-        `build_moe_kernel` gives them; the masked GEMM's `expected_m` hint comes from them."""
+        `MoEConfig.build_kernel` gives them; the masked GEMM's `expected_m` hint comes from them."""
         self._dg = import_deep_gemm()
         self.top_k, self.num_experts = top_k, num_experts
         #: block-quantized copies of model-dtype weights, per (weight, UE8M0 or not).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
@@ -84,6 +84,12 @@ class BlockCombine(ABC):
         """After the last block: `(hook, receiver)` as `finalize_async` returns them."""
 
 
+def require_process_group(backend: str, group) -> None:
+    """A ValueError unless `backend` has a group to run over (given, or the default one)."""
+    if group is None and not torch.distributed.is_initialized():
+        raise ValueError(f"all2all backend {backend!r} needs an initialised torch.distributed process group")
+
+
 class PrepareAndFinalize(ABC):
     """Dispatch (prepare) and combine (finalize) for one rank of an expert-parallel group.
 
@@ -105,6 +111,21 @@ class PrepareAndFinalize(ABC):
     #: True when the first transfer initialises the library or compiles kernels (minutes on a
     #: cold cache): the runner warms it up with one unsplit step before serving, outside DBO.
     compiles_on_first_use: bool = False
+    #: The dispatch options of `MoEConfig` this backend reads (`dispatch_max_tokens_per_rank`,
+    #: `fabric`, `comm_sms`): a config that sets any other one for it is refused, so no
+    #: setting is silently dropped. (fp8 dispatch and SBO work with every backend.)
+    dispatch_options: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def from_moe_config(cls, config, *, num_experts: int, hidden_size: int) -> PrepareAndFinalize:
+        """This backend for a layer of `num_experts` (global) experts over `config.group`, from
+        `config` (a `MoEConfig`), reading only the options it declares."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a MoEConfig")
+
+    @classmethod
+    def default_dispatch_budget(cls, max_num_batched_tokens: int | None) -> int | None:
+        """The dispatch token budget when none is given; None for a backend with no fixed buffer."""
+        return None
 
     def __init__(self, num_experts: int, rank: int = 0, world_size: int = 1):
         if num_experts % world_size:
@@ -187,6 +208,12 @@ class Experts(ABC):
     #: True when the first call compiles kernels (Triton, DeepGEMM's JIT): the runner warms
     #: them up with one unsplit step before serving, outside DBO.
     compiles_on_first_use: bool = False
+
+    @classmethod
+    def from_moe_config(cls, config, *, num_experts: int, top_k: int) -> Experts:
+        """These experts, from `config` (a `MoEConfig`), for a layer routing `top_k` of
+        `num_experts` (global) experts; only backends whose kernels take a load hint read the shape."""
+        return cls()
 
     def prepare_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple:
         """The expert weights in the form `apply` reads, made once when the model's weights

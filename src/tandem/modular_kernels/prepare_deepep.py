@@ -45,7 +45,7 @@ import torch.distributed as dist
 from tandem.contexts import dbo_enabled, dbo_switch_to_compute_sync, dbo_yield_and_switch_from_compute_to_comm
 from tandem.contexts.time_model import timed_receive
 from tandem.modular_kernels.fabric import FabricModel
-from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize, RecvHook
+from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize, require_process_group, RecvHook
 from tandem.modular_kernels.quant import quantize_fp8_per_token_group
 from tandem.platform import graph_capture_active
 
@@ -242,6 +242,26 @@ class DeepEPLowLatencyPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     #: fp8 dispatch can round the scales to powers of two and pack them as UE8M0
     #: (`round_scale=True, use_ue8m0=True`), what DeepGEMM reads on SM100.
     dispatches_ue8m0 = True
+    dispatch_options = frozenset({"dispatch_max_tokens_per_rank", "fabric", "comm_sms"})
+
+    @classmethod
+    def default_dispatch_budget(cls, max_num_batched_tokens: int | None) -> int | None:
+        """DeepEP's 128, the buffer vLLM sizes for: the buffer and queue pairs grow with it."""
+        return DEFAULT_LL_MAX_TOKENS_PER_RANK
+
+    @classmethod
+    def from_moe_config(cls, config, *, num_experts: int, hidden_size: int) -> DeepEPLowLatencyPrepareAndFinalize:
+        require_process_group(cls.name, config.group)
+        budget = config.dispatch_max_tokens_per_rank
+        return cls(
+            num_experts,
+            budget if budget is not None else cls.default_dispatch_budget(None),
+            group=config.group,
+            fabric=config.fabric,
+            # The Buffer (a collective plus NVSHMEM init) is made now, at model build, not
+            # inside the first (maybe ubatched) forward; the hidden size is checked here too.
+            hidden_size=hidden_size,
+        )
 
     def __init__(
         self,
@@ -349,6 +369,12 @@ class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     graph_capturable = False
     #: vLLM's order under DBO: yield, then the CPU-blocking dispatch/combine on the comm stream.
     yields_in_send = True
+    dispatch_options = frozenset({"fabric", "comm_sms"})
+
+    @classmethod
+    def from_moe_config(cls, config, *, num_experts: int, hidden_size: int) -> DeepEPHighThroughputPrepareAndFinalize:
+        require_process_group(cls.name, config.group)
+        return cls(num_experts, group=config.group, fabric=config.fabric, hidden_size=hidden_size, comm_sms=config.comm_sms)
 
     def __init__(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from tandem.modular_kernels.interfaces import ActivationFormat, ExpertTokens, PrepareAndFinalize
 from tandem.modular_kernels.quant import quantize_fp8_per_token_group
 
@@ -12,6 +14,12 @@ class LocalPrepareAndFinalize(PrepareAndFinalize):
 
     def __init__(self, num_experts: int):
         super().__init__(num_experts)
+
+    @classmethod
+    def from_moe_config(cls, config, *, num_experts: int, hidden_size: int) -> LocalPrepareAndFinalize:
+        if config.group is not None and torch.distributed.get_world_size(config.group) > 1:
+            raise ValueError("the 'local' all2all backend runs one rank; use torch_a2a or torch_a2a_ll with a group")
+        return cls(num_experts)
 
     def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
         scales = None

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tandem.contexts.time_model import timed_blocking, timed_receive
 from tandem.modular_kernels.fabric import FabricModel
-from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, ExpertTokens, PrepareAndFinalize, require_process_group
 from tandem.modular_kernels.quant import FP8_DTYPE, quantize_fp8_per_token_group
 
 
@@ -40,10 +40,17 @@ class TorchAllToAllPrepareAndFinalize(PrepareAndFinalize):
     #: the counts exchange is read on the host (`.tolist()`) and rows are picked with `nonzero`.
     graph_capturable = False
 
+    dispatch_options = frozenset({"fabric"})
+
     def __init__(self, num_experts: int, group=None, fabric: FabricModel | None = None):
         super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
         self.group = group
         self.fabric = fabric
+
+    @classmethod
+    def from_moe_config(cls, config, *, num_experts: int, hidden_size: int) -> TorchAllToAllPrepareAndFinalize:
+        require_process_group(cls.name, config.group)
+        return cls(num_experts, group=config.group, fabric=config.fabric)
 
     def supports_async(self) -> bool:
         return True

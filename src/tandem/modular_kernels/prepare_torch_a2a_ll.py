@@ -22,13 +22,25 @@ import torch.distributed._functional_collectives as funcol
 
 from tandem.contexts.time_model import timed_receive
 from tandem.modular_kernels.fabric import FabricModel
-from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.interfaces import ActivationFormat, BlockCombine, ExpertTokens, PrepareAndFinalize, require_process_group
 from tandem.modular_kernels.quant import FP8_DTYPE, quantize_fp8_per_token_group
 
 
 class TorchLowLatencyPrepareAndFinalize(PrepareAndFinalize):
     activation_format = ActivationFormat.MASKED
     name = "torch_a2a_ll"
+
+    dispatch_options = frozenset({"dispatch_max_tokens_per_rank", "fabric"})
+
+    @classmethod
+    def default_dispatch_budget(cls, max_num_batched_tokens: int | None) -> int | None:
+        """A whole step's tokens: a dispatch then never overflows the buffer."""
+        return max_num_batched_tokens
+
+    @classmethod
+    def from_moe_config(cls, config, *, num_experts: int, hidden_size: int) -> TorchLowLatencyPrepareAndFinalize:
+        require_process_group(cls.name, config.group)
+        return cls(num_experts, config.dispatch_max_tokens_per_rank, group=config.group, fabric=config.fabric)
 
     def __init__(self, num_experts: int, max_tokens_per_rank: int, group=None, fabric: FabricModel | None = None):
         super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))

@@ -16,9 +16,7 @@ def build_runner(config, *, group=None, cpu_group=None, stage=None) -> ModelRunn
     is a gloo group, `launch.cpu_group()` when `group` is the whole world)."""
     import torch.distributed as dist
 
-    from tandem.models.base import MoEOptions
     from tandem.models.loader import load_model
-    from tandem.modular_kernels import FabricModel
     from tandem.distributed.launch import cpu_group as default_cpu_group, local_rank
 
     if group is not None and cpu_group is None:
@@ -30,19 +28,7 @@ def build_runner(config, *, group=None, cpu_group=None, stage=None) -> ModelRunn
             # The world's CPU group would wait for ranks that never join this group's steps.
             raise ValueError("build_runner: a device group smaller than the world needs its own gloo cpu_group")
     device = config.resolve_device(local_rank(dist.get_rank() if dist.is_initialized() else 0))
-    par = config.parallel
-    moe = MoEOptions(
-        all2all_backend=par.all2all_backend,
-        moe_backend=par.moe_backend,
-        group=group,
-        dispatch_max_tokens_per_rank=config.dispatch_max_tokens_per_rank,
-        use_fp8_dispatch=par.use_fp8_dispatch,
-        enable_sbo=par.enable_sbo,
-        sbo_mode=par.sbo_mode,
-        fabric=FabricModel.from_flags(par.fabric_latency_us, par.fabric_gbps, par.fabric),
-        comm_sms=config.overlap.comm_sms,
-    )
-    info = load_model(config.model, moe=moe, dtype=config.resolve_dtype(device), device=device, stage=stage)
+    info = load_model(config.model, moe=config.moe_config(group), dtype=config.resolve_dtype(device), device=device, stage=stage)
     tracer = None
     if config.trace_path is not None:
         from tandem.contexts.trace import Tracer
