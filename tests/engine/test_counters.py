@@ -65,6 +65,41 @@ def test_rank_counters_merge_typed():
     assert RankCounters.merge([]) == RankCounters()
 
 
+def test_planner_counters_merge_typed_over_the_ranks_that_run_a_planner():
+    from tandem.ubatch.planner import PlannerStats
+
+    a = PlannerStats(choices={"none": 3, "dbo-2": 5}, explored_steps=1, predicted_steps=6,
+                     predicted_s=0.5, measured_s=0.625, abs_error_s=0.125)
+    b = PlannerStats(choices={"none": 1, "sbo": 2}, explored_steps=0, predicted_steps=2,
+                     predicted_s=0.25, measured_s=0.25, abs_error_s=0.0)
+    total = RankCounters.merge([RankCounters(planner=a), RankCounters(), RankCounters(planner=b)])
+    assert total.planner == PlannerStats(choices={"none": 4, "dbo-2": 5, "sbo": 2}, explored_steps=1,
+                                         predicted_steps=8, predicted_s=0.75, measured_s=0.875, abs_error_s=0.125)
+    assert a.choices == {"none": 3, "dbo-2": 5}  # the ranks' own counters are left as they were
+    assert RankCounters.merge([RankCounters(), RankCounters()]).planner is None
+
+
+def test_an_engine_reports_a_snapshot_of_its_planner():
+    from tandem.engine.build import build_engine
+    from tandem.config import EngineConfig
+    from tandem.worker.sampling import SamplingParams
+
+    config = EngineConfig(model="tiny-moe", overlap=OverlapConfig(enable_dbo=True, overlap_policy="auto"))
+    engine = build_engine(config)
+    try:
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
+        while engine.has_work:
+            engine.step()
+        snapshot = engine.stats().planner
+        assert sum(snapshot.choices.values()) == engine.runner.steps > 0
+        engine.add_request("b", [4, 5], SamplingParams(max_tokens=2, temperature=0.0))
+        while engine.has_work:
+            engine.step()
+        assert sum(engine.stats().planner.choices.values()) > sum(snapshot.choices.values())  # not a live view
+    finally:
+        engine.close()
+
+
 def test_planner_cache_keeps_one_planner_per_setting():
     cache = PlannerCache()
     auto = OverlapConfig(enable_dbo=True, overlap_policy="auto")

@@ -86,9 +86,13 @@ def test_metrics_export_the_planner_counters_summed_over_ranks():
     from tandem.serving.engine_client import EngineStats
     from tandem.serving.metrics import ServingMetrics
 
-    planner = {"choices": {"none": 3, "dbo-2": 5}, "explored_steps": 1, "predicted_steps": 6,
-               "predicted_s": 0.5, "measured_s": 0.6, "abs_error_s": 0.125}
-    stats = EngineStats(per_rank=[{"planner": planner}, {"planner": planner}, {"planner": None}])
+    from tandem.engine.counters import RankCounters
+    from tandem.serving.ranks.process_client import merged_stats
+    from tandem.ubatch.planner import PlannerStats
+
+    planner = PlannerStats(choices={"none": 3, "dbo-2": 5}, explored_steps=1, predicted_steps=6,
+                           predicted_s=0.5, measured_s=0.6, abs_error_s=0.125)
+    stats = merged_stats(3, [RankCounters(planner=planner), RankCounters(planner=planner), RankCounters()])
     text = ServingMetrics(_Client(stats)).render()[0].decode()
     assert 'tandem_planner_steps_total{choice="dbo-2"} 10.0' in text
     assert 'tandem_planner_steps_total{choice="none"} 6.0' in text

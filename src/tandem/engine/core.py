@@ -18,7 +18,7 @@ all ranks while any rank `has_work`.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -272,7 +272,8 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
             times=runner.total_step_times,
             failed_steps=self.failed_steps,
-            planner=dataclasses.asdict(runner.planner.stats) if runner.planner is not None else None,
+            # A copy: the planner goes on counting while the snapshot is read (in process) or sent.
+            planner=copy.deepcopy(runner.planner.stats) if runner.planner is not None else None,
         )
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from tandem.contexts import StepTimes
+from tandem.ubatch.planner import PlannerStats
 
 
 @dataclass
@@ -29,13 +30,13 @@ class RankCounters:
     failed_steps: int = 0
     #: Pipeline parallelism: each stage's idle (bubble) fraction, stage order; None without PP.
     pipeline_stage_idle_fraction: list | None = None
-    #: The overlap planner's counters (`tandem.ubatch.planner.PlannerStats` as a dict), if one runs.
-    planner: dict | None = None
+    #: The overlap planner's counters, if one runs (merged: summed over the ranks that run one).
+    planner: PlannerStats | None = None
 
     @classmethod
     def merge(cls, per_rank: Sequence["RankCounters"]) -> "RankCounters":
-        """All ranks as one: sums, but the fullest rank's KV usage, each pipeline stage's mean
-        idle fraction, and no planner (each rank's planner learns its own steps)."""
+        """All ranks as one: sums (the planners' counters too), but the fullest rank's KV usage
+        and each pipeline stage's mean idle fraction."""
         total = cls(kv_usage=max((c.kv_usage for c in per_rank), default=0.0))
         for c in per_rank:
             total.waiting += c.waiting
@@ -50,6 +51,8 @@ class RankCounters:
             total.preemptions += c.preemptions
             total.times = total.times + c.times
             total.failed_steps += c.failed_steps
+            if c.planner is not None:
+                total.planner = c.planner if total.planner is None else total.planner + c.planner
         stages = [c.pipeline_stage_idle_fraction for c in per_rank if c.pipeline_stage_idle_fraction]
         if stages:
             total.pipeline_stage_idle_fraction = [sum(column) / len(stages) for column in zip(*stages)]

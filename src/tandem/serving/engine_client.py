@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from tandem.contexts import StepTimes
+from tandem.engine.counters import RankCounters
+from tandem.ubatch.planner import PlannerStats
 from tandem.worker.sampling import SamplingParams
 from tandem.engine.outputs import RequestOutput
 
@@ -43,7 +45,10 @@ class EngineStats:
     prompt_tokens: int = 0
     #: Pipeline parallelism: each stage's idle (bubble) fraction, mean over the DP ranks.
     pipeline_stage_idle_fraction: list[float] = field(default_factory=list)
-    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    #: The overlap planners' counters, summed over the ranks that run one.
+    planner: PlannerStats | None = None
+    #: Each engine's (data-parallel rank's) own counters.
+    per_rank: list[RankCounters] = field(default_factory=list)
 
 
 class EngineClient(ABC):

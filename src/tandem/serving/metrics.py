@@ -45,6 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tandem.serving.engine_client import EngineClient
+from tandem.ubatch.planner import PlannerStats
 from tandem.serving.vllm_metrics import VllmMetrics
 
 logger = logging.getLogger(__name__)
@@ -153,28 +154,23 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))
-        yield from _planner_metrics([r["planner"] for r in stats.per_rank if r.get("planner")])
+        if stats.planner is not None:
+            yield from _planner_metrics(stats.planner)
 
 
-def _planner_metrics(per_rank: list[dict]) -> Iterable[Metric]:
-    if not per_rank:
-        return
+def _planner_metrics(planner: PlannerStats) -> Iterable[Metric]:
     steps = CounterMetricFamily("tandem_planner_steps", "Steps run with each overlap choice (summed over ranks)", labels=["choice"])
-    choices: dict[str, int] = {}
-    for stats in per_rank:
-        for choice, n in stats["choices"].items():
-            choices[choice] = choices.get(choice, 0) + n
-    for choice, n in sorted(choices.items()):
+    for choice, n in sorted(planner.choices.items()):
         steps.add_metric([choice], float(n))
     yield steps
-    for key, name, doc in [
-        ("explored_steps", "tandem_planner_explored_steps", "Steps the planner ran another choice than its best, to explore"),
-        ("predicted_steps", "tandem_planner_predicted_steps", "Steps that had a predicted step time"),
-        ("predicted_s", "tandem_planner_predicted_step_seconds", "Predicted step time of the choice taken"),
-        ("measured_s", "tandem_planner_measured_step_seconds", "Measured step time of the steps that had a prediction"),
-        ("abs_error_s", "tandem_planner_abs_error_seconds", "Absolute error of the predicted step time"),
+    for name, doc, value in [
+        ("tandem_planner_explored_steps", "Steps the planner ran another choice than its best, to explore", planner.explored_steps),
+        ("tandem_planner_predicted_steps", "Steps that had a predicted step time", planner.predicted_steps),
+        ("tandem_planner_predicted_step_seconds", "Predicted step time of the choice taken", planner.predicted_s),
+        ("tandem_planner_measured_step_seconds", "Measured step time of the steps that had a prediction", planner.measured_s),
+        ("tandem_planner_abs_error_seconds", "Absolute error of the predicted step time", planner.abs_error_s),
     ]:
-        yield CounterMetricFamily(name, doc, value=float(sum(stats[key] for stats in per_rank)))
+        yield CounterMetricFamily(name, doc, value=float(value))
 
 
 class ServingMetrics:

@@ -254,6 +254,6 @@ class EngineStateCollector(Collector):
         for kind, name, doc, key in families:
             family = kind(name, doc, labels=LABELS)
             for engine in range(self.num_engines):
-                counters = per_rank[engine] if engine < len(per_rank) else {}
-                family.add_metric([self.model_name, str(engine)], float(counters.get(key, 0)))
+                value = getattr(per_rank[engine], key) if engine < len(per_rank) else 0
+                family.add_metric([self.model_name, str(engine)], float(value))
             yield family

@@ -184,6 +184,20 @@ class PlannerStats:
     measured_s: float = 0.0
     abs_error_s: float = 0.0
 
+    def __add__(self, other: PlannerStats) -> PlannerStats:
+        """Two planners' counters as one (ranks' planners, each learning its own steps)."""
+        choices = dict(self.choices)
+        for name, count in other.choices.items():
+            choices[name] = choices.get(name, 0) + count
+        return PlannerStats(
+            choices=choices,
+            explored_steps=self.explored_steps + other.explored_steps,
+            predicted_steps=self.predicted_steps + other.predicted_steps,
+            predicted_s=self.predicted_s + other.predicted_s,
+            measured_s=self.measured_s + other.measured_s,
+            abs_error_s=self.abs_error_s + other.abs_error_s,
+        )
+
 
 class OverlapCostModel:
     """The fitted model of one rank's step time (see the module docstring)."""

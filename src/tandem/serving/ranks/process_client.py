@@ -13,7 +13,6 @@ stopped (the engine does not restart itself: restart the server).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import queue
 import signal
@@ -371,7 +370,8 @@ def merged_stats(num_ranks: int, per_rank: list[RankCounters]) -> EngineStats:
         times=total.times,
         generated_tokens=total.generated_tokens,
         prompt_tokens=total.prompt_tokens,
-        per_rank=[dataclasses.asdict(s) for s in per_rank],
+        planner=total.planner,
+        per_rank=list(per_rank),
         pipeline_stage_idle_fraction=total.pipeline_stage_idle_fraction or [],
     )
 
