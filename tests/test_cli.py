@@ -60,6 +60,7 @@ def test_device_and_dtype_flags_are_shared_by_every_engine_command():
         assert "--device" in help_text and "--dtype" in help_text, command
 
 
+@pytest.mark.slow  # a subprocess run
 def test_serve_takes_the_model_as_an_option_as_vllm_serve_does():
     # Both forms reach the loader: the error names the directory given either way.
     for args in (["--model", "/does/not/exist"], ["/does/not/exist"], ["/does/not/exist", "--model", "/does/not/exist"]):
@@ -68,6 +69,7 @@ def test_serve_takes_the_model_as_an_option_as_vllm_serve_does():
         assert "model path '/does/not/exist' does not exist" in result.stderr, result.stderr
 
 
+@pytest.mark.slow  # a subprocess run
 def test_serve_refuses_two_different_models():
     result = run_cli("serve", "tiny-moe", "--model", "small-moe", "--port", "1")
     assert result.returncode == 2, result.stderr

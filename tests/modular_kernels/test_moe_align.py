@@ -66,6 +66,7 @@ def test_no_table_off_cuda():
     assert default_config(4, 2, 8).block_m == 16 and default_config(4096, 8, 8).block_m == 64
 
 
+@pytest.mark.slow  # a subprocess run
 def test_tune_script_smoke_writes_a_table(tmp_path):
     """benchmarks/tune_moe_configs.py end to end on the interpreter: a table the loader reads."""
     import subprocess
