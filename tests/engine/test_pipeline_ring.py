@@ -1,6 +1,7 @@
 """The micro-batch ring of a two-stage pipeline on real gloo ranks: between steps it stays full
 (M micro-batches in flight, M = 1 too, so the later stage works while the first stage's caller
-hands outputs on), and greedy and seeded tokens equal one process's whatever M is."""
+hands outputs on), and greedy and seeded tokens equal one process's whatever M is, penalties
+and min_tokens included."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from tandem.worker.sampling import SamplingParams
 
 PROMPTS = ["ring one", "ring two", "three", "four", "five", "six"]
 PARAMS = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-          SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)] * 3
+          SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)] * 2 + [
+    # The last stage samples: it must see the prompt the repetition penalty counts and the
+    # model's end tokens that min_tokens holds off, as one process's scheduler does.
+    SamplingParams(max_tokens=6, temperature=0, repetition_penalty=3.0, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.8, seed=5, min_tokens=6),
+]
 RINGS = (1, 2, 3)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.engine.stage_handoff import (
-    MicroBatchPlan, SamplingAnnouncer, SamplingKeeper, input_tensors, pack_inputs, unpack_inputs,
+    MicroBatchPlan, SamplingAnnouncer, SamplingKeeper, input_tensors, pack_inputs, prompts_to_announce, unpack_inputs,
 )
 from tandem.models.paged_attention import AttentionMetadata
 from tandem.worker.sampling import SamplingParams
@@ -67,3 +67,28 @@ def test_sampling_parameters_travel_once_per_request_and_again_after_a_drop():
     assert len(keeper) == 0
     with pytest.raises(RuntimeError, match="no sampling parameters for request 'b'"):
         keeper.for_requests(["b"])
+
+
+def test_the_last_stage_samples_as_the_first_stage_would_with_penalties_and_min_tokens():
+    """The last stage's sampler for a request reads what one process's would: the prompt (the
+    repetition penalty counts it) and the model's end tokens (`min_tokens` holds them off)."""
+    from tandem.worker.sampling import sample_step
+
+    eos, prompt = 3, [5, 6]
+    penalized = SamplingParams(max_tokens=4, temperature=0, repetition_penalty=4.0)
+    held = SamplingParams(max_tokens=4, temperature=0, min_tokens=2)
+    # Row 0: a prompt token leads narrowly; row 1: the end token leads.
+    logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 1.5, 0.0, 0.0],
+                           [0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
+    one_process = [p.make_sampler("cpu", prompt, [eos]) for p in (penalized, held)]
+    expected = sample_step(logits, [penalized, held], one_process).tokens.tolist()
+    assert expected == [1, 1]
+
+    announcer, keeper = SamplingAnnouncer(), SamplingKeeper("cpu", eos_token_ids=[eos])
+    new_sampling = announcer.new(["p", "h"], [penalized, held])
+    plan = MicroBatchPlan(request_ids=["p", "h"], new_sampling=new_sampling,
+                          new_prompts=prompts_to_announce(new_sampling, ["p", "h"], [prompt, prompt]))
+    assert list(plan.new_prompts) == ["p"]  # only a penalty that reads the prompt carries it
+    keeper.update(plan)
+    params, samplers = keeper.for_requests(["p", "h"])
+    assert sample_step(logits, params, samplers).tokens.tolist() == expected

@@ -55,7 +55,7 @@ from tandem.engine.scheduler import SchedulerStep
 from tandem.worker.step_plan import StepPlan
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.stage_handoff import (
-    HEARTBEAT, STEP, STOP, MicroBatchPlan, MicroBatchResult, SamplingAnnouncer, SamplingKeeper, input_tensors,
+    HEARTBEAT, STEP, STOP, MicroBatchPlan, MicroBatchResult, SamplingAnnouncer, SamplingKeeper, input_tensors, prompts_to_announce,
     pack_inputs, unpack_inputs,
 )
 
@@ -232,9 +232,11 @@ class PipelineEngine(Engine):
         chunks = [entry.chunk for entry in planned.scheduled]
         request_ids = [entry.request.request_id for entry in planned.scheduled]
         self._announcer.forget(self._finished)  # before `new`: an id used again is announced again
+        new_sampling = self._announcer.new(request_ids, [entry.request.params for entry in planned.scheduled])
         plan = MicroBatchPlan(
             request_ids=request_ids,
-            new_sampling=self._announcer.new(request_ids, [entry.request.params for entry in planned.scheduled]),
+            new_sampling=new_sampling,
+            new_prompts=prompts_to_announce(new_sampling, request_ids, [e.request.prompt_ids for e in planned.scheduled]),
             samples=[entry.slot is not None for entry in planned.scheduled],
             finished_ids=self._finished,
             probe=self.probing,
@@ -322,7 +324,7 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
     worker = StageWorker(runner, groups, timeout_s=step_timeout_s)
     if worker.is_first:
         raise ValueError("run_stage runs the stages after the first; the first runs a PipelineEngine")
-    keeper = SamplingKeeper(runner.device) if worker.is_last else None
+    keeper = SamplingKeeper(runner.device, runner.info.eos_token_ids) if worker.is_last else None
     pending: deque = deque()
     counters = worker.counters
     previous_was_step = False

@@ -43,6 +43,8 @@ class MicroBatchPlan:
     request_ids: list[str] = field(default_factory=list)
     #: Sampling parameters of the requests the later stages have not seen yet.
     new_sampling: dict[str, SamplingParams] = field(default_factory=dict)
+    #: The prompts of those whose sampling reads them (`SamplingParams.penalizes_prompt`).
+    new_prompts: dict[str, list[int]] = field(default_factory=dict)
     samples: list[bool] = field(default_factory=list)
     #: The step as the first stage's DP ranks planned it (padding, ubatch cut, TBO strategy,
     #: SBO): every later stage runs it the same way rather than deciding again.
@@ -125,11 +127,19 @@ class SamplingAnnouncer:
         return len(self._announced)
 
 
-class SamplingKeeper:
-    """The last stage's parameters and generator of every live request."""
+def prompts_to_announce(new_sampling: dict[str, SamplingParams], request_ids: list[str], prompts: list[list[int]]) -> dict:
+    """The prompts the last stage needs with the requests just announced: those whose
+    sampling reads the prompt, the others stay on the first stage."""
+    return {r: p for r, p in zip(request_ids, prompts) if r in new_sampling and new_sampling[r].penalizes_prompt}
 
-    def __init__(self, device) -> None:
+
+class SamplingKeeper:
+    """The last stage's parameters and sampling state of every live request, made as the
+    first stage's scheduler makes them in one process (prompt and end tokens included)."""
+
+    def __init__(self, device, eos_token_ids=()) -> None:
         self.device = device
+        self.eos_token_ids = sorted(eos_token_ids)
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
 
@@ -141,7 +151,8 @@ class SamplingKeeper:
             self.generators.pop(request_id, None)
         for request_id, params in plan.new_sampling.items():
             self.params[request_id] = params
-            self.generators[request_id] = params.make_sampler(self.device)
+            prompt = plan.new_prompts.get(request_id, ())
+            self.generators[request_id] = params.make_sampler(self.device, prompt, self.eos_token_ids)
 
     def for_requests(self, request_ids: list[str]) -> tuple[list[SamplingParams], list]:
         try:
@@ -155,6 +166,6 @@ class SamplingKeeper:
 
 
 __all__ = [
-    "HEARTBEAT", "STEP", "STOP", "MicroBatchPlan", "MicroBatchResult", "SamplingAnnouncer", "SamplingKeeper",
+    "HEARTBEAT", "STEP", "STOP", "MicroBatchPlan", "MicroBatchResult", "SamplingAnnouncer", "SamplingKeeper", "prompts_to_announce",
     "input_tensors", "pack_inputs", "unpack_inputs",
 ]

@@ -90,6 +90,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    @property
+    def penalizes_prompt(self) -> bool:
+        """True when sampling reads the prompt: the repetition penalty counts its tokens."""
+        return self.repetition_penalty != 1.0
+
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """A request's own random stream on `device` (where its logits are sampled): the same
         seed gives the same tokens whatever else is in the batch."""
@@ -107,7 +112,7 @@ class SamplingParams:
         end_ids = list(self.stop_token_ids) + ([] if self.ignore_eos else list(eos_token_ids))
         return RequestSampler(
             generator=self.make_generator(device),
-            prompt_ids=list(prompt_ids) if self.repetition_penalty != 1.0 else [],
+            prompt_ids=list(prompt_ids) if self.penalizes_prompt else [],
             end_token_ids=sorted(set(end_ids)) if self.min_tokens else [],
         )
 
