@@ -19,6 +19,8 @@ from tandem.models.layer_operations import DecoderLayerOperations, OperationsMod
 from tandem.models.layers import Attention, StackedExperts
 from tandem.models.norm import RMSNorm
 from tandem.models.rope import RopeConfig, RotaryEmbedding, rope_config
+from tandem.models.linear import Linear
+from tandem.platform.cpu_gemm import linear
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)(\.weight)?$")
@@ -107,7 +109,7 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
         if self.tie_word_embeddings:
             self.lm_head = None
         elif self.stage.is_last:
-            self.lm_head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+            self.lm_head = Linear(hidden, vocab, bias=False, dtype=dtype)
         else:
             self.lm_head = MissingLayer()
         self.requires_grad_(False)
@@ -185,7 +187,7 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [attn.kv_cache_spec() for attn in self.attention_layers()]

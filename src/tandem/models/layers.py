@@ -5,7 +5,6 @@ cache, the gated MLP, the stacked experts and the MoE block that drives a modula
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.contexts import get_forward_context
@@ -16,6 +15,8 @@ from tandem.models.paged_attention import AttentionMetadata, paged_attention
 from tandem.models.rope import RopeConfig, RotaryEmbedding
 from tandem.modular_kernels import BlockFP8Weight, select_experts
 from tandem.modular_kernels.activation import silu_and_mul
+from tandem.models.linear import Linear
+from tandem.platform.cpu_gemm import linear
 
 
 def current_attention_metadata() -> AttentionMetadata:
@@ -53,10 +54,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.dtype = dtype
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias, dtype=dtype)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias, dtype=dtype)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
@@ -101,8 +102,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -265,7 +266,7 @@ class MoEBlock(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.scoring, self.num_expert_group, self.topk_group = scoring, num_expert_group, topk_group
         self.routed_scaling_factor, self.float32_router = routed_scaling_factor, float32_router
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)
         if correction_bias:
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
         self.experts = StackedExperts(
@@ -297,7 +298,7 @@ class MoEBlock(nn.Module):
                 # One GEMM of the model-dtype operands with float32 accumulation and output:
                 # the same products as upcasting both first, without the two casts.
                 return torch.mm(x.reshape(-1, x.shape[-1]), self.gate.weight.t(), out_dtype=torch.float32)
-            return F.linear(x.float(), self.gate.weight.float())
+            return linear(x.float(), self.gate.weight.float())
         return self.gate(x)
 
     def select(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

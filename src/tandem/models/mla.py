@@ -21,7 +21,6 @@ and V instead (plain attention; the reference the latent path is checked against
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.base import KVCacheSpec
@@ -30,6 +29,8 @@ from tandem.models.layers import current_attention_metadata
 from tandem.models.norm import RMSNorm
 from tandem.models.paged_attention import paged_attention, write_to_cache
 from tandem.models.rope import RotaryEmbedding, yarn_mscale
+from tandem.models.linear import Linear
+from tandem.platform.cpu_gemm import linear
 
 KV_CACHE_MODES = ("latent", "expanded")
 
@@ -55,15 +56,15 @@ class MLAttention(nn.Module):
         H, nh = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads = nh
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(H, nh * cfg.qk_head_dim, bias=False, dtype=dtype)
+            self.q_proj = Linear(H, nh * cfg.qk_head_dim, bias=False, dtype=dtype)
         else:
-            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, dtype=dtype)
+            self.q_a_proj = Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, dtype=dtype)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False, dtype=dtype)
-        self.kv_a_proj_with_mqa = nn.Linear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, dtype=dtype)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(nh * cfg.v_head_dim, H, bias=cfg.attention_bias, dtype=dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = Linear(nh * cfg.v_head_dim, H, bias=cfg.attention_bias, dtype=dtype)
         if rotary is None:
             rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, interleaved=cfg.rope_interleave)
         self.rotary = rotary
@@ -116,7 +117,7 @@ class MLAttention(nn.Module):
             out = torch.einsum("thl,hvl->thv", out_latent, w_kv[:, c.qk_nope_head_dim :])
         else:
             q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
-            kv = F.linear(latent, self.kv_b_proj.weight).view(T, nh, -1)
+            kv = linear(latent, self.kv_b_proj.weight).view(T, nh, -1)
             k_nope, value = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
             key = torch.cat((k_nope, k_rope.expand(T, nh, c.qk_rope_head_dim)), dim=-1)
             write_to_cache(self.kv_cache["key"], key, metadata.slot_mapping)

@@ -8,6 +8,7 @@ from torch import nn
 from tandem.models.decoder import MoEDecoderForCausalLM
 from tandem.models.hf_config import config_value
 from tandem.models.layers import Attention, GatedMLP, MoEBlock
+from tandem.models.linear import Linear
 
 
 class Qwen2MoeSparseBlock(MoEBlock):
@@ -17,7 +18,7 @@ class Qwen2MoeSparseBlock(MoEBlock):
         super().__init__(hidden_size, with_shared_experts=True, **kwargs)
         dtype = kwargs.get("dtype", torch.float32)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, dtype)
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False, dtype=dtype)
 
     def shared_experts_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
+from tandem.platform.cpu_gemm import grouped_linear
 
 #: dtypes `grouped_mm` takes; any other runs the same slices with one `mm` per expert.
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -33,6 +34,9 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """`x [sum(counts), K]` holds expert e's rows at the e-th run of `counts`; returns
     `[sum(counts), N]`, each run multiplied by `weights[e] [N, K]` transposed."""
+    packed = grouped_linear(x, weights, counts)
+    if packed is not None:
+        return packed
     if x.dtype in _GROUPED_MM_DTYPES and x.device.type == "cpu":
         offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return F.grouped_mm(x, weights.transpose(1, 2), offs=offsets)
