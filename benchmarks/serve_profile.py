@@ -65,7 +65,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     common = ("--kv-cache-tokens", "16384", "--max-num-seqs", str(args.streams))
     with Server(args.model, *common, *extra, startup_timeout_s=600) as server:
-        asyncio.run(_drive(server.url, args.model, 4, 8))  # warm the HTTP path
+        # A model directory is served under its own name, as vLLM does.
+        served = Path(args.model).name if Path(args.model).is_dir() else args.model
+        asyncio.run(_drive(server.url, served, 4, 8))  # warm the HTTP path
         pids = [server.proc.pid, *server.children]
         raws = {pid: args.out / f"{pid}.txt" for pid in pids}
         spies = [subprocess.Popen(["py-spy", "record", "--nonblocking", "--idle", "-t", "-f", "raw", "-r", str(args.rate),
@@ -73,7 +75,7 @@ def main() -> int:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for pid, raw in raws.items()]
         started, runs = time.monotonic(), []
         while time.monotonic() - started < args.seconds:
-            wall = asyncio.run(_drive(server.url, args.model, args.streams, args.max_tokens))
+            wall = asyncio.run(_drive(server.url, served, args.streams, args.max_tokens))
             runs.append(args.streams * args.max_tokens / wall)
         for spy in spies:
             spy.wait()
