@@ -4,7 +4,7 @@ ranks as well as the front end."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import pytest
 import typer

@@ -52,7 +52,6 @@ from tandem.engine.core import DEFAULT_STEP_TIMEOUT_S, Engine, RankCounters
 from tandem.worker.model_runner import ModelRunner, StepResult
 from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import SchedulerStep
-from tandem.worker.step_plan import StepPlan
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.stage_handoff import (
     HEARTBEAT, STEP, STOP, MicroBatchPlan, MicroBatchResult, SamplingAnnouncer, SamplingKeeper, input_tensors, prompts_to_announce,
