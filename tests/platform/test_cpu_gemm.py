@@ -30,35 +30,38 @@ def _count_packings(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("rows", [1, 3, 8, 33, 257])
 def test_linear_equals_f_linear(rows):
     g = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(rows, 64, generator=g)
+    weight, bias = torch.randn(384, 256, generator=g), torch.randn(384, generator=g)  # big enough to pack
+    x = torch.randn(rows, 256, generator=g)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
         # leading dimensions and a strided input
-        x3 = torch.randn(2, rows, 128, generator=g)[..., ::2]
+        x3 = torch.randn(2, rows, 512, generator=g)[..., ::2]
         torch.testing.assert_close(linear(x3, weight), F.linear(x3, weight), atol=1e-4, rtol=1e-4)
 
 
 @needs_onednn
 def test_the_weight_is_packed_once_and_again_after_it_changes(monkeypatch):
     packings = _count_packings(monkeypatch)
-    layer = Linear(64, 32, bias=False)
-    x = torch.randn(4, 64)
+    layer = Linear(256, 320, bias=False)
+    x = torch.randn(4, 256)
     with torch.inference_mode():
         layer(x), layer(x), layer(x)
-        assert packings == [32]
-        layer.weight.copy_(torch.randn(32, 64))  # a checkpoint loaded after the first step
+        assert packings == [320]
+        layer.weight.copy_(torch.randn(320, 256))  # a checkpoint loaded after the first step
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
-        assert packings == [32, 32]
+        assert packings == [320, 320]
+        router = Linear(256, 16, bias=False)  # too small to gain: oneDNN's fixed cost outweighs it
+        torch.testing.assert_close(router(x), F.linear(x, router.weight))
+        assert packings == [320, 320]
 
 
 def test_what_onednn_does_not_take_runs_the_plain_op(monkeypatch):
     packings = _count_packings(monkeypatch)
-    weight = torch.randn(16, 8)
-    x = torch.randn(3, 8)
+    weight = torch.randn(512, 128)
+    x = torch.randn(3, 128)
     torch.testing.assert_close(linear(x.double(), weight.double()), F.linear(x.double(), weight.double()))
-    assert linear(x[:0], weight).shape == (0, 16)
+    assert linear(x[:0], weight).shape == (0, 512)
     trained = torch.nn.Parameter(weight.clone())
     out = linear(x, trained)  # gradients wanted: the autograd op
     out.sum().backward()
@@ -68,7 +71,7 @@ def test_what_onednn_does_not_take_runs_the_plain_op(monkeypatch):
 
 @needs_onednn
 def test_bfloat16_runs_whether_or_not_the_cpu_packs_it():
-    weight, x = torch.randn(16, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    weight, x = torch.randn(512, 128).bfloat16(), torch.randn(5, 128).bfloat16()
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=2e-2, rtol=2e-2)
 
@@ -77,20 +80,20 @@ def test_bfloat16_runs_whether_or_not_the_cpu_packs_it():
 def test_grouped_linear_multiplies_each_experts_rows_by_its_weight(monkeypatch):
     packings = _count_packings(monkeypatch)
     g = torch.Generator().manual_seed(0)
-    weights = torch.randn(4, 24, 16, generator=g)
+    weights = torch.randn(4, 256, 256, generator=g)
     counts = [2, 0, 5, 1]
-    x = torch.randn(sum(counts), 16, generator=g)
+    x = torch.randn(sum(counts), 256, generator=g)
     expected = torch.cat([x[s : s + c] @ weights[e].t() for e, (s, c) in enumerate(zip([0, 2, 2, 7], counts))])
     with torch.inference_mode():
         torch.testing.assert_close(grouped_linear(x, weights, counts), expected, atol=1e-4, rtol=1e-4)
         grouped_linear(x, weights, counts)
-    assert packings == [24] * 4  # every expert once, at the first call
+    assert packings == [256] * 4  # every expert once, at the first call
     assert grouped_linear(x.double(), weights.double(), counts) is None  # the caller's grouped GEMM runs
 
 
 @needs_onednn
 def test_a_weight_made_under_inference_mode_is_packed_once():
     with torch.inference_mode():
-        weight, x = torch.randn(16, 8), torch.randn(2, 8)
+        weight, x = torch.randn(512, 128), torch.randn(2, 128)
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
