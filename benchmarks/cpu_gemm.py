@@ -49,9 +49,9 @@ def gemm_rows(model, batches: list[int], repeat: int) -> list[dict]:
     by_shape: dict[tuple, list[torch.Tensor]] = {}
     for name, param in model.named_parameters():
         if param.dim() == 2 and "embed" not in name and "norm" not in name:
-            by_shape.setdefault(("dense", *param.shape), []).append(param.detach())
+            by_shape.setdefault(("dense", *param.shape), []).append(param)
         elif param.dim() == 3:
-            by_shape.setdefault(("experts", *param.shape), []).append(param.detach())
+            by_shape.setdefault(("experts", *param.shape), []).append(param)
     rows = []
     for (kind, *shape), weights in sorted(by_shape.items(), key=lambda item: -item[1][0].numel()):
         for batch in batches:

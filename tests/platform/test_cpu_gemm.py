@@ -1,17 +1,25 @@
-"""CPU weight GEMMs on oneDNN-packed weights: the same products as `F.linear`, the weight
-packed once and packed again when it changes, and the plain op wherever oneDNN does not apply."""
+"""CPU weight GEMMs on oneDNN-packed weights: the same products as `F.linear`; a module weight
+packed once and again whenever it changes (in place, swapped, cast); never a tensor made for one
+call; outside graph captures; and the plain op wherever oneDNN does not apply."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tandem.models.linear import Linear
 from tandem.platform import cpu_gemm
 from tandem.platform.cpu_gemm import grouped_linear, linear
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm._AVAILABLE, reason="this torch build has no oneDNN")
+
+
+def _parameter(*shape, seed: int = 0) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)), requires_grad=False)
 
 
 def _count_packings(monkeypatch) -> list[int]:
@@ -28,9 +36,10 @@ def _count_packings(monkeypatch) -> list[int]:
 
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 8, 33, 257])
-def test_linear_equals_f_linear(rows):
+def test_linear_equals_f_linear(rows, monkeypatch):
+    packings = _count_packings(monkeypatch)
     g = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(384, 256, generator=g), torch.randn(384, generator=g)  # big enough to pack
+    weight, bias = _parameter(384, 256, seed=rows), torch.randn(384, generator=g)  # big enough to pack
     x = torch.randn(rows, 256, generator=g)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-4)
@@ -38,31 +47,39 @@ def test_linear_equals_f_linear(rows):
         # leading dimensions and a strided input
         x3 = torch.randn(2, rows, 512, generator=g)[..., ::2]
         torch.testing.assert_close(linear(x3, weight), F.linear(x3, weight), atol=1e-4, rtol=1e-4)
+    assert packings == [384]
 
 
 @needs_onednn
-def test_the_weight_is_packed_once_and_again_after_it_changes(monkeypatch):
+def test_a_weight_is_packed_once_and_again_whenever_it_changes(monkeypatch):
     packings = _count_packings(monkeypatch)
     layer = Linear(256, 320, bias=False)
     x = torch.randn(4, 256)
     with torch.inference_mode():
         layer(x), layer(x), layer(x)
         assert packings == [320]
-        layer.weight.copy_(torch.randn(320, 256))  # a checkpoint loaded after the first step
+        layer.weight.detach()[:8].copy_(torch.randn(8, 256))  # the loaders write this way
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
-        assert packings == [320, 320]
+        layer.weight.data = torch.randn(320, 256)  # swapped
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
+        assert packings == [320] * 3
+        layer.double()  # cast: oneDNN does not take float64, the plain op runs
+        torch.testing.assert_close(layer(x.double()), F.linear(x.double(), layer.weight))
         router = Linear(256, 16, bias=False)  # too small to gain: oneDNN's fixed cost outweighs it
         torch.testing.assert_close(router(x), F.linear(x, router.weight))
-        assert packings == [320, 320]
+    assert packings == [320] * 3
 
 
-def test_what_onednn_does_not_take_runs_the_plain_op(monkeypatch):
+def test_what_is_not_a_module_weight_or_not_taken_by_onednn_runs_the_plain_op(monkeypatch):
     packings = _count_packings(monkeypatch)
-    weight = torch.randn(512, 128)
+    weight = _parameter(512, 128)
     x = torch.randn(3, 128)
-    torch.testing.assert_close(linear(x.double(), weight.double()), F.linear(x.double(), weight.double()))
-    assert linear(x[:0], weight).shape == (0, 512)
-    trained = torch.nn.Parameter(weight.clone())
+    with torch.inference_mode():
+        made_for_this_call = weight.detach().clone()
+        torch.testing.assert_close(linear(x, made_for_this_call), F.linear(x, made_for_this_call))
+        torch.testing.assert_close(linear(x.double(), weight.double()), F.linear(x.double(), weight.double()))
+        assert linear(x[:0], weight).shape == (0, 512)
+    trained = nn.Parameter(weight.detach().clone())
     out = linear(x, trained)  # gradients wanted: the autograd op
     out.sum().backward()
     assert trained.grad is not None
@@ -70,30 +87,50 @@ def test_what_onednn_does_not_take_runs_the_plain_op(monkeypatch):
 
 
 @needs_onednn
+def test_packing_stays_out_of_a_captured_graph_and_the_module_still_saves():
+    from tandem.platform.cpu_graph import CpuGraph
+
+    layer = Linear(256, 320, bias=False).requires_grad_(False)
+    static_x = torch.randn(4, 256)
+    graph = CpuGraph()
+    with torch.inference_mode():
+        static_y = graph.capture(layer, static_x)  # the first use: packs, outside the recording
+        recorded = [str(step.func) for step in graph._steps]
+        assert not any("reorder" in op for op in recorded), recorded
+        new_x = torch.randn(4, 256)
+        static_x.copy_(new_x)
+        graph.replay()
+        torch.testing.assert_close(static_y, F.linear(new_x, layer.weight), atol=1e-4, rtol=1e-4)
+    torch.save(layer, io.BytesIO())  # the packed copy is not an attribute of the weight
+
+
+@needs_onednn
 def test_bfloat16_runs_whether_or_not_the_cpu_packs_it():
-    weight, x = torch.randn(512, 128).bfloat16(), torch.randn(5, 128).bfloat16()
+    weight, x = nn.Parameter(torch.randn(512, 128).bfloat16(), requires_grad=False), torch.randn(5, 128).bfloat16()
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=2e-2, rtol=2e-2)
 
 
 @needs_onednn
+def test_a_weight_made_under_inference_mode_is_packed_once(monkeypatch):
+    packings = _count_packings(monkeypatch)
+    with torch.inference_mode():
+        weight, x = nn.Parameter(torch.randn(512, 128), requires_grad=False), torch.randn(2, 128)
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    assert packings == [512]
+
+
+@needs_onednn
 def test_grouped_linear_multiplies_each_experts_rows_by_its_weight(monkeypatch):
     packings = _count_packings(monkeypatch)
-    g = torch.Generator().manual_seed(0)
-    weights = torch.randn(4, 256, 256, generator=g)
+    weights = _parameter(4, 256, 256)
     counts = [2, 0, 5, 1]
-    x = torch.randn(sum(counts), 256, generator=g)
+    x = torch.randn(sum(counts), 256, generator=torch.Generator().manual_seed(1))
     expected = torch.cat([x[s : s + c] @ weights[e].t() for e, (s, c) in enumerate(zip([0, 2, 2, 7], counts))])
     with torch.inference_mode():
         torch.testing.assert_close(grouped_linear(x, weights, counts), expected, atol=1e-4, rtol=1e-4)
         grouped_linear(x, weights, counts)
+        assert grouped_linear(x, weights.detach().clone(), counts) is None  # not a module weight
+        assert grouped_linear(x.double(), weights.double(), counts) is None  # the caller's grouped GEMM runs
     assert packings == [256] * 4  # every expert once, at the first call
-    assert grouped_linear(x.double(), weights.double(), counts) is None  # the caller's grouped GEMM runs
-
-
-@needs_onednn
-def test_a_weight_made_under_inference_mode_is_packed_once():
-    with torch.inference_mode():
-        weight, x = torch.randn(512, 128), torch.randn(2, 128)
-        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)

@@ -238,7 +238,7 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
         unknown: list[str] = []
 
         def copy(name: str, target: str, tensor: torch.Tensor, rows: slice = slice(None)) -> None:
-            dest = params[target].data[rows]
+            dest = params[target].detach()[rows]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

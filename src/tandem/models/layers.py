@@ -5,6 +5,7 @@ cache, the gated MLP, the stacked experts and the MoE block that drives a modula
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.contexts import get_forward_context
@@ -16,7 +17,6 @@ from tandem.models.rope import RopeConfig, RotaryEmbedding
 from tandem.modular_kernels import BlockFP8Weight, select_experts
 from tandem.modular_kernels.activation import silu_and_mul
 from tandem.models.linear import Linear
-from tandem.platform.cpu_gemm import linear
 
 
 def current_attention_metadata() -> AttentionMetadata:
@@ -172,10 +172,10 @@ class StackedExperts(nn.Module):
     def _rows(self, role: str, local_index: int) -> torch.Tensor:
         size = self.intermediate_size
         if role == "gate":
-            return self.w13.data[local_index, :size]
+            return self.w13.detach()[local_index, :size]
         if role == "up":
-            return self.w13.data[local_index, size:]
-        return self.w2.data[local_index]
+            return self.w13.detach()[local_index, size:]
+        return self.w2.detach()[local_index]
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -212,11 +212,11 @@ class StackedExperts(nn.Module):
         rows = self.local_rows(tensor, name)
         everyone = range(len(self.local))
         if kind == "gate_up_proj":
-            self._copy(self.w13.data, rows, name)
+            self._copy(self.w13.detach(), rows, name)
             self._filled["gate"].update(everyone)
             self._filled["up"].update(everyone)
         elif kind == "down_proj":
-            self._copy(self.w2.data, rows, name)
+            self._copy(self.w2.detach(), rows, name)
             self._filled["down"].update(everyone)
         else:
             raise KeyError(f"unknown fused expert tensor {name!r}: expected gate_up_proj or down_proj")
@@ -298,7 +298,8 @@ class MoEBlock(nn.Module):
                 # One GEMM of the model-dtype operands with float32 accumulation and output:
                 # the same products as upcasting both first, without the two casts.
                 return torch.mm(x.reshape(-1, x.shape[-1]), self.gate.weight.t(), out_dtype=torch.float32)
-            return linear(x.float(), self.gate.weight.float())
+            # `.float()` may make a copy per call: nothing to pack once.
+            return F.linear(x.float(), self.gate.weight.float())
         return self.gate(x)
 
     def select(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ kernels from it."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator, Mapping
 
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, PrepareAndFinalize
 
@@ -62,8 +63,22 @@ def check_moe_backend(moe_backend: str) -> None:
         raise ValueError(f"unknown moe backend {moe_backend!r}: expected one of {sorted(MOE_BACKENDS)}")
 
 
+class _DeclaredDispatchOptions(Mapping):
+    """Backend name -> the dispatch options its class declares, each class imported only when
+    asked for (a backend's module may need libraries the others do not)."""
+
+    def __getitem__(self, name: str) -> frozenset[str]:
+        return prepare_class(name).dispatch_options
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ALL2ALL_BACKENDS)
+
+    def __len__(self) -> int:
+        return len(ALL2ALL_BACKENDS)
+
+
 #: The dispatch options each backend declares (`PrepareAndFinalize.dispatch_options`).
-DISPATCH_OPTIONS = {name: prepare_class(name).dispatch_options for name in ALL2ALL_BACKENDS}
+DISPATCH_OPTIONS = _DeclaredDispatchOptions()
 
 #: What the options are called on the command line, for the error message.
 _OPTION_FLAGS = {

@@ -7,26 +7,31 @@ weight packed once (3.1 GB/s against 8.4 GB/s of weight read), and one expert's 
 [1024, 1024]` 0.60 against 0.15 ms (`benchmarks/cpu_gemm.py`). vLLM's CPU backend packs its
 weights for oneDNN the same way.
 
-The packed copy is kept on the weight tensor itself, made at its first use and made again
-when the weight changes (in place: its version counter moves), so a weight loaded after the
-first step is never read stale (a weight made under `torch.inference_mode` has no version
-counter: it is packed once). It costs a second copy of every packed weight in memory.
+Only module weights (`nn.Parameter`s) are packed, never a tensor made for one call. The
+packed copy is kept in a side table keyed weakly by the parameter, made at its first use and
+made again when the weight changes: in place (its version counter moves; loaders write through
+`.detach()`, which shares it), or swapped, moved or cast (its storage, dtype or shape differ).
+A weight made under `torch.inference_mode` has no version counter: it is packed once. Packing
+runs outside any dispatch mode, so a `CpuGraph` capture (or an op count) sees only the GEMM
+and its replays read the packed copy made at capture. It costs a second copy of every packed
+weight in memory.
 
 Anything oneDNN does not take here (another device or dtype, a weight that needs gradients,
-bfloat16 on a CPU without AVX-512, no rows) runs the plain op.
+bfloat16 on a CPU without AVX-512, a small weight, no rows, fake tensors) runs the plain op.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.weak import WeakTensorKeyDictionary
 
 #: Rows per call the packing is tuned for (a decode batch); any row count runs.
 _PACKING_ROWS_HINT = 8
 #: Smaller weights stay with `F.linear`: oneDNN's fixed cost per call outweighs the repacking
 #: it saves (a 16 x 1024 router took 0.10 ms packed, 0.01 ms plain).
 _MIN_PACKED_ELEMENTS = 1 << 16
-_ATTRIBUTE = "_tandem_onednn_packed"
 
 
 def _onednn_available() -> bool:
@@ -34,47 +39,62 @@ def _onednn_available() -> bool:
 
 
 _AVAILABLE = _onednn_available()
+#: parameter -> (its state when packed, the packed copy or copies, or None: oneDNN refused it).
+_PACKED = WeakTensorKeyDictionary()
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _version(weight: torch.Tensor) -> int:
+def _state(weight: torch.Tensor) -> tuple:
     try:
-        return weight._version
+        version = weight._version
     except RuntimeError:  # made under inference_mode: no version counter, read it as never changed
-        return -1
+        version = -1
+    return version, weight.data_ptr(), weight.dtype, tuple(weight.shape)
 
 
-def _packed(weight: torch.Tensor):
-    """The oneDNN copy of `weight [N, K]`, current with its values, or None if it cannot be made."""
-    version = _version(weight)
-    cached = getattr(weight, _ATTRIBUTE, None)
-    if cached is not None and cached[0] == version:
+def _cached(weight: torch.Tensor, pack):
+    """`pack(weight)` as of the weight's current state, made once per state."""
+    state = _state(weight)
+    cached = _PACKED.get(weight)
+    if cached is not None and cached[0] == state:
         return cached[1]
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKING_ROWS_HINT)
+        with _disable_current_modes(), torch.no_grad():
+            packed = pack(weight.detach())
     except RuntimeError:  # e.g. bfloat16 needs AVX-512 (or AVX-NE-CONVERT) in oneDNN
         packed = None
-    setattr(weight, _ATTRIBUTE, (version, packed))
+    _PACKED[weight] = (state, packed)
     return packed
 
 
-def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _pack_one(weight: torch.Tensor):
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS_HINT)
+
+
+def _pack_each_expert(weights: torch.Tensor):
+    return [_pack_one(w) for w in weights]
+
+
+def _packable(x: torch.Tensor, weight: torch.Tensor, per_gemm: torch.Tensor) -> bool:
+    """`per_gemm`: the part of `weight` one GEMM reads (one expert's, for stacked experts)."""
     return (
         _AVAILABLE
+        and type(weight) is torch.nn.Parameter
+        and type(x) in _PLAIN_TYPES
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.dtype == weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
-        and weight.dim() == 2
-        and weight.numel() >= _MIN_PACKED_ELEMENTS
+        and per_gemm.dim() == 2
+        and per_gemm.numel() >= _MIN_PACKED_ELEMENTS
         and x.numel() > 0
         and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-        and type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a fake or meta subclass
     )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the packed weight where oneDNN takes it."""
-    packed = _packed(weight) if _packable(x, weight) else None
+    packed = _cached(weight, _pack_one) if _packable(x, weight, weight) else None
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -86,9 +106,9 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) ->
     """`x [sum(counts), K]` holds expert e's rows at the e-th run of `counts`; returns each run
     times `weights[e] [N, K]` transposed, one packed GEMM per expert with rows, or None when
     oneDNN does not take these operands (the caller then runs its grouped GEMM)."""
-    if weights.dim() != 3 or not len(weights) or not _packable(x, weights[0]):
+    if weights.dim() != 3 or not len(weights) or not _packable(x, weights, weights[0]):
         return None
-    per_expert = _packed_experts(weights)
+    per_expert = _cached(weights, _pack_each_expert)
     if per_expert is None:
         return None
     out = x.new_empty((x.shape[0], weights.shape[1]))
@@ -99,19 +119,6 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) ->
             out[start : start + count] = torch.ops.mkldnn._linear_pointwise(rows, per_expert[expert], None, "none", [], "")
         start += count
     return out
-
-
-def _packed_experts(weights: torch.Tensor):
-    version = _version(weights)
-    cached = getattr(weights, _ATTRIBUTE, None)
-    if cached is not None and cached[0] == version:
-        return cached[1]
-    try:
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACKING_ROWS_HINT) for w in weights]
-    except RuntimeError:
-        packed = None
-    setattr(weights, _ATTRIBUTE, (version, packed))
-    return packed
 
 
 __all__ = ["grouped_linear", "linear"]
