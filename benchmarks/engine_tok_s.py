@@ -18,7 +18,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -56,25 +55,12 @@ def _runner_for(base, config, mode: str):
 
 
 def _tok_s(args, runner, seed: int) -> float:
+    from tandem.bench.engine_rate import output_tok_s
     from tandem.config import SchedulerConfig
     from tandem.engine.core import Engine
-    from tandem.worker.sampling import SamplingParams
 
     engine = Engine(runner, SchedulerConfig(max_num_seqs=args.requests), max_num_batched_tokens=args.requests * args.prompt_len)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    g = torch.Generator().manual_seed(seed)
-    for i in range(args.requests):
-        engine.add_request(f"r{i}", torch.randint(2, 250, (args.prompt_len,), generator=g).tolist(), params)
-    start = time.perf_counter()
-    generated = 0
-    while engine.has_work:
-        generated += sum(len(o.new_token_ids) for o in engine.step())
-    generated += sum(len(o.new_token_ids) for o in engine.drain())
-    elapsed = time.perf_counter() - start
-    engine.close()
-    if generated != args.requests * args.max_tokens:
-        raise RuntimeError(f"generated {generated} tokens, expected {args.requests * args.max_tokens}")
-    return generated / elapsed
+    return output_tok_s(engine, requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens, seed=seed)
 
 
 def main() -> int:

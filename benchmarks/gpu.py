@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -63,7 +62,7 @@ def _sweep(args, phase: str, tokens: list[int]) -> tuple[list[dict], dict | None
 
 def _loop_runner(args):
     """One model for both loops (a second copy of a 31 GB model would not fit beside it)."""
-    from tandem.config import CacheConfig, SchedulerConfig
+    from tandem.config import CacheConfig
     from tandem.engine.offline import build_runner
 
     blocks = args.requests * -(-(args.prompt_len + args.max_tokens) // 16) + 1
@@ -71,25 +70,17 @@ def _loop_runner(args):
 
 
 def _loop_throughput(args, runner, overlap_schedule: bool) -> float:
+    from tandem.bench.engine_rate import output_tok_s
+    from tandem.config import SchedulerConfig
     from tandem.engine.core import Engine
-    from tandem.worker.sampling import SamplingParams
 
     rates = []
     for run in range(args.warmup + args.repeat):
         engine = Engine(runner, SchedulerConfig(max_num_seqs=args.requests, overlap_schedule=overlap_schedule))
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-        g = torch.Generator().manual_seed(run)
-        for i in range(args.requests):
-            engine.add_request(f"r{i}", torch.randint(0, 250, (args.prompt_len,), generator=g).tolist(), params)
-        start = time.perf_counter()
-        generated = 0
-        while engine.has_work:
-            generated += sum(len(o.new_token_ids) for o in engine.step())
-        generated += sum(len(o.new_token_ids) for o in engine.drain())
-        elapsed = time.perf_counter() - start
-        engine.close()
+        rate = output_tok_s(engine, requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                            seed=run, lowest_token=0)
         if run >= args.warmup:
-            rates.append(generated / elapsed)
+            rates.append(rate)
     return statistics.median(rates)
 
 
