@@ -19,12 +19,24 @@ import sys
 import types
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tandem.platform import CpuPlatform
 from tandem.platform.graph import Graph, _capturing, _CaptureState
 
 CUDA = torch.device("cuda", 0)
+
+#: Every fake-CUDA test module's `pytestmark`: the `fakecuda` job's marker, and a skip on the
+#: CPU build of torch.
+FAKECUDA_MARKS = [
+    pytest.mark.fakecuda,
+    pytest.mark.skipif(
+        torch.version.cuda is None,
+        reason="needs the CUDA build of torch (FakeTensorMode cannot run CUDA ops on the CPU build): "
+        "run in the fakecuda venv, see .ci/run",
+    ),
+]
 
 
 def _check_cuda(where: str, *tensors) -> None:

@@ -9,14 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.fakecuda,
-    pytest.mark.skipif(
-        torch.version.cuda is None,
-        reason="needs the CUDA build of torch (FakeTensorMode cannot run CUDA ops on the CPU build): "
-        "run in the fakecuda venv, see .ci/run",
-    ),
-]
+from tests.fakecuda.harness import FAKECUDA_MARKS  # noqa: E402
+
+pytestmark = FAKECUDA_MARKS
 
 from torch._subclasses.fake_tensor import (  # noqa: E402
     DataDependentOutputException,
