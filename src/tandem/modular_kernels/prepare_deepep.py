@@ -168,8 +168,7 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
     def __init__(self, num_experts: int, group=None, buffer=None, fabric: FabricModel | None = None):
         self._deep_ep = import_deep_ep(self.name)
         if group is None:
-            if not dist.is_initialized():
-                raise ValueError(f"all2all backend {self.name!r} needs an initialised torch.distributed process group")
+            require_process_group(self.name, group)
             group = dist.group.WORLD
         super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
         self.group = group
