@@ -26,9 +26,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 from tandem.testing.load import LoadConfig, as_dict, metric, run_load  # noqa: E402
-from tests.support.server_process import Server, pid_alive, rank_pids  # noqa: E402
+from tandem.testing.server_process import Server, pid_alive, rank_pids  # noqa: E402
 
 
 def main() -> int:

@@ -20,8 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402
+from tandem.testing.netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402
 
 GENERATED = re.compile(r"generated (\d+) tokens for (\d+) prompts in ([\d.]+) s")
 

@@ -44,9 +44,7 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from tests.support.server_process import Server, rank_pids  # noqa: E402
+from tandem.testing.server_process import Server, rank_pids  # noqa: E402
 
 CONFIGS = {
     "pp1": (),
@@ -139,7 +137,7 @@ class PinnedHostServers:
     BASE_PORT = 8001  # inside host 0's namespace: nothing else listens there
 
     def __init__(self, stack: contextlib.ExitStack, args, common: tuple[str, ...]):
-        from netns_cluster import NetnsCluster, torchrun_argv
+        from tandem.testing.netns_cluster import NetnsCluster, torchrun_argv
 
         self.args = args
         self.cluster = stack.enter_context(NetnsCluster(2, rate_mbit=args.rate_mbit, prefix="tdps"))

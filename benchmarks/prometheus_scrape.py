@@ -26,7 +26,6 @@ import json
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,9 +34,8 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 from tandem.distributed.launch import find_free_port  # noqa: E402
-from tests.support.server_process import Server, wait_ready  # noqa: E402
+from tandem.testing.server_process import Server, wait_ready  # noqa: E402
 
 SCRAPE_INTERVAL_S = 1
 

@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's tandem, not an installed one
 
 MODES = ["none", "dbo", "dbo-greenlet", "tbo", "sbo-combine-down-gemm", "sbo-combine-shared", "sbo-dispatch-shared", "auto"]
@@ -412,7 +411,7 @@ def _env_with_src(env: dict) -> dict:
 
 def run_cluster(plan: dict, *, timeout_s: float) -> dict:
     """Run the plan on 2 namespace hosts; return rank 0's results plus the link settings."""
-    from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv
+    from tandem.testing.netns_cluster import NetnsCluster, namespaces_available, torchrun_argv
 
     ok, reason = namespaces_available()
     if not ok:

@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from pipeline_serve import _drive  # noqa: E402
-from tests.support.server_process import Server  # noqa: E402
+from tandem.testing.server_process import Server  # noqa: E402
 
 
 def inclusive_shares(raw: Path, thread: str = "MainThread") -> tuple[int, list[tuple[str, float]]]:

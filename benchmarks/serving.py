@@ -29,8 +29,7 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.support.server_process import Server  # noqa: E402
+from tandem.testing.server_process import Server  # noqa: E402
 
 CONFIGS = {
     "overlap loop (dp 1)": ("--kv-cache-tokens", "16384"),

@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 from tandem.testing.soak import HEADER, SERVE_FLAGS, SoakConfig, as_dict, format_wave, growth, run_wave  # noqa: E402
-from tests.support.server_process import Server, rank_pids  # noqa: E402
+from tandem.testing.server_process import Server, rank_pids  # noqa: E402
 
 
 def _wave_problems(wave) -> list[str]:

@@ -1,5 +1,5 @@
 """Tune the Triton grouped GEMM's tile sizes for one MoE shape, per token count, and write
-the table `TritonExperts` reads (`src/tandem/modular_kernels/moe_configs.py`).
+the table `TritonExperts` reads (`src/tandem/modular_kernels/tile_tables.py`).
 
 For each token count: every candidate tile (block_m/n/k, warps, stages) runs the whole
 STANDARD-format experts call (align, both grouped GEMMs, the sum) on random routing; the
@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--grid", choices=("full", "quick"), default="quick")
-    p.add_argument("--out-dir", type=Path, default=None, help="where the table goes (default: the package's moe_configs/)")
+    p.add_argument("--out-dir", type=Path, default=None, help="where the table goes (default: the package's tile_tables/)")
     p.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/tune_moe_configs.json")
     p.add_argument("--smoke", action="store_true", help="CPU: Triton interpreter, tiny shape and grid")
     return p.parse_args()
@@ -76,7 +76,7 @@ def tune_one(args, num_tokens: int, grid: dict, device, dtype) -> dict:
 
     from tandem.modular_kernels import ExpertTokens, select_experts
     from tandem.modular_kernels.experts_triton import TritonExperts
-    from tandem.modular_kernels.moe_configs import TileConfig, default_config
+    from tandem.modular_kernels.tile_tables import TileConfig, default_config
 
     g = torch.Generator(device="cpu").manual_seed(num_tokens)
     E, I, H = args.experts, args.inter, args.hidden
@@ -116,17 +116,17 @@ def main() -> int:
         args.out_dir, args.json = args.out_dir or scratch, args.json or scratch / "tune_moe_configs.json"
     import torch
 
-    from tandem.modular_kernels import moe_configs
+    from tandem.modular_kernels import tile_tables
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = getattr(torch, args.dtype)
     grid = SMOKE_GRID if args.smoke else (FULL_GRID if args.grid == "full" else QUICK_GRID)
-    name = "cpu-interpreter" if args.smoke else moe_configs.device_name(device)
+    name = "cpu-interpreter" if args.smoke else tile_tables.device_name(device)
     rows = [tune_one(args, int(t), grid, device, dtype) for t in args.tokens.split(",")]
 
-    out_dir = args.out_dir or moe_configs.TABLE_DIR
-    table_path = out_dir / moe_configs.table_name(args.experts, args.inter, args.hidden, name)
-    moe_configs.write_table(table_path, {r["tokens"]: moe_configs.TileConfig(**r["best"]) for r in rows})
+    out_dir = args.out_dir or tile_tables.TABLE_DIR
+    table_path = out_dir / tile_tables.table_name(args.experts, args.inter, args.hidden, name)
+    tile_tables.write_table(table_path, {r["tokens"]: tile_tables.TileConfig(**r["best"]) for r in rows})
 
     print(f"E={args.experts} N={args.inter} K={args.hidden} top-{args.top_k} {args.dtype} on {name}, median of {args.repeat}")
     print(f"{'tokens':>7} {'default ms':>11} {'best ms':>9} {'speed-up':>9}  best tile (m, n, k, warps, stages)")

@@ -45,8 +45,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.support.server_process import wait_ready  # noqa: E402
+from tandem.testing.server_process import wait_ready  # noqa: E402
 
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_BIN = VLLM_VENV / "bin"

@@ -4,13 +4,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import code_size  # noqa: E402
+from tandem.testing import code_size  # noqa: E402
 
 
 def test_no_module_class_or_function_is_over_its_limit():

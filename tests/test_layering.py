@@ -31,12 +31,16 @@ LAYERS: tuple[str, ...] = (
     "worker",
     # The request loop (engine, scheduler, pipeline loop) over a worker.
     "engine",
-    # DESIGN.md's import path for UBatchWrapper, ModelRunner, FutureMap, Scheduler, Engine.
+    # The runner's public import path (re-exports UBatchWrapper, ModelRunner, FutureMap, Scheduler, Engine).
     "runner",
     "serving",
     "bench",
     # Typer options generated from the config tree's fields, for the command line only.
     "cli_options",
+    # A command's flags to an EngineConfig, with the checks that fail before any rank starts.
+    "cli_config",
+    # `bench` and `tune`'s sweep settings, options and spec.
+    "cli_bench",
     "cli",
     # The package's face: `tandem/__init__.py` re-exports the public API, `__main__` runs the CLI.
     "api",

@@ -45,3 +45,34 @@ def test_no_test_imports_another_test_module():
     offenders = {str(path.relative_to(TESTS.parent)): names
                  for path in sorted(TESTS.rglob("*.py")) if (names := imported_test_modules(path))}
     assert offenders == {}, f"move the shared helpers to tests/support/: {offenders}"
+
+
+BENCHMARKS = TESTS.parent / "benchmarks"
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def _changes_sys_path(path: Path) -> bool:
+    return any(isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+               and ast.unparse(node.value) == "sys.path" and node.attr in ("insert", "append", "extend")
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))))
+
+
+def test_harness_code_has_one_import_direction():
+    """Tests and benchmarks share harness code through `tandem.testing` only: no benchmark
+    imports `tests`, no test imports a benchmark script or puts `benchmarks/` on sys.path (a
+    test may still run a benchmark as a subprocess)."""
+    scripts = {path.stem for path in BENCHMARKS.glob("*.py")} | {"benchmarks"}
+    from_benchmarks = sorted(p.name for p in BENCHMARKS.glob("*.py") if "tests" in _top_level_imports(p))
+    from_tests = sorted(str(p.relative_to(TESTS.parent)) for p in TESTS.rglob("*.py")
+                        if p.name != Path(__file__).name and (_top_level_imports(p) & scripts or _changes_sys_path(p)))
+    assert from_benchmarks == [], f"benchmarks importing tests (move the helper to tandem.testing): {from_benchmarks}"
+    assert from_tests == [], f"tests importing benchmarks (move the helper to tandem.testing): {from_tests}"

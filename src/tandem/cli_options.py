@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass
 from typing import Any, Callable
 
 import typer

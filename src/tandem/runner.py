@@ -1,4 +1,5 @@
-"""The import path DESIGN.md names for the runner's public classes. The code lives in
+"""The runner's public import path (README, "Layout"): `from tandem.runner import UBatchWrapper`
+and the other classes below. The code lives in
 `tandem.worker` (one step of one rank) and `tandem.engine` (the request loop); this module only
 re-exports, lazily, so `import tandem.runner` stays cheap."""
 

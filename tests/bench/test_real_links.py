@@ -17,13 +17,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _namespaces() -> tuple[bool, str]:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from netns_cluster import namespaces_available
-    except ImportError as exc:
-        return False, f"benchmarks/netns_cluster.py not importable: {exc}"
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    from tandem.testing.netns_cluster import namespaces_available
+
     return namespaces_available()
 
 

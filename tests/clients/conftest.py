@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.clients import MODEL
-from tests.support.server_process import Server
+from tandem.testing.server_process import Server
 
 
 def pytest_collection_modifyitems(config, items):

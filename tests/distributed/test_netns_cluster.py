@@ -6,12 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402
+from tandem.testing.netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402
 
 _ok, _reason = namespaces_available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_reason}")

@@ -98,7 +98,8 @@ def stub_triton(monkeypatch) -> list:
     through `triton_utils.kernels`."""
     import triton
 
-    from tandem.modular_kernels import experts_triton, triton_utils
+    from tandem.modular_kernels import experts_triton
+    from tandem.platform import triton_utils
 
     launches: list = []
     kernels = SimpleNamespace(

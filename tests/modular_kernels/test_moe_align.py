@@ -13,14 +13,14 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tandem.modular_kernels import moe_configs  # noqa: E402
+from tandem.modular_kernels import tile_tables  # noqa: E402
 from tandem.modular_kernels.moe_align import (  # noqa: E402
     align_pairs_by_expert,
     align_pairs_by_expert_torch,
     align_pairs_by_expert_triton,
     padded_rows,
 )
-from tandem.modular_kernels.moe_configs import TileConfig, default_config, table_name, tile_config  # noqa: E402
+from tandem.modular_kernels.tile_tables import TileConfig, default_config, table_name, tile_config  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -51,9 +51,9 @@ def test_align_takes_the_torch_path_on_cpu():
 
 
 def test_tile_table_picks_the_nearest_token_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(moe_configs, "device_name", lambda device: "FakeGPU")
+    monkeypatch.setattr(tile_tables, "device_name", lambda device: "FakeGPU")
     small, large = TileConfig(16, 32, 64, 4, 2), TileConfig(64, 128, 64, 8, 4)
-    moe_configs.write_table(tmp_path / table_name(8, 128, 256, "FakeGPU"), {1: small, 256: large})
+    tile_tables.write_table(tmp_path / table_name(8, 128, 256, "FakeGPU"), {1: small, 256: large})
     assert json.loads((tmp_path / table_name(8, 128, 256, "FakeGPU")).read_text())["1"]["block_n"] == 32
     cuda = torch.device("cuda")
     assert tile_config(8, 128, 256, 4, 2, cuda, tmp_path) == small
@@ -80,7 +80,7 @@ def test_tune_script_smoke_writes_a_table(tmp_path):
          "--json", str(tmp_path / "run.json")],
         check=True, env=env, capture_output=True, timeout=240,
     )  # fmt: skip
-    table = moe_configs.load_table(tmp_path / table_name(4, 32, 64, "cpu-interpreter"))
+    table = tile_tables.load_table(tmp_path / table_name(4, 32, 64, "cpu-interpreter"))
     assert set(table) == {1, 4} and all(isinstance(c, TileConfig) for c in table.values())
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 4] and all(r["best_ms"] <= r["default_ms"] for r in rows)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tandem.testing.load import LoadConfig, format_round, metric, run_load
-from tests.support.server_process import Server, rank_pids
+from tandem.testing.server_process import Server, rank_pids
 
 #: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
 pytestmark = pytest.mark.slow

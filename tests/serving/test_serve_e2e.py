@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server_process import Server, pid_alive, rank_pids, wait_healthy
+from tandem.testing.server_process import Server, pid_alive, rank_pids, wait_healthy
 from tandem.distributed.launch import find_free_port
 
 DBO_FLAGS = ("--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8")

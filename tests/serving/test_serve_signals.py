@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.server_process import Server
+from tandem.testing.server_process import Server
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tandem.testing.soak import HEADER, SERVE_FLAGS, SoakConfig, format_wave, growth, run_wave
-from tests.support.server_process import Server, rank_pids
+from tandem.testing.server_process import Server, rank_pids
 
 pytestmark = pytest.mark.slow
 

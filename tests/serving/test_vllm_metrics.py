@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.server_process import Server
+from tandem.testing.server_process import Server
 
 #: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from tandem.contexts.errors import UBatchAborted
 from tandem.contexts.forward_context import _FORWARD_CONTEXT
-from tandem.contexts.handoff import GreenletHandoff, Handoff, ThreadHandoff
+from tandem.contexts.turns import GreenletHandoff, Handoff, ThreadHandoff
 from tandem.platform import Platform, get_platform
 
 DEFAULT_TIMEOUT_S = 60.0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from tandem.modular_kernels.triton_utils import use_triton
+from tandem.platform.triton_utils import use_triton
 from tandem.platform.device import to_device_async
 from tandem.platform.graph import graph_capture_active
 from tandem.ubatch import AttentionSlice, UBatchSlice, slice_attention_metadata

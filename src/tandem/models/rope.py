@@ -21,7 +21,7 @@ from torch import nn
 from tandem.models.hf_config import config_value
 from tandem.models.paged_attention import write_to_cache
 from tandem.models.rope_kernel import rope_and_cache_triton
-from tandem.modular_kernels import triton_utils
+from tandem.platform import triton_utils
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tandem.modular_kernels import triton_utils
+from tandem.platform import triton_utils
 
 
 def _define(triton) -> SimpleNamespace:

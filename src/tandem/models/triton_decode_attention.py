@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.modular_kernels.triton_utils import interpreting
+from tandem.platform.triton_utils import interpreting
 
 #: KV splits per request: the most programs one request's tokens are spread over. A short
 #: request uses fewer (each split is at least one `BLOCK_N` tile).

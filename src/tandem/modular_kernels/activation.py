@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from tandem.modular_kernels import triton_utils
+from tandem.platform import triton_utils
 
 _BLOCK = 1024
 

@@ -5,7 +5,7 @@ that every block of `block_m` sorted rows belongs to one expert (the align step,
 `moe_align.py`: one Triton program on CUDA, no sort, no host sync). One grouped-GEMM kernel
 then computes `silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T)` per block, the same kernel
 computes `act @ w2[e]^T` scaled by the routing weight, and a fixed-order sum over each
-token's k rows folds the pairs back into tokens. Tile sizes come from `moe_configs.py`.
+token's k rows folds the pairs back into tokens. Tile sizes come from `tile_tables.py`.
 
 MASKED (`TritonBatchedExperts`): one batched kernel over `experts x M-blocks x N-blocks`
 that skips every block past `expert_num_tokens[e]` and masks the rows past the count in
@@ -26,8 +26,8 @@ import torch
 from tandem.modular_kernels.activation import silu_and_mul
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
 from tandem.modular_kernels.moe_align import align_pairs_by_expert
-from tandem.modular_kernels.moe_configs import TileConfig, tile_config
-from tandem.modular_kernels.triton_utils import import_triton, interpreting
+from tandem.modular_kernels.tile_tables import TileConfig, tile_config
+from tandem.platform.triton_utils import import_triton, interpreting
 
 
 #: dtypes `tl.dot` takes directly; anything else is computed in float32.
@@ -192,7 +192,7 @@ def _block_n(n: int, cap: int) -> int:
 
 
 class TileChoice:
-    """Tiles from the tuned table (`moe_configs.py`), each size overridable by hand, or one
+    """Tiles from the tuned table (`tile_tables.py`), each size overridable by hand, or one
     fixed `tile` (the tuner's candidates)."""
 
     def __init__(self, block_m=None, block_n=None, block_k=None, tile: TileConfig | None = None):

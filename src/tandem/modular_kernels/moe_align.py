@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tandem.modular_kernels import triton_utils
+from tandem.platform import triton_utils
 
 
 def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:

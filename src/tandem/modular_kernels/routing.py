@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.modular_kernels import triton_utils
+from tandem.platform import triton_utils
 from tandem.modular_kernels.topk_kernel import fused_topk_triton
 
 

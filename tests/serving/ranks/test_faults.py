@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.server_process import Server, complete, get_health, stop_and_check_no_orphans, wait_unhealthy
+from tandem.testing.server_process import Server, complete, get_health, stop_and_check_no_orphans, wait_unhealthy
 
 DBO_FLAGS = ("--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8")
 LONG_PROMPT = "a prompt long enough to split into two ubatches"  # well over 8 tokens: prefill uses DBO

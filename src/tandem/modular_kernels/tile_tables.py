@@ -2,7 +2,7 @@
 device) from small tables, as vLLM's fused-MoE config tables are.
 
 A table is one JSON file per shape and device, `E={E},N={N},K={K},device={name}.json` in
-`moe_configs/` (N is the expert intermediate size, K the hidden size), mapping a token count
+`tile_tables/` (N is the expert intermediate size, K the hidden size), mapping a token count
 to `{"block_m", "block_n", "block_k", "num_warps", "num_stages"}`; a call takes the entry of
 the nearest token count. `benchmarks/tune_moe_configs.py` measures and writes them. Without
 a table (or off CUDA) a default by token count applies.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-TABLE_DIR = Path(__file__).with_name("moe_configs")
+TABLE_DIR = Path(__file__).with_name("tile_tables")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from tandem.config import SchedulerConfig
 from tandem.engine.core import Engine
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import SamplingParams
-from tests.support.server_process import Server, complete, stop_and_check_no_orphans, wait_unhealthy
+from tandem.testing.server_process import Server, complete, stop_and_check_no_orphans, wait_unhealthy
 
 #: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.server_process import Server
+from tandem.testing.server_process import Server
 
 MODEL = "tiny-moe"
 

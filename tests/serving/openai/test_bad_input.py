@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tandem.serving.openai.api_server import create_app
-from tests.support.server_process import Server
+from tandem.testing.server_process import Server
 from tests.support.fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine
 from tests.support.live_app import LiveServer, assert_openai_error, wait_until
 

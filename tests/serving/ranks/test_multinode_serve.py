@@ -16,10 +16,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.server_process import Server
+from tandem.testing.server_process import Server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402
+from tandem.testing.netns_cluster import NetnsCluster, namespaces_available, torchrun_argv  # noqa: E402
 
 _ok, _reason = namespaces_available()
 #: Real processes in network namespaces: not in the fast tier, `-m "not slow"`.

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server_process import Server
+from tandem.testing.server_process import Server
 
 #: Real processes (servers, ranks, the command line): not in the fast tier, `-m "not slow"`.
 pytestmark = pytest.mark.slow

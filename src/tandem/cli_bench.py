@@ -1,0 +1,115 @@
+"""`tandem bench` and `tandem tune`: the settings a sweep takes, their options and checks,
+the sweep spec they build and how its transport is described."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from tandem.cli_config import check_device, torchrun_world
+
+
+#: The engine settings a sweep takes (the modes it compares set the rest), and how bench and
+#: tune differ from the engine commands: two ranks by default, and --fabric also takes
+#: 'calibrated'.
+BENCH_FLAGS = (
+    "model", "data_parallel_size", "num_ubatches", "tbo_token_distribution_threshold", "all2all_backend",
+    "moe_backend", "ubatch_split", "fabric", "fabric_latency_us", "fabric_gbps", "device", "dtype",
+)
+BENCH_DEFAULTS = {"data_parallel_size": 2}
+BENCH_HELPS = {
+    "model": "What one step runs: a model step of 'tiny-moe' or a Hugging Face directory (ModelRunner.execute, the "
+    "serving path), or 'moe-stack' (4 synthetic MoE layers, hidden 1024, top-2 of 8 experts + a shared expert).",
+    "data_parallel_size": "Ranks (processes); experts are sharded across them (under torchrun: its WORLD_SIZE).",
+    "fabric": "Modelled interconnect: a preset (deepep-ll-h800, deepep-ll-h800-ep64, ...) or 'calibrated' "
+    "(bandwidth found so communication ≈ compute at the largest size).",
+}
+BENCH_REPEAT = typer.Option(5, help="Timed runs per point (median reported); modes are interleaved.")
+BENCH_WARMUP = typer.Option(2, help="Untimed runs per point first.")
+BENCH_CONTEXT_LEN = typer.Option(128, help="Decode: cached tokens each request attends over.")
+BENCH_PREFILL_LEN = typer.Option(512, help="Prefill: new tokens per request (a batch is several).")
+
+
+def int_list(text: str, flag: str, *, sort: bool = True) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+        values = sorted(set(values)) if sort else values
+    except ValueError:
+        raise typer.BadParameter(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise typer.BadParameter(f"{flag} needs token counts >= 1, got {text!r}")
+    return values
+
+
+def bench_spec(*, model, data_parallel_size, grids, modes, repeat, warmup, fabric, fabric_latency_us, fabric_gbps,
+                num_ubatches, all2all_backend, moe_backend, context_len, prefill_len, trace=False, device="auto",
+                dtype="auto", tbo_token_distribution_threshold=0.48, ubatch_split="tokens", thresholds_file=None):
+    from tandem.bench.sweep import CALIBRATED, BenchSpec
+    from tandem.bench.workloads import MOE_STACK
+    from tandem.platform.device import resolve_device
+
+    check_device(device)
+    world = torchrun_world()
+    if world is not None:
+        data_parallel_size = world[1]  # torchrun decides the ranks
+    on_gpu = resolve_device(device).type == "cuda"
+    if model == MOE_STACK and on_gpu:
+        raise typer.BadParameter("--model moe-stack runs on CPU only; bench a model step (tiny-moe, a directory) with --device cuda")
+    if repeat < 1 or warmup < 0:
+        raise typer.BadParameter("--repeat must be >= 1 and --warmup >= 0")
+    if fabric is not None and fabric != CALIBRATED:
+        from tandem.modular_kernels.fabric import FABRIC_PRESETS
+
+        if fabric not in FABRIC_PRESETS:
+            raise typer.BadParameter(f"unknown --fabric {fabric!r}; known: calibrated, {', '.join(sorted(FABRIC_PRESETS))}")
+    modelled = fabric is not None or fabric_latency_us is not None or fabric_gbps is not None
+    if modelled and data_parallel_size < 2 and not on_gpu:
+        # On a GPU one rank models its transfers as spin kernels on the comm stream instead.
+        raise typer.BadParameter("a modelled interconnect needs --data-parallel-size >= 2 (one rank has no all-to-all)")
+    engine = None
+    if model != MOE_STACK:
+        from tandem.config import EngineConfig, OverlapConfig, ParallelConfig
+
+        try:
+            overlap = OverlapConfig(
+                num_ubatches=num_ubatches, dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0,
+                tbo_token_distribution_threshold=tbo_token_distribution_threshold, ubatch_split=ubatch_split,
+            )
+            engine = EngineConfig(
+                model=model,
+                overlap=overlap.with_thresholds_file(thresholds_file),
+                parallel=ParallelConfig(
+                    data_parallel_size=data_parallel_size, all2all_backend=all2all_backend, moe_backend=moe_backend
+                ),
+                device=device,
+                dtype=dtype,
+            )
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return BenchSpec(
+        model=model, data_parallel_size=data_parallel_size, grids=grids, modes=modes, repeat=repeat, warmup=warmup,
+        fabric=fabric, fabric_latency_us=fabric_latency_us, fabric_gbps=fabric_gbps, num_ubatches=num_ubatches,
+        all2all_backend=all2all_backend, context_len=context_len, prefill_len=prefill_len, engine_config=engine,
+        trace=trace, device=device, dtype=dtype, ubatch_split=ubatch_split, thresholds_file=thresholds_file,
+    )
+
+
+def run_bench_sweep(spec):
+    from tandem.bench import run_sweep
+    from tandem.distributed.launch import RankFailedError
+
+    try:
+        return run_sweep(spec)
+    except RankFailedError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        print(f"[tandem] error: {lines[-1] if lines else exc}", file=sys.stderr, flush=True)
+        raise typer.Exit(code=1) from None
+
+
+def describe_transport(spec, result) -> str:
+    fabric = result.get("fabric")
+    if fabric is None:
+        return "real gloo transport" if spec.data_parallel_size > 1 else "one rank, no all-to-all"
+    name = f"--fabric {spec.fabric}: " if spec.fabric else ""
+    return f"modelled interconnect ({name}{fabric['latency_us']:.1f} µs + bytes / {fabric['gbps']:.4g} GB/s)"

@@ -1,0 +1,1 @@
+"""The OpenAI front end, mirroring `tandem/serving/openai/`."""

@@ -1,0 +1,1 @@
+"""The rank control plane, mirroring `tandem/serving/ranks/`."""
