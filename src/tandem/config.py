@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 EXECUTORS = ("thread", "greenlet", "stages")
 GRAPH_MODES = ("none", "full")
+#: `--compile`: `auto` decides per device (tandem.models.compiled.compile_default).
+COMPILE_MODES = ("auto", "on", "off")
 #: `static`: the two token thresholds decide; `auto`: the overlap planner (tandem.ubatch.planner).
 OVERLAP_POLICIES = ("static", "auto")
 #: Where a DBO step is cut: at the token midpoint, or where the ubatches' predicted costs match.
@@ -370,12 +372,25 @@ class EngineConfig:
     #: rank by `resolve_device` / `resolve_dtype` (auto: CUDA + bf16 when available, else CPU + fp32).
     device: str = option("auto", "auto | cpu | cuda (auto: CUDA when available; rank i of a host takes cuda:{i % GPUs}).")
     dtype: str = option("auto", "auto | bfloat16 | float16 | float32 (auto: bfloat16 on CUDA, float32 on CPU).")
+    compile: str = option(
+        "auto",
+        "auto | on | off: run the model step compiled by torch.compile (inductor), attention and MoE layers as "
+        "opaque ops (auto: off; see docs/compiled-step.md). The first start compiles (cached on disk for the next).",
+    )
 
     def __post_init__(self) -> None:
         from tandem.platform.device import check_device_flag, check_dtype_flag
 
         check_device_flag(self.device)
         check_dtype_flag(self.dtype)
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.compile == "on" and self.overlap.enable_dbo and self.overlap.executor == "greenlet":
+            raise ValueError(
+                "--compile on cannot run with --ubatch-executor greenlet: a greenlet switch at a ubatch yield inside "
+                "the compiled step's MoE op crosses C++ frames (the dispatcher's), which greenlets cannot switch over; "
+                "use --ubatch-executor thread (or stages), or --compile off"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.overlap.graph_mode == "full":

@@ -134,3 +134,39 @@ def test_grouped_linear_multiplies_each_experts_rows_by_its_weight(monkeypatch):
         assert grouped_linear(x, weights.detach().clone(), counts) is None  # not a module weight
         assert grouped_linear(x.double(), weights.double(), counts) is None  # the caller's grouped GEMM runs
     assert packings == [256] * 4  # every expert once, at the first call
+
+
+@needs_onednn
+def test_row_counts_are_bucketed_so_onednn_shapes_repeat(monkeypatch):
+    """oneDNN builds a primitive per input shape; the packed GEMM pads a row count up to its
+    bucket (as is up to 16, then multiples of 16, above 256 multiples of 64) and returns only
+    the real rows."""
+    shapes = []
+    gemm = torch.ops.mkldnn._linear_pointwise
+
+    def recording(rows, *args):
+        shapes.append(rows.shape[0])
+        return gemm(rows, *args)
+
+    monkeypatch.setattr(cpu_gemm.torch.ops.mkldnn, "_linear_pointwise", recording)
+    weight = _parameter(384, 256)
+    weights = nn.Parameter(torch.randn(3, 384, 256), requires_grad=False)
+    g = torch.Generator().manual_seed(3)
+    for rows in (5, 17, 31, 300):
+        x = torch.randn(rows, 256, generator=g)
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    assert shapes == [5, 32, 32, 320]
+    shapes.clear()
+    counts = [17, 0, 2]
+    x = torch.randn(sum(counts), 256, generator=g)
+    expected = torch.cat([x[:17] @ weights[0].t(), x[17:] @ weights[2].t()])
+    torch.testing.assert_close(grouped_linear(x, weights, counts), expected, atol=1e-4, rtol=1e-4)
+    assert shapes == [32, 2]
+
+
+@needs_onednn
+def test_the_compiled_steps_linear_op_is_the_packed_gemm():
+    weight = _parameter(384, 256)
+    x = torch.randn(6, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.ops.tandem.cpu_linear(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-4)

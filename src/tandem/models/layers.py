@@ -17,6 +17,14 @@ from tandem.models.rope import RopeConfig, RotaryEmbedding
 from tandem.modular_kernels import BlockFP8Weight, select_experts
 from tandem.modular_kernels.activation import silu_and_mul
 from tandem.models.linear import Linear
+from tandem.models import opaque_ops  # noqa: F401  (registers torch.ops.tandem.*)
+
+
+def opaque_attend(attention: nn.Module, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`attention.attend(prepared)`, through the `tandem::attention` custom op once the
+    compiled step registered the layer (`tandem.models.opaque_ops`)."""
+    name = getattr(attention, "opaque_op_name", None)
+    return attention.attend(prepared) if name is None else torch.ops.tandem.attention(list(prepared), name)
 
 
 def current_attention_metadata() -> AttentionMetadata:
@@ -65,6 +73,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary if rotary is not None else RotaryEmbedding(head_dim, rope)
         self.kv_cache: dict[str, torch.Tensor] | None = None
+        #: Decode rows on the CPU through inductor's in-place kernel (set by the compiled step).
+        self.compiled_decode = False
 
     def kv_cache_spec(self) -> KVCacheSpec:
         shape = (self.num_kv_heads, self.head_dim)
@@ -84,16 +94,24 @@ class Attention(nn.Module):
         return positions, q, k, v
 
     def core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Rotary embedding with the cache write (one kernel on CUDA), attention over the
-        cache, output projection (TBO's attention core)."""
+        """`attend`, then the output projection (TBO's attention core)."""
+        return self.o_proj(opaque_attend(self, prepared))
+
+    @property
+    def attend_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def attend(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Rotary embedding with the cache write (one kernel on CUDA) and attention over the
+        cache: `[T, heads * head_dim]` (the compiled step's opaque `tandem::attention`)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
         positions, q, k, v = prepared
         metadata = current_attention_metadata()
         cache = self.kv_cache
         q = self.rotary.rotate_and_cache(positions, q, k, metadata.slot_mapping, cache["key"], copy=(v, cache["value"]))
-        out = paged_attention(q, cache["key"], cache["value"], metadata, self.scale)
-        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
+        out = paged_attention(q, cache["key"], cache["value"], metadata, self.scale, compiled_decode=self.compiled_decode)
+        return out.reshape(q.shape[0], self.attend_width)
 
 
 class GatedMLP(nn.Module):
@@ -315,4 +333,9 @@ class MoEBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = getattr(self, "opaque_op_name", None)
+        return self.moe_forward(x) if name is None else torch.ops.tandem.moe(x, name)
+
+    def moe_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Router, top-k and the kernel (the compiled step's opaque `tandem::moe`)."""
         return self.kernel(x, *self.expert_weights, *self.select(self.router_logits(x)))

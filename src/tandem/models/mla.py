@@ -25,7 +25,7 @@ from torch import nn
 
 from tandem.models.base import KVCacheSpec
 from tandem.models.deepseek_config import DeepseekConfig
-from tandem.models.layers import current_attention_metadata
+from tandem.models.layers import current_attention_metadata, opaque_attend
 from tandem.models.norm import RMSNorm
 from tandem.models.paged_attention import paged_attention, write_to_cache
 from tandem.models.rope import RotaryEmbedding, yarn_mscale
@@ -70,6 +70,8 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
         self.kv_cache: dict[str, torch.Tensor] | None = None
+        #: Decode rows on the CPU through inductor's in-place kernel (set by the compiled step).
+        self.compiled_decode = False
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.cfg
@@ -94,8 +96,17 @@ class MLAttention(nn.Module):
         return positions, q_nope, q_rope, latent, k_rope.unsqueeze(1)  # k_rope [T, 1, rope]
 
     def core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Rotary embedding and cache write (one kernel on CUDA in latent mode), attention
-        (latent or expanded), output projection (TBO's attention core)."""
+        """`attend`, then the output projection (TBO's attention core)."""
+        return self.o_proj(opaque_attend(self, prepared))
+
+    @property
+    def attend_width(self) -> int:
+        return self.num_heads * self.cfg.v_head_dim
+
+    def attend(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Rotary embedding and cache write (one kernel on CUDA in latent mode) and attention
+        (latent or expanded): `[T, heads * v_head_dim]` (the compiled step's opaque
+        `tandem::attention`)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(...) before the forward")
         positions, q_nope, q_rope, latent, k_rope = prepared
@@ -113,7 +124,8 @@ class MLAttention(nn.Module):
             # Fold each head's nope query through its key slice of kv_b_proj into the latent.
             q_latent = torch.einsum("thn,hnl->thl", q_nope, w_kv[:, : c.qk_nope_head_dim])
             query = torch.cat((q_latent, q_rope), dim=-1)
-            out_latent = paged_attention(query, cache, cache[..., :rank], metadata, self.scale)
+            out_latent = paged_attention(query, cache, cache[..., :rank], metadata, self.scale,
+                                         compiled_decode=self.compiled_decode)
             out = torch.einsum("thl,hvl->thv", out_latent, w_kv[:, c.qk_nope_head_dim :])
         else:
             q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
@@ -123,8 +135,9 @@ class MLAttention(nn.Module):
             write_to_cache(self.kv_cache["key"], key, metadata.slot_mapping)
             write_to_cache(self.kv_cache["value"], value, metadata.slot_mapping)
             query = torch.cat((q_nope, q_rope), dim=-1)
-            out = paged_attention(query, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale)
-        return self.o_proj(out.reshape(T, nh * c.v_head_dim))
+            out = paged_attention(query, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale,
+                                  compiled_decode=self.compiled_decode)
+        return out.reshape(T, self.attend_width)
 
 
 __all__ = ["KV_CACHE_MODES", "MLAttention", "mla_softmax_scale"]

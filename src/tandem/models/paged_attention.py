@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from tandem.models.cpu_decode_attention import cpu_decode_attention
 from tandem.platform.triton_utils import use_triton
 from tandem.platform.device import to_device_async
 from tandem.platform.graph import graph_capture_active
@@ -133,17 +134,22 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    compiled_decode: bool = False,
 ) -> torch.Tensor:
     """Causal attention of `query [T, Hq, Dk]` over each request's cached K `[.., Hkv, Dk]`
     and V `[.., Hkv, Dv]` (grouped-query when Hq > Hkv); returns `[T, Hq, Dv]`, zero on
-    padding rows. The caller has already written this step's K/V to the cache."""
+    padding rows. The caller has already written this step's K/V to the cache.
+    `compiled_decode` (the compiled step): decode rows on the CPU read the cache in place
+    through `tandem.models.cpu_decode_attention`."""
+    in_place = compiled_decode and key_cache.device.type == "cpu" and not graph_capture_active()
     if metadata.decode_only:
         if _triton_decode_applies(key_cache):
             from tandem.models.triton_decode_attention import triton_decode_attention
 
             return triton_decode_attention(query, key_cache, value_cache, metadata.seq_lens, metadata.block_table, scale)
-        return _decode_attention(query, key_cache, value_cache, metadata, scale)
-    return _varlen_attention(query, key_cache, value_cache, metadata, scale)
+        return _decode_attention(query, key_cache, value_cache, metadata, scale, in_place=in_place)
+    return _varlen_attention(query, key_cache, value_cache, metadata, scale, in_place=in_place)
 
 
 def _triton_decode_applies(cache: torch.Tensor) -> bool:
@@ -154,7 +160,8 @@ def _triton_decode_applies(cache: torch.Tensor) -> bool:
 
 
 def _decode_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """One query row per request, all requests at once. With the host's `seq_lens` (eager)
     it reads the blocks up to the longest request; without them (a captured graph, whose
@@ -165,16 +172,20 @@ def _decode_attention(
     block_table = metadata.block_table
     if metadata.seq_lens_host is not None and not graph_capture_active():
         block_table = block_table[:, : _blocks_for(max(metadata.seq_lens_host, default=0), metadata.block_size)]
-    out = _attend(query[:requests].unsqueeze(1), key_cache, value_cache, block_table, metadata.seq_lens, scale)
-    # A padding request (seq_len 0) attended to its first slot only: its output is zeroed.
-    out = torch.where((metadata.seq_lens > 0).view(-1, 1, 1), out.squeeze(1), 0.0)
+    if in_place:
+        out = cpu_decode_attention(query[:requests], key_cache, value_cache, block_table, metadata.seq_lens, scale)
+    else:
+        out = _attend(query[:requests].unsqueeze(1), key_cache, value_cache, block_table, metadata.seq_lens, scale)
+        # A padding request (seq_len 0) attended to its first slot only: its output is zeroed.
+        out = torch.where((metadata.seq_lens > 0).view(-1, 1, 1), out.squeeze(1), 0.0)
     if requests == num_tokens:
         return out
     return torch.cat((out, out.new_zeros((num_tokens - requests, *out.shape[1:]))))
 
 
 def _varlen_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """One attention call per run of consecutive requests with the same query length (a
     step's decodes are one run, equal-length prefills admitted together another), each over
@@ -193,6 +204,11 @@ def _varlen_attention(
     for first, end, length in runs:
         lens = seq_lens[first:end]
         block_table = metadata.block_table[first:end, : _blocks_for(max(lens), metadata.block_size)]
+        if in_place and length == 1:  # a run of decodes
+            rows = cpu_decode_attention(query[qsl[first] : qsl[end]], key_cache, value_cache, block_table,
+                                        metadata.seq_lens[first:end], scale)
+            attended.append((qsl[first], qsl[end], rows))
+            continue
         group_query = query[qsl[first] : qsl[end]].view(end - first, length, num_heads, -1)
         out = _attend(group_query, key_cache, value_cache, block_table, metadata.seq_lens[first:end], scale,
                       from_start=all(n == length for n in lens))

@@ -67,6 +67,28 @@ def _cached(weight: torch.Tensor, pack):
     return packed
 
 
+def _row_bucket(rows: int) -> int:
+    """The row count a packed GEMM runs at: up to 16 as is, then a multiple of 16, above 256 a
+    multiple of 64. oneDNN makes (JIT-compiles) a primitive per input shape, 1 ms at float32
+    and 3-5 ms at bfloat16 on this machine, more than the GEMM; a prefill's per-expert row
+    counts are new almost every call, bucketed they repeat (`benchmarks/cpu_gemm.py`)."""
+    if rows <= 16:
+        return rows
+    step = 16 if rows <= 256 else 64
+    return -(-rows // step) * step
+
+
+def _packed_gemm(rows: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    count = rows.shape[0]
+    bucket = _row_bucket(count)
+    if bucket != count:
+        padded = rows.new_zeros((bucket, rows.shape[1]))
+        padded[:count] = rows
+        rows = padded
+    out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
+    return out if bucket == count else out[:count]
+
+
 def _pack_one(weight: torch.Tensor):
     return torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS_HINT)
 
@@ -93,12 +115,17 @@ def _packable(x: torch.Tensor, weight: torch.Tensor, per_gemm: torch.Tensor) -> 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the packed weight where oneDNN takes it."""
+    """`F.linear(x, weight, bias)`, through the packed weight where oneDNN takes it. Under
+    `torch.compile` it is the opaque `tandem::cpu_linear` op on the CPU (inductor's own GEMM
+    repacks the weight on every call at float32 with a dynamic row count), `F.linear` elsewhere."""
+    if torch.compiler.is_compiling():
+        if x.device.type == "cpu" and _AVAILABLE:
+            return torch.ops.tandem.cpu_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     packed = _cached(weight, _pack_one) if _packable(x, weight, weight) else None
     if packed is None:
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
+    out = _packed_gemm(x.reshape(-1, x.shape[-1]), packed, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -116,9 +143,22 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) ->
     for expert, count in enumerate(counts):
         if count:
             rows = x[start : start + count]
-            out[start : start + count] = torch.ops.mkldnn._linear_pointwise(rows, per_expert[expert], None, "none", [], "")
+            out[start : start + count] = _packed_gemm(rows, per_expert[expert], None)
         start += count
     return out
 
 
 __all__ = ["grouped_linear", "linear"]
+
+
+# `tandem::cpu_linear`, registered through the dispatcher directly rather than with
+# `torch.library.custom_op`, whose Python wrappers (autograd, device routing, a dynamo-disable
+# frame) cost ~100 us a call: a compiled decode step calls it for every projection.
+_LIBRARY = torch.library.Library("tandem", "FRAGMENT")
+_LIBRARY.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.impl("cpu_linear", linear, "CPU")
+
+
+@torch.library.register_fake("tandem::cpu_linear", lib=_LIBRARY)
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -10,6 +10,7 @@ padding) whenever any other rank has work.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ import torch
 from tandem.config import OverlapConfig
 from tandem.contexts import StepTimes, measure_step, set_forward_context
 from tandem.models.base import ModelInfo
+from tandem.models.paged_attention import NULL_BLOCK
+from tandem.models.compiled import CompiledModel
 from tandem.worker.step_inputs import ScheduledChunk, StepInputs, build_step_inputs
 from tandem.worker.future_map import FutureMap
 from tandem.worker.kv_cache import BlockAllocator, allocate_kv_caches
@@ -89,6 +92,8 @@ class ModelRunner:
         self.model.bind_kv_cache(
             allocate_kv_caches(self.model.kv_cache_specs(), num_kv_blocks, block_size, device=self.device)
         )
+        #: The compiled step (`--compile`), or None when the model runs eagerly.
+        self.compiled = CompiledModel.for_config(self.model, config, self.device)
         self.wrapper = UBatchWrapper(
             self.model,
             num_ubatches=self.overlap.num_ubatches,
@@ -116,14 +121,11 @@ class ModelRunner:
         self.fault_hooks = install_from_env(self)
         #: Whether the MoE kernels run single-batch overlap: each step's SBO choice unless the
         #: planner picks per step (a benchmark mode swaps it, as it swaps `overlap`).
-        self._kernels = self._moe_kernels()
+        self._kernels = [m.kernel for m in self.model.modules() if hasattr(getattr(m, "kernel", None), "enable_sbo")]
         self.sbo = any(k.enable_sbo for k in self._kernels)
         #: Overlap planners by the settings they plan for: whoever swaps `overlap` (bench
         #: modes) gets back the planner, and what it learnt, of each setting.
         self.planners = PlannerCache()
-
-    def _moe_kernels(self) -> list:
-        return [m.kernel for m in self.model.modules() if hasattr(getattr(m, "kernel", None), "enable_sbo")]
 
     @property
     def planner(self) -> OverlapPlanner | None:
@@ -212,9 +214,9 @@ class ModelRunner:
 
     @property
     def compiles_on_first_use(self) -> bool:
-        """Whether a MoE kernel's backend initialises or compiles on its first call."""
-        return any(
-            k.experts.compiles_on_first_use or k.prepare_finalize.compiles_on_first_use for k in self._moe_kernels()
+        """Whether the compiled step or a MoE kernel's backend compiles on its first call."""
+        return self.compiled is not None or any(
+            k.experts.compiles_on_first_use or k.prepare_finalize.compiles_on_first_use for k in self._kernels
         )
 
     @torch.no_grad()
@@ -222,11 +224,16 @@ class ModelRunner:
         """One unsplit step of one padding token, the dummy an idle rank runs, uncounted.
         Collective: every DP rank calls it at the same point. Library init and kernel JIT
         (Triton, DeepGEMM, DeepEP) happen here, outside DBO, rather than inside a ubatch, where
-        they would hold the other ubatches at a yield for minutes."""
-        plan = StepPlan(num_tokens=0, num_tokens_padded=1, sbo=self.sbo)
-        inputs = self.step_inputs([], plan)
-        with self.platform.use_device(self.device):
-            self.forward(inputs.input_ids, inputs, plan, count=False)
+        they would hold the other ubatches at a yield for minutes. The compiled step also runs
+        a decode of two rows into the null cache block: the graph every step of more than one
+        token shares, and the in-place decode attention."""
+        steps = [[]] if self.compiled is None else [[], [ScheduledChunk([0], 0, [NULL_BLOCK])] * 2]
+        with contextlib.nullcontext() if self.compiled is None else self.compiled.compiling():
+            for chunks in steps:
+                plan = StepPlan(num_tokens=0, num_tokens_padded=max(len(chunks), 1), sbo=self.sbo)
+                inputs = self.step_inputs(chunks, plan)
+                with self.platform.use_device(self.device):
+                    self.forward(inputs.input_ids, inputs, plan, count=False)
 
     def observe(self, plan: StepPlan, times: StepTimes) -> None:
         """Feed a completed step's time model back to the planner that chose its overlap."""

@@ -1,0 +1,164 @@
+"""The compiled step: `torch.compile` (inductor) over a model's decoder stack, with attention
+and the MoE layers as opaque custom ops (`tandem.models.opaque_ops`).
+
+What inductor gets: the embedding, norms, projections, residual adds and activations between
+the opaque ops, as one graph per model (the whole stage, as vLLM compiles it: each op carries
+its layer's name, so one layer's graph would not serve the next). It fuses the element-wise
+work, and on the CPU packs the weights for oneDNN once (`freezing`). The token dimension is
+dynamic: a step of one token has a graph of its own (dynamo specialises size 1), every larger
+step shares one symbolic graph, so `warm_up` compiles both and serving never recompiles;
+`CompiledModel.graphs` counts what the backend compiled, and tests and benchmarks check it.
+
+The compile cache is inductor's own (FX graph and AOT caches), kept in a directory keyed by
+the model, the dtype and device, torch's version and tandem's source (`cache_dir_for`): a
+second start of the same configuration skips code generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tandem.config import COMPILE_MODES
+from tandem.models.opaque_ops import register_opaque
+from tandem.platform.compile_support import allow_many_compiled_models, below_autograd
+
+#: Where compile caches go unless TANDEM_COMPILE_CACHE names a directory.
+DEFAULT_CACHE_ROOT = Path.home() / ".cache" / "tandem" / "compile"
+
+
+def compile_default(device: torch.device) -> bool:
+    """`--compile auto`: off on both devices, as measured. On the CPU, `tandem serve` of the
+    hidden-1024 Qwen3-MoE against vLLM (`benchmarks/vs_vllm.py`, one round) ran 1.03-1.08x
+    eager's output tok/s compiled at bfloat16 and 0.91-1.11x at float32 (within the round's
+    noise), for a 25-30 s first start (3 s from the cache). On CUDA nothing is measured yet: a
+    GPU run decides it against eager and full graphs."""
+    return False
+
+
+def resolve_compile(mode: str, device: torch.device, *, greenlet_ubatches: bool = False) -> bool:
+    """Whether the step runs compiled. Never with greenlet ubatches (EngineConfig refuses
+    `on`; `auto` turns off): their switch inside the MoE op would cross the dispatcher's C++
+    frames."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if greenlet_ubatches:
+        return False
+    return compile_default(device) if mode == "auto" else mode == "on"
+
+
+def _source_digest() -> str:
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_dir_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> Path:
+    """The compile cache of this model configuration: its directory name hashes the model's
+    config, the dtype, the device type, torch's version and tandem's source."""
+    config = getattr(model, "config", None)
+    described = config.to_dict() if hasattr(config, "to_dict") else vars(config) if config is not None else {}
+    key = json.dumps(
+        {
+            "model": type(model).__name__,
+            "config": described,
+            "stage": repr(getattr(model, "stage", None)),
+            "dtype": str(dtype),
+            "device": device.type,
+            "torch": torch.__version__,
+            "tandem": _source_digest(),
+        },
+        sort_keys=True,
+        default=repr,
+    )
+    root = Path(os.environ.get("TANDEM_COMPILE_CACHE", DEFAULT_CACHE_ROOT))
+    return root / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _inductor_options(device: torch.device) -> dict:
+    options = {"freezing": False}
+    return options
+
+
+class CompiledModel:
+    """Compiles `model`'s forward in place (the instance's `forward` becomes the compiled one):
+    `model(...)` runs the compiled step, the TBO operation lists and everything else keep calling the eager
+    modules, whose attention and MoE layers now dispatch through the opaque ops."""
+
+    def __init__(
+        self, model: nn.Module, *, cache_dir: Path | None = None, device: torch.device | None = None,
+        backend: str = "inductor",
+    ):
+        """`backend`: inductor, or another dynamo backend by name (tests check the op
+        boundary with `aot_eager`, which generates no code)."""
+        self.model = model
+        self.backend = backend
+        self.device = device or next(model.parameters()).device
+        #: Graphs the backend compiled (dynamo's first trace and every recompile).
+        self.graphs = 0
+        self.compile_s = 0.0
+        self.cache_dir = cache_dir
+        for name, module in model.named_modules():
+            if hasattr(module, "attend") or hasattr(module, "moe_forward"):
+                register_opaque(module, name)
+            if hasattr(module, "compiled_decode"):
+                module.compiled_decode = True
+        if cache_dir is not None:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            # Inductor reads it when it compiles, and every process compiles its own model.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+        allow_many_compiled_models()
+        compiled = torch.compile(model.forward, backend=self._backend, fullgraph=True, dynamic=None)
+
+        def forward(*args, **kwargs):
+            # Grad mode and the dispatch keys are per thread, and dynamo guards on both: a
+            # ubatch's worker thread must see what the start-up compile saw.
+            with torch.no_grad(), below_autograd():
+                return compiled(*args, **kwargs)
+
+        model.forward = forward
+
+    @classmethod
+    def for_config(cls, model: nn.Module, config, device: torch.device) -> "CompiledModel | None":
+        """The compiled step `config` (an EngineConfig, or None: eager) asks for on `device`."""
+        if config is None:
+            return None
+        greenlet = config.overlap.enable_dbo and config.overlap.executor == "greenlet"
+        if not resolve_compile(config.compile, device, greenlet_ubatches=greenlet):
+            return None
+        return cls(model, cache_dir=cache_dir_for(model, model.dtype, device), device=device)
+
+    def _backend(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        start = time.perf_counter()
+        try:
+            if self.backend != "inductor":
+                return torch._dynamo.lookup_backend(self.backend)(graph_module, example_inputs)
+            return compile_fx(graph_module, example_inputs, config_patches=_inductor_options(self.device))
+        finally:
+            self.compile_s += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def compiling(self):
+        """Around the start-up steps that compile: says so, and how long it took."""
+        started = time.perf_counter()
+        print(f"[tandem] compiling the model step (cache {self.cache_dir}) ...", file=sys.stderr, flush=True)
+        yield
+        print(f"[tandem] compiled the model step: {self.graphs} graphs in {time.perf_counter() - started:.1f} s",
+              file=sys.stderr, flush=True)
+
+
+__all__ = ["COMPILE_MODES", "CompiledModel", "cache_dir_for", "compile_default", "resolve_compile"]
