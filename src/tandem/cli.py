@@ -69,16 +69,8 @@ def generate(
     torchrun = torchrun_world()
     is_head = torchrun is None or torchrun[0] == 0
     log = lambda msg: is_head and print(f"[tandem] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    o, p = config.overlap, config.parallel
-    log(
-        f"model={config.model} dp={p.data_parallel_size} all2all={p.all2all_backend} moe={p.moe_backend} "
-        f"dbo={'on' if o.enable_dbo else 'off'} (ubatches={o.num_ubatches}, executor={o.executor}, "
-        f"policy={o.overlap_policy} split={o.ubatch_split} "
-        f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold}) "
-        f"sbo={p.sbo_mode if p.enable_sbo else 'off'} graph={o.graph_mode} device={config.device} dtype={config.dtype}"
-        + (f" pp={p.pipeline_parallel_size} (depth {p.pp_async_batch_depth})" if p.pipeline_parallel_size > 1 else "")
-        + (f" torchrun world={torchrun[1]}" if torchrun else "")
-    )
+    p = config.parallel
+    log(config.describe() + (f" torchrun world={torchrun[1]}" if torchrun else ""))
     start = time.perf_counter()
     from tandem.distributed.launch import RankFailedError, launch_ranks
     from tandem.distributed.torchrun import run_torchrun_rank

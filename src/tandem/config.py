@@ -288,6 +288,11 @@ class CacheConfig:
         elif self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
+    @property
+    def usable_tokens(self) -> int:
+        """Tokens one rank's cache holds for requests (the runner keeps one block for padding)."""
+        return (self.num_kv_blocks - 1) * self.block_size
+
 
 @dataclass
 class SchedulerConfig:
@@ -320,6 +325,16 @@ class SchedulerConfig:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"--step-timeout must be > 0, got {self.step_timeout_s}")
+
+    def context_length(self, model_max_len: int) -> int:
+        """The longest context a request may use: `--max-model-len`, or the model's own; the one
+        place it is checked against the model. The front end also caps it by the KV cache
+        (`CacheConfig.usable_tokens`)."""
+        if self.max_model_len is None:
+            return model_max_len
+        if self.max_model_len > model_max_len:
+            raise ValueError(f"--max-model-len {self.max_model_len} is over the model's context length {model_max_len}")
+        return self.max_model_len
 
 
 @dataclass
@@ -405,6 +420,24 @@ class EngineConfig:
             from tandem.modular_kernels.prepare_deepep import check_low_latency_step_budget
 
             check_low_latency_step_budget(self.max_num_batched_tokens, self.dispatch_max_tokens_per_rank)
+
+    def describe(self) -> str:
+        """The settings the start-up line of `serve` and `generate` shows, in one place."""
+        o, p, s = self.overlap, self.parallel, self.scheduler
+        dbo = (
+            f"on (ubatches={o.num_ubatches}, executor={o.executor}, policy={o.overlap_policy}, split={o.ubatch_split}, "
+            f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold})"
+            if o.enable_dbo
+            else "off"
+        )
+        pp = f" pp={p.pipeline_parallel_size} (depth {p.pp_async_batch_depth})" if p.pipeline_parallel_size > 1 else ""
+        return (
+            f"model={self.model} dp={p.data_parallel_size}{pp} all2all={p.all2all_backend} moe={p.moe_backend} "
+            f"dbo={dbo} sbo={p.sbo_mode if p.enable_sbo else 'off'} graph={o.graph_mode} compile={self.compile} "
+            f"device={self.device} dtype={self.dtype} schedule={'overlap' if s.overlap_schedule else 'normal'} "
+            f"max_num_seqs={s.max_num_seqs} max_num_batched_tokens={self.max_num_batched_tokens} "
+            f"kv_cache={self.cache.usable_tokens} tokens/rank"
+        )
 
     @property
     def dispatch_max_tokens_per_rank(self) -> int | None:

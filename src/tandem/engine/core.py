@@ -60,11 +60,9 @@ class Engine:
         settings = SchedulerConfig() if scheduler is None else scheduler
         if max_num_batched_tokens is None:
             max_num_batched_tokens = EngineConfig.max_num_batched_tokens
-        max_model_len = settings.max_model_len
         self.runner = runner
         info = runner.info
-        if max_model_len is not None and max_model_len > info.max_model_len:
-            raise ValueError(f"--max-model-len {max_model_len} is over the model's context length {info.max_model_len}")
+        max_model_len = settings.context_length(info.max_model_len)
         if runner.compiles_on_first_use:
             runner.warm_up()  # every rank builds its engine at the same point
         self.future_map = FutureMap(settings.max_num_seqs, device=runner.device)
@@ -76,7 +74,7 @@ class Engine:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             # The ranks enforce --max-model-len too, not only the front end that admits requests.
-            max_model_len=info.max_model_len if max_model_len is None else max_model_len,
+            max_model_len=max_model_len,
             eos_token_ids=info.eos_token_ids,
             generator_device=runner.device,
             grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids)),

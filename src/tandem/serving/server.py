@@ -27,20 +27,9 @@ def _log(message: str) -> None:
 
 
 def describe(config, options: ServeOptions, http: HttpOptions, world_size: int) -> str:
-    o, p, s = config.overlap, config.parallel, config.scheduler
-    dbo = (
-        f"on (ubatches={o.num_ubatches}, executor={o.executor}, policy={o.overlap_policy}, split={o.ubatch_split}, "
-        f"thresholds decode={o.dbo_decode_token_threshold} prefill={o.dbo_prefill_token_threshold})"
-        if o.enable_dbo
-        else "off"
-    )
     return (
-        f"serving {config.model} on http://{http.host}:{http.port} | ranks={world_size} "
-        f"all2all={p.all2all_backend} moe={p.moe_backend} dbo={dbo} sbo={p.sbo_mode if p.enable_sbo else 'off'} "
-        f"graph={o.graph_mode} schedule={'overlap' if s.overlap_schedule else 'normal'} "
-        f"max_num_seqs={s.max_num_seqs} max_num_batched_tokens={config.max_num_batched_tokens} "
-        f"kv_cache={(config.cache.num_kv_blocks - 1) * config.cache.block_size} tokens/rank "
-        f"auth={'on' if http.api_key else 'off'} step_timeout={s.step_timeout_s:g}s"
+        f"serving {config.model} on http://{http.host}:{http.port} | ranks={world_size} {config.describe()} "
+        f"auth={'on' if http.api_key else 'off'} step_timeout={config.scheduler.step_timeout_s:g}s"
     )
 
 

@@ -79,11 +79,9 @@ class ProcessEngineClient(EngineClient):
         info = load_tokenizer_info(config.model)
         self.tokenizer = info.tokenizer
         self.eos_token_ids = info.eos_token_ids
-        # A request must fit in one rank's KV cache (the runner keeps one block for padding).
-        kv_tokens = (config.cache.num_kv_blocks - 1) * config.cache.block_size
-        wanted = info.max_model_len if config.scheduler.max_model_len is None else config.scheduler.max_model_len
-        if wanted > info.max_model_len:
-            raise ValueError(f"--max-model-len {wanted} is over the model's context length {info.max_model_len}")
+        # A request must fit in one rank's KV cache.
+        kv_tokens = config.cache.usable_tokens
+        wanted = config.scheduler.context_length(info.max_model_len)
         self.max_model_len = min(wanted, kv_tokens)
         if kv_tokens < wanted:
             log(f"context length limited to {kv_tokens} tokens by the KV cache size (asked for {wanted})")
