@@ -38,7 +38,7 @@ def main(
     """Micro-batch overlap runtime for Mixture-of-Experts inference."""
 
 
-@app.command()
+@app.command(short_help="Generate completions offline (stdout), on its own ranks or under torchrun.")
 @config_command(*ENGINE_SECTIONS)
 def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts; completions are printed in the same order."),
@@ -105,7 +105,7 @@ def generate(
             print(c.text.replace("\\", "\\\\").replace("\n", "\\n"))
 
 
-@app.command()
+@app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 @config_command(
     *ENGINE_SECTIONS, "http", arguments=("model",), defaults={"model": None},
     helps={"model": "A Hugging Face model directory, or a built-in preset: tiny-moe (the default), small-moe, "
@@ -143,7 +143,7 @@ def serve(
 
 # -- tandem bench / tandem tune ------------------------------------------------------------
 
-@app.command()
+@app.command(short_help="Step time of each overlap mode against tokens per rank, beside the measured floor.")
 @config_command(*ENGINE_SECTIONS, only=(*BENCH_FLAGS, "thresholds_file", "trace"), defaults=BENCH_DEFAULTS, helps=BENCH_HELPS)
 def bench(
     tokens: str = typer.Option("32,128,512", help="Tokens per rank to sweep, comma-separated."),
@@ -219,7 +219,7 @@ def bench(
         print(f"wrote {write_timeline(timeline, result['trace'], step=step, title=f'{title}: step {step}')}", file=sys.stderr)
 
 
-@app.command()
+@app.command(short_help="Sweep decode and prefill with and without DBO and write the DBO thresholds.")
 @config_command(
     *ENGINE_SECTIONS, only=(*BENCH_FLAGS, "ubatch_executor", "enable_two_batch_overlap"),
     defaults=BENCH_DEFAULTS, helps=BENCH_HELPS,
@@ -295,7 +295,7 @@ def tune(
 # -- tandem profile -------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(short_help="Where one prefill and one decode step spend their time, per module, against the roofline.")
 @config_command(*ENGINE_SECTIONS)
 def profile(
     batch: int = typer.Option(8, help="Requests in the step (the prefill step takes all their prompts at once)."),

@@ -37,7 +37,7 @@ SECTIONS: dict[str, tuple[type, str | None]] = {
 }
 #: Section -> its heading in `--help`.
 PANELS = {
-    "engine": "Model, device and step",
+    "engine": "Device and step",
     "overlap": "Overlap: DBO / TBO",
     "parallel": "Parallelism, MoE backends, SBO",
     "cache": "KV cache",
@@ -104,7 +104,9 @@ def config_flags(*sections: str, only: typing.Iterable[str] | None = None) -> li
 def _typer_parameter(flag: ConfigFlag, *, default: Any, help: str | None, argument: bool) -> inspect.Parameter:
     meta = flag.meta
     if argument:
-        info = typer.Argument(default, help=help or meta["help"], rich_help_panel=PANELS[flag.section])
+        # Typer boxes arguments apart from options: a panel name of their own, never a second
+        # box under the options' heading.
+        info = typer.Argument(default, help=help or meta["help"], rich_help_panel="Model")
     else:
         declarations = [meta["flag"]] if meta["flag"] else []  # else typer's own (--x/--no-x for a switch)
         info = typer.Option(
