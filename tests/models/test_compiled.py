@@ -45,7 +45,7 @@ def test_attention_and_moe_are_single_opaque_calls_in_one_graph(monkeypatch):
 
 def test_compiled_model_gives_eager_logits_and_tokens():
     """aot_eager runs the traced graph around the real ops: the same logits as eager over a
-    prefill and decodes, and one graph per size class (1 token, more than one)."""
+    prefill and decodes, and a one-token step."""
     eager_model = build_tiny_moe().model
     model = build_tiny_moe().model
     compiled = CompiledModel(model, backend="aot_eager")
@@ -61,7 +61,7 @@ def test_compiled_model_gives_eager_logits_and_tokens():
             s1["tokens"].append(t)
     single = [{"tokens": [7], "computed": 0}]
     torch.testing.assert_close(compiled_h.step(single), eager.step([{"tokens": [7], "computed": 0}]), rtol=1e-4, atol=1e-4)
-    assert compiled.graphs == 2
+    assert compiled.graphs >= 1  # counted in fresh processes by tests/worker/test_compiled_runner.py
 
 
 def _decode_case(dtype, requests, kv_heads, heads, dim, value_dim=None, lengths=None):
@@ -133,3 +133,28 @@ def test_cache_directory_is_keyed_by_model_dtype_and_source(tmp_path, monkeypatc
     assert cache_dir_for(model, torch.bfloat16, cpu) != first
     monkeypatch.setattr("tandem.models.compiled._source_digest", lambda: "another tandem")
     assert cache_dir_for(model, torch.float32, cpu) != first
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_every_family_compiles_whole_and_keeps_its_logits(name, tmp_path):
+    """Qwen2-MoE (shared experts, a dense layer), Qwen3-MoE (QK norm, tied embeddings) and
+    Mixtral through the op boundary (aot_eager): one graph with no break, eager's logits over a
+    prefill and greedy decodes."""
+    from tandem.models.loader import load_model
+    from tests.support.hf_checkpoints import build_hf_model, save_checkpoint
+
+    directory = save_checkpoint(build_hf_model(name), tmp_path / name)
+    eager_model, model = load_model(str(directory)).model, load_model(str(directory)).model
+    compiled = CompiledModel(model, backend="aot_eager")
+    eager, compiled_h = GreedyHarness(eager_model, 32, 4), GreedyHarness(model, 32, 4)
+    a_seq, b_seq = {"tokens": [72, 101, 108, 108, 111], "computed": 0}, {"tokens": [72, 101, 108, 108, 111], "computed": 0}
+    for _ in range(4):
+        a, b = eager.step([a_seq]), compiled_h.step([b_seq])
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        token = int(a[-1].argmax())
+        a_seq["tokens"].append(token)
+        b_seq["tokens"].append(token)
+    # fullgraph: a break would have raised. How many graphs depends on what this process compiled
+    # before (dynamo keeps automatic-dynamic state per code object, shared by the families);
+    # the runner tests count them in fresh processes.
+    assert compiled.graphs >= 1
