@@ -41,6 +41,10 @@ def _annotate(exc: BaseException, note: str) -> BaseException:
 
 class UBatchExecutor:
     kind: str
+    #: What `run` takes: zero-argument ubatch functions that hand over at `dbo_yield` (threads,
+    #: greenlets), or, for the stage executor (`operations.StageExecutor`), operation lists
+    #: interleaved stage by stage. Callers branch on this, never on the executor's class.
+    runs_operations = False
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT_S):
         self.timeout = timeout

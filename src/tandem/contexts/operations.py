@@ -145,6 +145,7 @@ class StageExecutor:
     the runner reads (`runs`, `switches`, `switch_time_s`, always 0: a switch is a loop step)."""
 
     kind = "stages"
+    runs_operations = True
 
     def __init__(self) -> None:
         self.runs = 0

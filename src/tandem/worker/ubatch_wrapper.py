@@ -164,7 +164,7 @@ class UBatchWrapper:
             replace(ctx, attn_metadata=m, ubatch_slices=None, extras={**ctx.extras, "ubatch_index": i})
             for i, m in enumerate(per_ubatch)
         ]
-        if isinstance(self.executor, StageExecutor):
+        if self.executor.runs_operations:
             self.ubatched_runs += 1
             return self._run_stages(ctx, inputs, slices, sub_contexts, kwargs)
 
