@@ -57,9 +57,11 @@ def _runner_for(base, config, mode: str):
 def _tok_s(args, runner, seed: int) -> float:
     from tandem.bench.engine_rate import output_tok_s
     from tandem.config import SchedulerConfig
-    from tandem.engine.core import Engine
+    from tandem.engine.build import build_engine
 
-    engine = Engine(runner, SchedulerConfig(max_num_seqs=args.requests), max_num_batched_tokens=args.requests * args.prompt_len)
+    config = dataclasses.replace(runner.config, scheduler=SchedulerConfig(max_num_seqs=args.requests),
+                                 max_num_batched_tokens=args.requests * args.prompt_len)
+    engine = build_engine(config, runner=runner)
     return output_tok_s(engine, requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens, seed=seed)
 
 

@@ -70,13 +70,18 @@ def _loop_runner(args):
 
 
 def _loop_throughput(args, runner, overlap_schedule: bool) -> float:
+    import dataclasses
+
     from tandem.bench.engine_rate import output_tok_s
     from tandem.config import SchedulerConfig
-    from tandem.engine.core import Engine
+    from tandem.engine.build import build_engine
 
+    config = dataclasses.replace(
+        runner.config, scheduler=SchedulerConfig(max_num_seqs=args.requests, overlap_schedule=overlap_schedule)
+    )
     rates = []
     for run in range(args.warmup + args.repeat):
-        engine = Engine(runner, SchedulerConfig(max_num_seqs=args.requests, overlap_schedule=overlap_schedule))
+        engine = build_engine(config, runner=runner)
         rate = output_tok_s(engine, requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                             seed=run, lowest_token=0)
         if run >= args.warmup:

@@ -51,15 +51,16 @@ def mask_step_s(rows: int, steps: int) -> float:
 
 
 def engine_s_per_token(rows: int, constrained_share: float, tokens: int) -> float:
-    from tandem.config import OverlapConfig, SchedulerConfig
-    from tandem.models.tiny_moe import build_tiny_moe
-    from tandem.engine.core import Engine
-    from tandem.worker.model_runner import ModelRunner
+    from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tandem.engine.build import build_engine
     from tandem.worker.sampling import SamplingParams
 
-    info = build_tiny_moe()
-    runner = ModelRunner(info, overlap=OverlapConfig(), num_kv_blocks=rows * 8 + 8, block_size=16)
-    engine = Engine(runner, SchedulerConfig(max_num_seqs=rows, overlap_schedule=True), max_num_batched_tokens=4096)
+    config = EngineConfig(
+        model="tiny-moe", device="cpu", cache=CacheConfig(num_kv_blocks=rows * 8 + 8, block_size=16),
+        scheduler=SchedulerConfig(max_num_seqs=rows, overlap_schedule=True), max_num_batched_tokens=4096,
+    )
+    engine = build_engine(config)
+    info = engine.runner.info
     constrained = round(rows * constrained_share)
     for i in range(rows):
         schema = SCHEMA if i < constrained else None
