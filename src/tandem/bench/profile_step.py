@@ -224,7 +224,7 @@ def run_profile(config, *, batch: int, prompt_len: int, decode_steps: int = 4, r
         "model": config.model, "device": str(runner.device), "device_name": _device_name(runner.device),
         "dtype": str(dtype).removeprefix("torch."), "batch": batch, "prompt_len": prompt_len,
         "decode_steps": decode_steps, "repeat": repeat, "graph_mode": config.overlap.graph_mode,
-        "dbo": config.overlap.enable_dbo, "moe_backend": config.parallel.moe_backend,
+        "dbo": config.overlap.enable_dbo, "compiled": runner.compiled is not None, "moe_backend": config.parallel.moe_backend,
         "all2all_backend": config.parallel.all2all_backend, "torch": torch.__version__,
         "roofline": roofline.as_dict(),
         "phases": {phase: profiler.phase_report(phase, roofline) for phase in PHASES},
@@ -253,6 +253,11 @@ def format_report(report: dict) -> str:
         f"measured here: bandwidth {r['bandwidth_gb_per_s']:.1f} GB/s (copy of {r['copy_bytes'] >> 20} MiB), "
         f"{r['dtype']} matmul {r['matmul_tflops'] * 1000:.1f} GFLOP/s ({r['matmul_size']}^3)",
     ]
+    if report.get("compiled"):
+        lines.append("compiled step (--compile): module hooks do not fire inside the compiled graph, so the rows "
+                     "under 'forward', the kernel counts and the weight floor are empty or partial; the step and forward "
+                     "totals are right "
+                     "(per-setting step times: benchmarks/compiled_step.py)")
     for phase in PHASES:
         p = report["phases"][phase]
         ratio = p["step_over_weight_floor"]
