@@ -1,4 +1,17 @@
-"""UBatchContext, the dbo_* functions, executors (threads, greenlets, stages) and the forward context."""
+"""How ubatches run, once a step is cut: the executors, the hand-over, and what code inside a
+ubatch sees.
+
+What it holds: the executors (`executors.py`: threads and greenlets, which run zero-argument
+ubatch functions and switch at `dbo_yield`; `operations.py`: TBO's operation lists and the
+stage executor, which interleaves them on the caller's thread), the turn passed among the
+ubatches of one run (`turns.py`), each ubatch's `UBatchContext` (`ubatch_context.py`: streams,
+events, receive hooks), the `dbo_*` functions model and kernel code call (`dbo.py`), the
+per-step forward context (`forward_context.py`), the time model (`time_model.py`) and the
+overlap timeline (`trace.py`).
+
+What it never does: decide where or whether a step is cut (that is `tandem.ubatch`), or know
+a model, a kernel or an engine. Callers branch on an executor's `runs_operations`, never on
+its class."""
 
 from tandem.contexts.dbo import (
     dbo_current_ubatch_id,

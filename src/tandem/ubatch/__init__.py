@@ -1,5 +1,14 @@
-"""Deciding and splitting: thresholds, slices, attention-metadata slicing, balanced and
-two-chunk splits, and DP agreement."""
+"""Where a step is cut, and whether it is: pure decisions over token counts, no execution.
+
+What it holds: the thresholds (`thresholds.py`), the token-axis slices (`slices.py`:
+`UBatchSlice`, `split_by_tokens`), cost-aware cuts (`cost_split.py`), TBO's balanced and
+two-chunk splits (`balanced.py`), the per-ubatch attention metadata (`attention.py`), the DP
+ranks' agreement on ubatching and padding (`coordination.py`, one all-reduce) and the overlap
+planner's cost model (`planner.py`).
+
+What it never does: run a ubatch, switch threads, touch streams, or read a model. How the
+ubatches it cuts are run is `tandem.contexts`; the step that asks is `tandem.worker`
+(`ModelRunner.plan_step`)."""
 
 from tandem.ubatch.attention import AttentionSlice, slice_attention_metadata
 from tandem.ubatch.balanced import BalancedSplit, balanced_split
