@@ -11,12 +11,14 @@ any) must be up.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig
 from tandem.distributed import StageGroups
 from tandem.engine.core import Engine
 from tandem.engine.pipeline import PipelineEngine, StageCounters, run_stage
+from tandem.engine.pipeline_choice import pipeline_verdict
 from tandem.worker.model_runner import ModelRunner
 
 
@@ -27,6 +29,14 @@ class LaterStage:
     runner: ModelRunner
     groups: StageGroups
     config: EngineConfig
+    #: See `Engine.takes_requests`: this stage runs what the stage before sends (`run`).
+    takes_requests = False
+
+    def trace_group(self, control):
+        """Every stage's timeline goes into one `--trace` file, gathered over all ranks."""
+        from tandem.distributed.launch import cpu_group
+
+        return cpu_group()
 
     def run(self, on_message=None) -> StageCounters:
         """Serve micro-batches until the first stage says stop; `on_message()` is called on
@@ -76,6 +86,8 @@ def _pipeline_stage(config: EngineConfig, collective_timeout_s: float) -> Pipeli
         runner, groups, config.scheduler, num_micro_batches=par.num_micro_batches,
         max_num_batched_tokens=config.max_num_batched_tokens, lockstep=par.data_parallel_size > 1,
     )
+    # Its start-up line measures the ring against one micro-batch in flight and keeps the faster.
+    engine.startup_note = functools.partial(pipeline_verdict, engine)
     if par.enable_dynamic_chunking:
         from tandem.engine.chunking import fit_chunker
 

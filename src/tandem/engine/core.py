@@ -254,6 +254,37 @@ class Engine:
 
     # -- state ----------------------------------------------------------------------------
 
+    # -- the face every engine kind shows its callers (rank loop, `generate`) ----------------
+
+    #: Whether requests are added here: every one-stage rank and a pipeline's first stage. A
+    #: later pipeline stage (`LaterStage`) only runs what the stage before sends.
+    takes_requests = True
+
+    def control_plane(self, world_size: int):
+        """`(group, size)`: the ranks whose loops agree on each step (the scheduler thread's
+        own gloo group, not the runner's, which the forward worker uses meanwhile)."""
+        import torch.distributed as dist
+
+        return (dist.new_group(backend="gloo") if world_size > 1 else None), world_size
+
+    def trace_group(self, control):
+        """The group whose ranks' timelines go into one `--trace` file."""
+        return control
+
+    def startup_note(self, max_num_seqs: int) -> str | None:
+        """A start-up line about this engine's choices, if it has one to say."""
+        return None
+
+    def my_prompts(self, prompts: list, rank: int, world_size: int) -> list:
+        """This rank's share of `generate`'s prompts: prompt i on rank i % world_size."""
+        return [(i, prompt) for i, prompt in enumerate(prompts) if i % world_size == rank]
+
+    def keeps_going(self) -> bool:
+        """Whether offline generation steps again: while this rank has work, or, in lockstep
+        with other DP ranks, until a step finds every rank idle (the signal every rank sees
+        alike, so all leave the loop after the same step); a pipeline asks its first stage."""
+        return not self.idle_everywhere if self.lockstep else self.has_work
+
     def stats(self) -> RankCounters:
         runner = self.runner
         return RankCounters(
@@ -293,11 +324,10 @@ def run_to_completion(
 ) -> list[Completion]:
     """Offline generation through the serving loop: add `prompts` (`(index, prompt token
     ids, params)`) to `engine`, step it until they finish, and return their completions in
-    input order. `keep_going(engine)` says whether to step again; by default while the
-    engine has work, or, in lockstep with other DP ranks, until a step finds every rank idle
-    (the signal every rank sees alike, so all leave the loop after the same step)."""
+    input order. `keep_going(engine)` says whether to step again; by default the engine's
+    own `keeps_going`."""
     if keep_going is None:
-        keep_going = (lambda e: not e.idle_everywhere) if engine.lockstep else (lambda e: e.has_work)
+        keep_going = type(engine).keeps_going
     completions: dict[str, Completion] = {}
     for index, ids, params in prompts:
         request_id = str(index)

@@ -6,10 +6,9 @@ every rank done; with pipeline parallelism the first stage's `PipelineEngine` ru
 from __future__ import annotations
 
 from tandem.config import EngineConfig
-from tandem.engine.build import LaterStage, build_engine
+from tandem.engine.build import build_engine
 from tandem.engine.core import run_to_completion
 from tandem.engine.outputs import Completion
-from tandem.engine.pipeline import PipelineEngine, any_first_stage_rank
 from tandem.worker.build import build_runner, write_rank_trace
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import SamplingParams
@@ -34,24 +33,17 @@ def generate_on_rank(
     parallelism: on the first stage's DP column i % D; the later stages return an empty
     list). `on_finish(runner)` is called at the end (its counters: steps, ubatched steps)."""
     engine = build_engine(config)
-    if isinstance(engine, LaterStage):
+    if not engine.takes_requests:
         engine.run()
         completions = []
-    elif isinstance(engine, PipelineEngine):
-        groups = engine.worker.groups
-        mine = _share(engine, prompts, params, groups.dp_rank, groups.topology.data_parallel_size)
-        completions = run_to_completion(engine, mine, keep_going=lambda e: any_first_stage_rank(groups, e.has_work))
     else:
-        completions = run_to_completion(engine, _share(engine, prompts, params, rank, world_size))
-        write_rank_trace(engine.runner, config.trace_path)
+        tokenizer = engine.runner.info.tokenizer
+        mine = [(i, tokenizer.encode(p).ids, params) for i, p in engine.my_prompts(prompts, rank, world_size)]
+        completions = run_to_completion(engine, mine)
+    write_rank_trace(engine.runner, config.trace_path, group=engine.trace_group(None))
     if on_finish is not None:
         on_finish(engine.runner)
     return completions
-
-
-def _share(engine, prompts: list[str], params: SamplingParams, dp_rank: int, dp_size: int):
-    tokenizer = engine.runner.info.tokenizer
-    return [(i, tokenizer.encode(p).ids, params) for i, p in enumerate(prompts) if i % dp_size == dp_rank]
 
 
 __all__ = ["Completion", "build_runner", "generate", "generate_on_rank", "write_rank_trace"]

@@ -298,6 +298,25 @@ class PipelineEngine(Engine):
         self.worker.send({"plan": MicroBatchPlan(kind=HEARTBEAT)}, self.worker.next_rank).wait(self.step_timeout_s)
         self._last_send = time.monotonic()
 
+    def control_plane(self, world_size: int):
+        """The first stage's DP ranks keep the control plane among themselves."""
+        size = self.worker.topology.data_parallel_size
+        return (self.worker.groups.first_stage_cpu_group if size > 1 else None), size
+
+    def trace_group(self, control):
+        """Every stage's timeline, gathered over all ranks (the later stages join once `close`
+        has told them to stop)."""
+        from tandem.distributed.launch import cpu_group
+
+        return cpu_group()
+
+    def my_prompts(self, prompts: list, rank: int, world_size: int) -> list:
+        groups = self.worker.groups
+        return super().my_prompts(prompts, groups.dp_rank, groups.topology.data_parallel_size)
+
+    def keeps_going(self) -> bool:
+        return any_first_stage_rank(self.worker.groups, self.has_work)
+
     def stats(self) -> RankCounters:
         stats = super().stats()
         stats.pipeline_stage_idle_fraction = [

@@ -4,7 +4,10 @@ micro-batch in flight, whichever decodes faster here."""
 from __future__ import annotations
 
 import math
+import os
 import time
+
+import torch
 
 from tandem.engine.pipeline import PipelineEngine, StageCounters
 from tandem.worker.sampling import SamplingParams
@@ -59,4 +62,25 @@ def choose_micro_batches(engine: PipelineEngine, num_requests: int, decode_token
 
 
 
-__all__ = ["choose_micro_batches"]
+def pipeline_verdict(engine: PipelineEngine, max_num_seqs: int) -> str:
+    """Whether this pipeline can beat one process on decode, in one start-up line; when the
+    configured micro-batch ring measures slower than one micro-batch in flight, the engine
+    keeps one in flight."""
+    from tandem.distributed.launch import local_world_size
+
+    topology = engine.worker.topology
+    if engine.worker.device.type == "cpu" and hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+        here = local_world_size(topology.world_size)  # under torchrun, the other hosts' ranks have their own
+        wanted = here * torch.get_num_threads()
+        if wanted > cores:
+            return (f"pipeline parallelism will not pay here: this host's {here} rank processes x "
+                    f"{torch.get_num_threads()} threads need {wanted} CPU cores and it has {cores} (the stages "
+                    "would take turns on the cores instead of running side by side)")
+    if topology.data_parallel_size > 1:
+        return (f"pipeline parallelism: {engine.num_micro_batches} micro-batches in flight (not measured at start-up "
+                "with data parallelism: the first stage's DP ranks would have to agree on the choice)")
+    return choose_micro_batches(engine, max_num_seqs)
+
+
+__all__ = ["choose_micro_batches", "pipeline_verdict"]

@@ -140,15 +140,13 @@ def serve_rank(
 ) -> None:
     """Body of one engine rank, after the default process group (if any) is initialised.
     `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
-    from tandem.distributed.launch import cpu_group
-    from tandem.engine.build import LaterStage, build_engine
+    from tandem.engine.build import build_engine
     from tandem.worker.build import write_rank_trace
 
     def report(message: FromHead) -> None:
         if rank == 0 and outbox is not None:
             outbox.put(message)
 
-    distributed = world_size > 1
     if config.scheduler.overlap_schedule:
         # The scheduler thread and the forward worker share the GIL. With the default 5 ms
         # switch interval, every time the forward drops the GIL around a native op it can
@@ -158,22 +156,17 @@ def serve_rank(
     try:
         report(Progress(f"loading {config.model} on {world_size} rank(s)"))
         engine = build_engine(config, collective_timeout_s=options.collective_timeout_s)
-        if isinstance(engine, LaterStage):
+        if not engine.takes_requests:
             _run_later_stage(rank, engine, config)
             return  # its loop ran until the first stage said stop
         runner = engine.runner
-        if config.parallel.pipeline_parallel_size > 1:
-            # The scheduling (first-stage) ranks keep the control plane among themselves.
-            world_size = config.parallel.data_parallel_size
-            control = engine.worker.groups.first_stage_cpu_group if world_size > 1 else None
-        else:
-            # Not the runner's CPU group: the scheduler thread uses this one while the forward worker steps.
-            control = dist.new_group(backend="gloo") if distributed else None
+        control, world_size = engine.control_plane(world_size)
         if options.warmup:
             report(Progress("warming up"))
             _warm_up(engine)
-        if config.parallel.pipeline_parallel_size > 1:
-            report(Progress(_pipeline_verdict(engine, config.scheduler.max_num_seqs)))
+        note = engine.startup_note(config.scheduler.max_num_seqs)
+        if note is not None:
+            report(Progress(note))
         info = runner.info
         report(Ready(info.name, info.max_model_len, world_size))
 
@@ -191,10 +184,7 @@ def serve_rank(
             _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive, watchdog)
             watchdog.beat()
             engine.close()
-            # Pipeline: every stage's timeline, gathered over all ranks (the later stages
-            # join once `close` has told them to stop), not just the first stage's.
-            pipeline = config.parallel.pipeline_parallel_size > 1
-            write_rank_trace(runner, config.trace_path, group=cpu_group() if pipeline else control)
+            write_rank_trace(runner, config.trace_path, group=engine.trace_group(control))
         finally:
             watchdog.stop()
     except BaseException as exc:  # noqa: BLE001 - tell the front end before dying
@@ -202,34 +192,9 @@ def serve_rank(
         raise
 
 
-def _pipeline_verdict(engine, max_num_seqs: int) -> str:
-    """Whether this pipeline can beat one process on decode, in one start-up line; when the
-    configured micro-batch ring measures slower than one micro-batch in flight, the engine
-    keeps one in flight."""
-    import torch
-
-    from tandem.distributed.launch import local_world_size
-    from tandem.engine.pipeline_choice import choose_micro_batches
-
-    topology = engine.worker.topology
-    if engine.worker.device.type == "cpu" and hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
-        here = local_world_size(topology.world_size)  # under torchrun, the other hosts' ranks have their own
-        wanted = here * torch.get_num_threads()
-        if wanted > cores:
-            return (f"pipeline parallelism will not pay here: this host's {here} rank processes x "
-                    f"{torch.get_num_threads()} threads need {wanted} CPU cores and it has {cores} (the stages "
-                    "would take turns on the cores instead of running side by side)")
-    if topology.data_parallel_size > 1:
-        return (f"pipeline parallelism: {engine.num_micro_batches} micro-batches in flight (not measured at start-up "
-                "with data parallelism: the first stage's DP ranks would have to agree on the choice)")
-    return choose_micro_batches(engine, max_num_seqs)
-
-
 def _run_later_stage(rank: int, stage, config) -> None:
     """A pipeline stage after the first: run its loop to its end under the watchdog, then
     join the trace gather of every rank."""
-    from tandem.distributed.launch import cpu_group
     from tandem.worker.build import write_rank_trace
 
     where = stage.groups.topology.describe(rank)
@@ -243,7 +208,7 @@ def _run_later_stage(rank: int, stage, config) -> None:
     try:
         stage.run(on_message=watchdog.beat)
         watchdog.beat()
-        write_rank_trace(stage.runner, config.trace_path, group=cpu_group())
+        write_rank_trace(stage.runner, config.trace_path, group=stage.trace_group(None))
     finally:
         watchdog.stop()
 
