@@ -47,25 +47,36 @@ def _layer(name: str) -> nn.Module:
     return module
 
 
-@torch.library.custom_op("tandem::attention", mutates_args=())
+# Registered through the dispatcher directly rather than with `torch.library.custom_op`, whose
+# Python wrappers (autograd, device routing, a dynamo-disable frame) cost ~50-100 us a call,
+# paid by every layer of every compiled step. The step runs under no_grad: no autograd kernel.
+_LIBRARY = torch.library.Library("tandem", "FRAGMENT")
+_LIBRARY.define("attention(Tensor[] prepared, str layer) -> Tensor")
+_LIBRARY.define("moe(Tensor hidden, str layer) -> Tensor")
+
+
 def attention(prepared: list[torch.Tensor], layer: str) -> torch.Tensor:
     """`layer.attend(prepared)`: `[T, heads * v_dim]` (the cache write happens inside)."""
     return _layer(layer).attend(tuple(prepared))
 
 
-@attention.register_fake
-def _attention_fake(prepared: list[torch.Tensor], layer: str) -> torch.Tensor:
-    query = prepared[1]
-    return query.new_empty((query.shape[0], _layer(layer).attend_width))
-
-
-@torch.library.custom_op("tandem::moe", mutates_args=())
 def moe(hidden: torch.Tensor, layer: str) -> torch.Tensor:
     """`layer.moe_forward(hidden)`: routed (and shared) experts, `[T, H]`."""
     return _layer(layer).moe_forward(hidden)
 
 
-@moe.register_fake
+for _device in ("CPU", "CUDA"):
+    _LIBRARY.impl("attention", attention, _device)
+    _LIBRARY.impl("moe", moe, _device)
+
+
+@torch.library.register_fake("tandem::attention", lib=_LIBRARY)
+def _attention_fake(prepared: list[torch.Tensor], layer: str) -> torch.Tensor:
+    query = prepared[1]
+    return query.new_empty((query.shape[0], _layer(layer).attend_width))
+
+
+@torch.library.register_fake("tandem::moe", lib=_LIBRARY)
 def _moe_fake(hidden: torch.Tensor, layer: str) -> torch.Tensor:
     return torch.empty_like(hidden)
 
