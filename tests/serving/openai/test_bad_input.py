@@ -207,3 +207,19 @@ def test_schemathesis_fuzz_finds_no_server_error():
         ok = httpx.post(f"{server.url}/completions", json={"model": "tiny-moe", "prompt": "still here", "max_tokens": 4},
                         timeout=30)
         assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", '{"model": "%s", "prompt": "a\\udcffb"}', "prompt"),
+        ("/v1/completions", '{"model": "%s", "prompt": ["ok", "\\ud800"]}', "prompt[1]"),
+        ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["\\udfff"]}', "stop[0]"),
+        ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "x\\udcff"}]}',
+         "messages[0].content"),
+    ],
+)
+def test_invalid_unicode_in_a_string_field_is_a_400_naming_the_field(client, path, body, param):
+    """A lone surrogate is valid JSON but not text: the tokenizer raised TypeError (a 500)."""
+    response = client.post(path, content=(body % MODEL).encode(), headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, param=param, contains="lone surrogate")

@@ -146,13 +146,36 @@ def decode_json(body: bytes) -> Any:
     if not body.strip():
         raise invalid_request("the request body is empty; send a JSON object")
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        data = json.loads(body, parse_constant=_reject_constant)
+        _check_text(data, "")
+        return data
     except UnicodeDecodeError:
         raise invalid_request("malformed JSON body: not valid UTF-8") from None
     except json.JSONDecodeError as exc:
         raise invalid_request(f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
         raise invalid_request("malformed JSON body: nested too deeply") from None
+
+
+def _check_text(value: Any, path: str) -> None:
+    """Every string in a decoded body is text: JSON's `\\udXXX` escapes can spell a lone
+    surrogate, valid JSON but no character, which the tokenizer and every encoder refuse."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise invalid_request(
+                f"invalid Unicode in '{path or 'body'}': a lone surrogate (\\u{ord(value[exc.start]):04x}) at "
+                f"character {exc.start} is not text; send a complete surrogate pair or the character itself",
+                param=path or None,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check_text(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_text(item, f"{path}[{index}]")
 
 
 # --------------------------------------------------------------------------- requests
