@@ -311,6 +311,11 @@ class SchedulerConfig:
         "--disable-overlap-schedule runs them in sequence.",
         flag="--overlap-schedule/--disable-overlap-schedule",
     )
+    grammar_cache_mb: int = option(
+        512,
+        "Compiled grammars (response_format json_schema, tools) each rank keeps, in MB; the least recently used go "
+        "first. A client that sends a new schema per call would otherwise grow the rank for good.",
+    )
     step_timeout_s: float = option(
         300.0,
         "Seconds a rank may spend in one step before it is declared stuck and the engine unavailable "
@@ -321,6 +326,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.grammar_cache_mb < 1:
+            raise ValueError(f"--grammar-cache-mb must be >= 1, got {self.grammar_cache_mb}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if not self.step_timeout_s > 0:

@@ -126,3 +126,22 @@ def test_length_bounded_strings_never_hold_raw_control_characters():
             out.append(token)
         assert out[-1] == EOS_ID and not any(t < 0x20 for t in out)
         assert isinstance(json.loads(tokenizer.decode(out[:-1]))["s"], str)
+
+
+def test_the_compiled_grammar_cache_stays_within_its_bound():
+    """Distinct schemas, one after another (an agent's per-call tool schemas): the compiled
+    grammars the rank keeps stay under `--grammar-cache-mb`, oldest out first; without the
+    bound the cache grew by every schema for good."""
+    import json
+
+    from tandem.models.tiny_moe import EOS_ID, build_tokenizer
+    from tandem.worker.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(build_tokenizer(), [EOS_ID], cache_mb=1)
+    sizes = []
+    for i in range(60):
+        schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "string"} for j in range(20)}}
+        compiler.constraint(json.dumps(schema))
+        sizes.append(compiler.cache_bytes)
+    assert max(sizes) <= 1 << 20
+    assert sizes[-1] > 0 and compiler.cache_limit_bytes == 1 << 20

@@ -77,7 +77,7 @@ class Engine:
             max_model_len=max_model_len,
             eos_token_ids=info.eos_token_ids,
             generator_device=runner.device,
-            grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids)),
+            grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids), cache_mb=settings.grammar_cache_mb),
             vocab_size=_vocab_size(runner.model),
         )
         self.outputs = OutputProcessor(lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True))

@@ -152,13 +152,20 @@ class GrammarConstraint:
                 raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
 
 
+#: `--grammar-cache-mb`'s default: vLLM bounds the same cache at 512 MB.
+DEFAULT_GRAMMAR_CACHE_MB = 512
+
+
 class GrammarCompiler:
     """Compiles JSON schemas for one tokenizer (one per rank; xgrammar caches compiled
-    grammars by schema). Nothing is imported or built until the first constrained request."""
+    grammars by schema, least recently used first out once the cache holds `cache_mb`: a
+    client that sends a new schema per call would otherwise grow the rank for good). Nothing
+    is imported or built until the first constrained request."""
 
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], *, cache_mb: int = DEFAULT_GRAMMAR_CACHE_MB):
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
+        self.cache_limit_bytes = cache_mb << 20
         self._compiler = None
         self._vocab_size = 0
 
@@ -173,7 +180,12 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             wrapped, vocab_size=self._vocab_size, stop_token_ids=self.eos_token_ids or None
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_limit_bytes)
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the compiled-grammar cache holds now (0 before the first constrained request)."""
+        return 0 if self._compiler is None else self._compiler.get_cache_size_bytes()
 
     def constraint(self, json_schema: str) -> GrammarConstraint:
         """A fresh matcher for `json_schema` (JSON text); `ValueError` for a schema xgrammar
