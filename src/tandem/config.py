@@ -134,6 +134,11 @@ class OverlapConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
+    @property
+    def greenlet_ubatches(self) -> bool:
+        """DBO on greenlets, whose switch cannot cross C++ frames (the compiled step's ops)."""
+        return self.enable_dbo and self.executor == "greenlet"
+
     def with_thresholds_file(self, path: str | Path | None) -> "OverlapConfig":
         """Thresholds from a `tandem tune` file (JSON with `dbo_decode_token_threshold` and
         `dbo_prefill_token_threshold`) override the flags."""
@@ -311,6 +316,7 @@ class SchedulerConfig:
         "--disable-overlap-schedule runs them in sequence.",
         flag="--overlap-schedule/--disable-overlap-schedule",
     )
+    #: 512 MB: vLLM's bound for the same cache.
     grammar_cache_mb: int = option(
         512,
         "Compiled grammars (response_format json_schema, tools) each rank keeps, in MB; the least recently used go "
@@ -407,7 +413,7 @@ class EngineConfig:
         check_dtype_flag(self.dtype)
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        if self.compile == "on" and self.overlap.enable_dbo and self.overlap.executor == "greenlet":
+        if self.compile == "on" and self.overlap.greenlet_ubatches:
             raise ValueError(
                 "--compile on cannot run with --ubatch-executor greenlet: a greenlet switch at a ubatch yield inside "
                 "the compiled step's MoE op crosses C++ frames (the dispatcher's), which greenlets cannot switch over; "

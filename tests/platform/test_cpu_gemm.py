@@ -22,16 +22,21 @@ def _parameter(*shape, seed: int = 0) -> nn.Parameter:
     return nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)), requires_grad=False)
 
 
+def _record_rows(monkeypatch, op: str) -> list[int]:
+    """The leading size of the first argument of every call of `torch.ops.mkldnn.<op>`."""
+    rows = []
+    real = getattr(torch.ops.mkldnn, op)
+
+    def recording(tensor, *args):
+        rows.append(tensor.shape[0])
+        return real(tensor, *args)
+
+    monkeypatch.setattr(cpu_gemm.torch.ops.mkldnn, op, recording)
+    return rows
+
+
 def _count_packings(monkeypatch) -> list[int]:
-    packed = []
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-
-    def counting(weight, *args):
-        packed.append(weight.shape[0])
-        return reorder(weight, *args)
-
-    monkeypatch.setattr(cpu_gemm.torch.ops.mkldnn, "_reorder_linear_weight", counting)
-    return packed
+    return _record_rows(monkeypatch, "_reorder_linear_weight")
 
 
 @needs_onednn
@@ -141,14 +146,7 @@ def test_row_counts_are_bucketed_so_onednn_shapes_repeat(monkeypatch):
     """oneDNN builds a primitive per input shape; the packed GEMM pads a row count up to its
     bucket (as is up to 16, then multiples of 16, above 256 multiples of 64) and returns only
     the real rows."""
-    shapes = []
-    gemm = torch.ops.mkldnn._linear_pointwise
-
-    def recording(rows, *args):
-        shapes.append(rows.shape[0])
-        return gemm(rows, *args)
-
-    monkeypatch.setattr(cpu_gemm.torch.ops.mkldnn, "_linear_pointwise", recording)
+    shapes = _record_rows(monkeypatch, "_linear_pointwise")
     weight = _parameter(384, 256)
     weights = nn.Parameter(torch.randn(3, 384, 256), requires_grad=False)
     g = torch.Generator().manual_seed(3)

@@ -4,7 +4,7 @@ and the MoE layers as opaque custom ops (`tandem.models.opaque_ops`).
 What inductor gets: the embedding, norms, projections, residual adds and activations between
 the opaque ops, as one graph per model (the whole stage, as vLLM compiles it: each op carries
 its layer's name, so one layer's graph would not serve the next). It fuses the element-wise
-work, and on the CPU packs the weights for oneDNN once (`freezing`). The token dimension is
+work; the CPU projections stay tandem's packed GEMMs (`tandem::cpu_linear`). The token dimension is
 dynamic: a step of one token has a graph of its own (dynamo specialises size 1), every larger
 step shares one symbolic graph, so `warm_up` compiles both and serving never recompiles;
 `CompiledModel.graphs` counts what the backend compiled, and tests and benchmarks check it.
@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.config import COMPILE_MODES
 from tandem.models.opaque_ops import register_opaque
 from tandem.platform.compile_support import allow_many_compiled_models, below_autograd
 
@@ -45,11 +44,9 @@ def compile_default(device: torch.device) -> bool:
 
 
 def resolve_compile(mode: str, device: torch.device, *, greenlet_ubatches: bool = False) -> bool:
-    """Whether the step runs compiled. Never with greenlet ubatches (EngineConfig refuses
-    `on`; `auto` turns off): their switch inside the MoE op would cross the dispatcher's C++
-    frames."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    """Whether the step runs compiled, for a `mode` EngineConfig has checked. Never with
+    greenlet ubatches (EngineConfig refuses `on`; `auto` turns off): their switch inside the
+    MoE op would cross the dispatcher's C++ frames."""
     if greenlet_ubatches:
         return False
     return compile_default(device) if mode == "auto" else mode == "on"
@@ -86,28 +83,17 @@ def cache_dir_for(model: nn.Module, dtype: torch.dtype, device: torch.device) ->
     return root / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
-def _inductor_options(device: torch.device) -> dict:
-    options = {"freezing": False}
-    return options
-
-
 class CompiledModel:
     """Compiles `model`'s forward in place (the instance's `forward` becomes the compiled one):
     `model(...)` runs the compiled step, the TBO operation lists and everything else keep calling the eager
     modules, whose attention and MoE layers now dispatch through the opaque ops."""
 
-    def __init__(
-        self, model: nn.Module, *, cache_dir: Path | None = None, device: torch.device | None = None,
-        backend: str = "inductor",
-    ):
+    def __init__(self, model: nn.Module, *, cache_dir: Path | None = None, backend: str = "inductor"):
         """`backend`: inductor, or another dynamo backend by name (tests check the op
         boundary with `aot_eager`, which generates no code)."""
-        self.model = model
         self.backend = backend
-        self.device = device or next(model.parameters()).device
         #: Graphs the backend compiled (dynamo's first trace and every recompile).
         self.graphs = 0
-        self.compile_s = 0.0
         self.cache_dir = cache_dir
         for name, module in model.named_modules():
             if hasattr(module, "attend") or hasattr(module, "moe_forward"):
@@ -132,24 +118,17 @@ class CompiledModel:
     @classmethod
     def for_config(cls, model: nn.Module, config, device: torch.device) -> "CompiledModel | None":
         """The compiled step `config` (an EngineConfig, or None: eager) asks for on `device`."""
-        if config is None:
+        if config is None or not resolve_compile(config.compile, device, greenlet_ubatches=config.overlap.greenlet_ubatches):
             return None
-        greenlet = config.overlap.enable_dbo and config.overlap.executor == "greenlet"
-        if not resolve_compile(config.compile, device, greenlet_ubatches=greenlet):
-            return None
-        return cls(model, cache_dir=cache_dir_for(model, model.dtype, device), device=device)
+        return cls(model, cache_dir=cache_dir_for(model, model.dtype, device))
 
     def _backend(self, graph_module, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
         self.graphs += 1
-        start = time.perf_counter()
-        try:
-            if self.backend != "inductor":
-                return torch._dynamo.lookup_backend(self.backend)(graph_module, example_inputs)
-            return compile_fx(graph_module, example_inputs, config_patches=_inductor_options(self.device))
-        finally:
-            self.compile_s += time.perf_counter() - start
+        if self.backend != "inductor":
+            return torch._dynamo.lookup_backend(self.backend)(graph_module, example_inputs)
+        return compile_fx(graph_module, example_inputs)
 
     @contextlib.contextmanager
     def compiling(self):
@@ -161,4 +140,4 @@ class CompiledModel:
               file=sys.stderr, flush=True)
 
 
-__all__ = ["COMPILE_MODES", "CompiledModel", "cache_dir_for", "compile_default", "resolve_compile"]
+__all__ = ["CompiledModel", "cache_dir_for", "compile_default", "resolve_compile"]

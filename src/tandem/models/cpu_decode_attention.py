@@ -6,8 +6,8 @@ weighted sum over the block table's entries, the gather becomes an indirect load
 inductor's reduction loops, so each cached row is read once, vectorised over the head
 dimension, and the scores stay in float32 (`benchmarks/compiled_step.py` has the figures).
 
-One compiled kernel serves every batch: the request count and the table's width are dynamic,
-the block size, head counts and head dims are the layer's. Used by the compiled step
+One compiled kernel serves every batch: the request count, the table's width and the cache's
+block count are dynamic; the block size, head counts and head dims are the layer's. Used by the compiled step
 (`--compile`) for decode rows on the CPU, outside graph captures (a `CpuGraph` records ATen
 ops, not inductor's kernels).
 """
@@ -61,9 +61,9 @@ def cpu_decode_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """`decode_attention_reference`, compiled once: the request count, the table's width and
-    the cache's block count are dynamic. Both are padded to at least 2 (a request of length 0, a masked column), since
-    the compiler would give a size of 1 a graph of its own."""
+    """`decode_attention_reference`, compiled once. The request count and the table's width
+    are padded to at least 2 (a request of length 0, a masked column): the compiler would give
+    a size of 1 a graph of its own."""
     requests = query.shape[0]
     # Contiguous operands: a sliced table or query would otherwise compile a graph per layout.
     query, block_table, seq_lens = query.contiguous(), block_table.contiguous(), seq_lens.contiguous()

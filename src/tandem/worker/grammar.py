@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import torch
 
+from tandem.config import SchedulerConfig
+
 #: Where the grammar library comes from, as an error names it.
 INSTALL_HINT = "pip install 'tandem[structured]' (the xgrammar package)"
 
@@ -152,17 +154,13 @@ class GrammarConstraint:
                 raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
 
 
-#: `--grammar-cache-mb`'s default: vLLM bounds the same cache at 512 MB.
-DEFAULT_GRAMMAR_CACHE_MB = 512
-
-
 class GrammarCompiler:
     """Compiles JSON schemas for one tokenizer (one per rank; xgrammar caches compiled
     grammars by schema, least recently used first out once the cache holds `cache_mb`: a
     client that sends a new schema per call would otherwise grow the rank for good). Nothing
     is imported or built until the first constrained request."""
 
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int], *, cache_mb: int = DEFAULT_GRAMMAR_CACHE_MB):
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], *, cache_mb: int = SchedulerConfig.grammar_cache_mb):
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_limit_bytes = cache_mb << 20
