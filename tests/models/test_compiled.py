@@ -1,6 +1,5 @@
-"""The compiled step (`--compile`): attention and the MoE layers stay opaque to dynamo, the
-in-place CPU decode attention equals the gathered one, and a compiled model gives eager's
-greedy tokens per family. The engine-level runs (inductor, DBO/TBO/SBO, no recompiles, the
+"""The compiled step (`--compile`): attention and the MoE layers stay opaque to dynamo and a
+compiled model gives eager's greedy tokens per family. The engine-level runs (inductor, DBO/TBO/SBO, no recompiles, the
 cache) are in tests/worker/test_compiled_runner.py."""
 
 from __future__ import annotations
@@ -10,8 +9,6 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.models.compiled import CompiledModel, cache_dir_for, resolve_compile
-from tandem.models.cpu_decode_attention import cpu_decode_attention
-from tandem.models.paged_attention import AttentionMetadata, _decode_attention, paged_attention
 from tandem.models.tiny_moe import build_tiny_moe
 from tandem.testing.model_harness import GreedyHarness
 
@@ -62,53 +59,6 @@ def test_compiled_model_gives_eager_logits_and_tokens():
     single = [{"tokens": [7], "computed": 0}]
     torch.testing.assert_close(compiled_h.step(single), eager.step([{"tokens": [7], "computed": 0}]), rtol=1e-4, atol=1e-4)
     assert compiled.graphs >= 1  # counted in fresh processes by tests/worker/test_compiled_runner.py
-
-
-def _decode_case(dtype, requests, kv_heads, heads, dim, value_dim=None, lengths=None):
-    torch.manual_seed(0)
-    block_size, width = 4, 5
-    blocks = requests * width + 1
-    key_cache = torch.randn(blocks, block_size, kv_heads, dim, dtype=dtype)
-    value_cache = key_cache[..., :value_dim] if value_dim else torch.randn(blocks, block_size, kv_heads, dim, dtype=dtype)
-    table = (torch.randperm(blocks - 1)[: requests * width].view(requests, width) + 1).int()
-    lens = torch.tensor(lengths if lengths else torch.randint(1, width * block_size + 1, (requests,)).tolist(), dtype=torch.int32)
-    query = torch.randn(requests, heads, dim, dtype=dtype)
-    metadata = AttentionMetadata(
-        torch.arange(requests + 1, dtype=torch.int32), lens, 1, torch.zeros(requests, dtype=torch.long), table,
-        block_size, decode_only=True, query_start_loc_host=tuple(range(requests + 1)), seq_lens_host=tuple(lens.tolist()),
-    )
-    return query, key_cache, value_cache, metadata
-
-
-@pytest.mark.parametrize(
-    "dtype,requests,kv_heads,heads,dim,value_dim,lengths",
-    [
-        (torch.float32, 5, 2, 4, 16, None, None),  # GQA
-        (torch.float32, 1, 2, 4, 16, None, [3]),  # one request, one block: padded to two inside
-        (torch.float32, 3, 1, 4, 24, 16, [9, 0, 20]),  # MLA's latent: values are the keys' first channels; a padding request
-        (torch.bfloat16, 4, 2, 2, 16, None, None),
-    ],
-)
-def test_in_place_decode_attention_equals_the_gathered_one(dtype, requests, kv_heads, heads, dim, value_dim, lengths):
-    query, key_cache, value_cache, metadata = _decode_case(dtype, requests, kv_heads, heads, dim, value_dim, lengths)
-    scale = dim**-0.5
-    expected = _decode_attention(query, key_cache, value_cache, metadata, scale)
-    got = paged_attention(query, key_cache, value_cache, metadata, scale, compiled_decode=True)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
-    assert got.dtype == dtype and got.shape == (requests, heads, value_dim or dim)
-    if lengths and 0 in lengths:
-        assert not got[lengths.index(0)].any()
-
-
-def test_in_place_decode_attention_compiles_once_for_every_batch_and_width():
-    from torch._dynamo.utils import counters
-
-    before = counters["stats"]["unique_graphs"]
-    for requests, width in ((2, 2), (7, 3), (1, 1), (12, 5)):
-        query, key_cache, value_cache, metadata = _decode_case(torch.float32, requests, 2, 4, 16)
-        cpu_decode_attention(query, key_cache, value_cache, metadata.block_table[:, :width], metadata.seq_lens.clamp(max=width * 4), 0.25)
-    assert counters["stats"]["unique_graphs"] - before <= 1
 
 
 def test_compile_setting_is_checked_and_resolved_per_device():

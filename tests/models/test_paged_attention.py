@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.models import paged_attention, write_to_cache
+from tandem.platform import cpu_kernels
 from tandem.worker import BlockAllocator, ScheduledChunk, blocks_needed, build_step_inputs
 from tandem.ubatch import slice_attention_metadata, split_by_tokens
 
@@ -131,11 +132,16 @@ def _largest_new_tensor(fn) -> int:
 
 
 def test_decode_work_follows_the_lengths_not_the_table_width():
-    sizes = []
+    from tandem.models.paged_attention import _decode_attention
+
+    gathered, in_place = [], []
     for width in (5, 16):
         metadata, q, k_cache, v_cache, _ = _decode_batch([3, 9, 17], width=width)
-        sizes.append(_largest_new_tensor(lambda: paged_attention(q, k_cache, v_cache, metadata, D**-0.5)))
-    assert sizes[0] == sizes[1] == 3 * 5 * BS * HKV * D  # 3 requests x the 5 blocks the longest one uses
+        gathered.append(_largest_new_tensor(lambda: _decode_attention(q, k_cache, v_cache, metadata, D**-0.5, in_place=False)))
+        in_place.append(_largest_new_tensor(lambda: paged_attention(q, k_cache, v_cache, metadata, D**-0.5)))
+    assert gathered[0] == gathered[1] == 3 * 5 * BS * HKV * D  # 3 requests x the 5 blocks the longest one uses
+    if cpu_kernels.available():  # tandem's kernel reads the cache in place: no copy of it at all
+        assert in_place[0] == in_place[1] == 3 * HQ * D
 
 
 def test_bf16_decode_and_prefill_stay_in_bf16_close_to_fp32():

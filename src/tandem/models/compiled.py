@@ -98,8 +98,6 @@ class CompiledModel:
         for name, module in model.named_modules():
             if hasattr(module, "attend") or hasattr(module, "moe_forward"):
                 register_opaque(module, name)
-            if hasattr(module, "compiled_decode"):
-                module.compiled_decode = True
         if cache_dir is not None:
             cache_dir.mkdir(parents=True, exist_ok=True)
             # Inductor reads it when it compiles, and every process compiles its own model.

@@ -73,8 +73,6 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary if rotary is not None else RotaryEmbedding(head_dim, rope)
         self.kv_cache: dict[str, torch.Tensor] | None = None
-        #: Decode rows on the CPU through inductor's in-place kernel (set by the compiled step).
-        self.compiled_decode = False
 
     def kv_cache_spec(self) -> KVCacheSpec:
         shape = (self.num_kv_heads, self.head_dim)
@@ -110,7 +108,7 @@ class Attention(nn.Module):
         metadata = current_attention_metadata()
         cache = self.kv_cache
         q = self.rotary.rotate_and_cache(positions, q, k, metadata.slot_mapping, cache["key"], copy=(v, cache["value"]))
-        out = paged_attention(q, cache["key"], cache["value"], metadata, self.scale, compiled_decode=self.compiled_decode)
+        out = paged_attention(q, cache["key"], cache["value"], metadata, self.scale)
         return out.reshape(q.shape[0], self.attend_width)
 
 

@@ -70,8 +70,6 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
         self.kv_cache: dict[str, torch.Tensor] | None = None
-        #: Decode rows on the CPU through inductor's in-place kernel (set by the compiled step).
-        self.compiled_decode = False
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.cfg
@@ -124,8 +122,7 @@ class MLAttention(nn.Module):
             # Fold each head's nope query through its key slice of kv_b_proj into the latent.
             q_latent = torch.einsum("thn,hnl->thl", q_nope, w_kv[:, : c.qk_nope_head_dim])
             query = torch.cat((q_latent, q_rope), dim=-1)
-            out_latent = paged_attention(query, cache, cache[..., :rank], metadata, self.scale,
-                                         compiled_decode=self.compiled_decode)
+            out_latent = paged_attention(query, cache, cache[..., :rank], metadata, self.scale)
             out = torch.einsum("thl,hvl->thv", out_latent, w_kv[:, c.qk_nope_head_dim :])
         else:
             q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
@@ -135,8 +132,7 @@ class MLAttention(nn.Module):
             write_to_cache(self.kv_cache["key"], key, metadata.slot_mapping)
             write_to_cache(self.kv_cache["value"], value, metadata.slot_mapping)
             query = torch.cat((q_nope, q_rope), dim=-1)
-            out = paged_attention(query, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale,
-                                  compiled_decode=self.compiled_decode)
+            out = paged_attention(query, self.kv_cache["key"], self.kv_cache["value"], metadata, self.scale)
         return out.reshape(T, self.attend_width)
 
 

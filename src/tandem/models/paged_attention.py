@@ -7,7 +7,8 @@ written to cache slot `slot_mapping[t]` (block * block_size + offset), and reque
 its whole sequence back through `block_table[r]`. Rows past `num_actual_tokens` are
 padding: they write nothing and attend to nothing.
 
-Attention is `scaled_dot_product_attention` in the cache dtype over each request's blocks,
+Decode rows on the CPU read the cache in place (tandem's kernel, `cpu_kernels`). Otherwise
+attention is `scaled_dot_product_attention` in the cache dtype over each request's blocks,
 gathered once (`index_select`) up to the longest request of the call, never to the block
 table's width when the host knows the lengths. A *decode-only* batch (every request one
 query row, `decode_only=True`) is one call with no host reads: under a capture it reads the
@@ -25,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from tandem.models.cpu_decode_attention import cpu_decode_attention
+from tandem.platform import cpu_kernels
 from tandem.platform.triton_utils import use_triton
 from tandem.platform.device import to_device_async
 from tandem.platform.graph import graph_capture_active
@@ -134,15 +135,13 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
-    *,
-    compiled_decode: bool = False,
 ) -> torch.Tensor:
     """Causal attention of `query [T, Hq, Dk]` over each request's cached K `[.., Hkv, Dk]`
     and V `[.., Hkv, Dv]` (grouped-query when Hq > Hkv); returns `[T, Hq, Dv]`, zero on
-    padding rows. The caller has already written this step's K/V to the cache.
-    `compiled_decode` (the compiled step): decode rows on the CPU read the cache in place
-    through `tandem.models.cpu_decode_attention`."""
-    in_place = compiled_decode and key_cache.device.type == "cpu" and not graph_capture_active()
+    padding rows. The caller has already written this step's K/V to the cache. Decode rows
+    on the CPU read the cache in place through tandem's kernel (`cpu_kernels.decode_attention`)
+    where it is built, outside graph captures (a `CpuGraph` records ATen ops only)."""
+    in_place = _in_place_decode_applies(query, key_cache, value_cache)
     if metadata.decode_only:
         if _triton_decode_applies(key_cache):
             from tandem.models.triton_decode_attention import triton_decode_attention
@@ -150,6 +149,10 @@ def paged_attention(
             return triton_decode_attention(query, key_cache, value_cache, metadata.seq_lens, metadata.block_table, scale)
         return _decode_attention(query, key_cache, value_cache, metadata, scale, in_place=in_place)
     return _varlen_attention(query, key_cache, value_cache, metadata, scale, in_place=in_place)
+
+
+def _in_place_decode_applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    return key_cache.device.type == "cpu" and not graph_capture_active() and cpu_kernels.takes(query, key_cache, value_cache)
 
 
 def _triton_decode_applies(cache: torch.Tensor) -> bool:
@@ -172,9 +175,10 @@ def _decode_attention(
     block_table = metadata.block_table
     if metadata.seq_lens_host is not None and not graph_capture_active():
         block_table = block_table[:, : _blocks_for(max(metadata.seq_lens_host, default=0), metadata.block_size)]
+    out = None
     if in_place:
-        out = cpu_decode_attention(query[:requests], key_cache, value_cache, block_table, metadata.seq_lens, scale)
-    else:
+        out = cpu_kernels.decode_attention(query[:requests], key_cache, value_cache, block_table, metadata.seq_lens, scale)
+    if out is None:
         out = _attend(query[:requests].unsqueeze(1), key_cache, value_cache, block_table, metadata.seq_lens, scale)
         # A padding request (seq_len 0) attended to its first slot only: its output is zeroed.
         out = torch.where((metadata.seq_lens > 0).view(-1, 1, 1), out.squeeze(1), 0.0)
@@ -205,10 +209,11 @@ def _varlen_attention(
         lens = seq_lens[first:end]
         block_table = metadata.block_table[first:end, : _blocks_for(max(lens), metadata.block_size)]
         if in_place and length == 1:  # a run of decodes
-            rows = cpu_decode_attention(query[qsl[first] : qsl[end]], key_cache, value_cache, block_table,
-                                        metadata.seq_lens[first:end], scale)
-            attended.append((qsl[first], qsl[end], rows))
-            continue
+            rows = cpu_kernels.decode_attention(query[qsl[first] : qsl[end]], key_cache, value_cache, block_table,
+                                                metadata.seq_lens[first:end], scale)
+            if rows is not None:
+                attended.append((qsl[first], qsl[end], rows))
+                continue
         group_query = query[qsl[first] : qsl[end]].view(end - first, length, num_heads, -1)
         out = _attend(group_query, key_cache, value_cache, block_table, metadata.seq_lens[first:end], scale,
                       from_start=all(n == length for n in lens))

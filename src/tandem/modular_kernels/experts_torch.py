@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
-from tandem.platform.cpu_gemm import grouped_linear
+from tandem.platform.cpu_gemm import fused_experts, grouped_linear
 
 #: dtypes `grouped_mm` takes; any other runs the same slices with one `mm` per expert.
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,6 +94,10 @@ class TorchExperts(Experts):
     graph_capturable = False
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        x = tokens.dequantized()
+        fused = fused_experts(x, tokens.topk_ids, tokens.topk_weights, w1, w2)
+        if fused is not None:
+            return fused
         return next(self._blocks(tokens, w1, w2, None))[1]
 
     def apply_blocks(self, tokens, w1, w2, blocks) -> Iterator[tuple[int, torch.Tensor]]:

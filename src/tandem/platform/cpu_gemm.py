@@ -27,6 +27,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from tandem.platform import cpu_kernels
+from tandem.platform.graph import graph_capture_active
+
+#: Up to this many rows per expert on average the experts run in tandem's fused kernel; more
+#: rows (a prefill) run oneDNN's GEMMs per expert (`benchmarks/cpu_gemm.py` measures both).
+_FUSED_EXPERTS_MAX_ROWS_PER_EXPERT = 16
 #: Rows per call the packing is tuned for (a decode batch); any row count runs.
 _PACKING_ROWS_HINT = 8
 #: Smaller weights stay with `F.linear`: oneDNN's fixed cost per call outweighs the repacking
@@ -39,7 +45,7 @@ def _onednn_available() -> bool:
 
 
 _AVAILABLE = _onednn_available()
-#: parameter -> (its state when packed, the packed copy or copies, or None: oneDNN refused it).
+#: parameter -> {pack function: (its state when packed, the packed copy or copies, or None: refused)}.
 _PACKED = WeakTensorKeyDictionary()
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -53,9 +59,10 @@ def _state(weight: torch.Tensor) -> tuple:
 
 
 def _cached(weight: torch.Tensor, pack):
-    """`pack(weight)` as of the weight's current state, made once per state."""
+    """`pack(weight)` as of the weight's current state, made once per state and layout."""
     state = _state(weight)
-    cached = _PACKED.get(weight)
+    layouts = _PACKED.setdefault(weight, {})
+    cached = layouts.get(pack)
     if cached is not None and cached[0] == state:
         return cached[1]
     try:
@@ -63,7 +70,7 @@ def _cached(weight: torch.Tensor, pack):
             packed = pack(weight.detach())
     except RuntimeError:  # e.g. bfloat16 needs AVX-512 (or AVX-NE-CONVERT) in oneDNN
         packed = None
-    _PACKED[weight] = (state, packed)
+    layouts[pack] = (state, packed)
     return packed
 
 
@@ -148,7 +155,32 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) ->
     return out
 
 
-__all__ = ["grouped_linear", "linear"]
+def _pack_panels(weights: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.pack(weights)
+
+
+def fused_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor | None:
+    """The routed experts of `x [T, K]` in one call of tandem's CPU kernel (`cpu_kernels.moe`):
+    `w1 [E, 2I, K]` (gate rows, then up), `w2 [E, K, I]`, weights packed once. None where the
+    kernel does not take the operands, under a graph capture (a `CpuGraph` records ATen ops,
+    not a ctypes call), or where the rows per expert are many enough (a prefill) that oneDNN's
+    compute-bound GEMMs win."""
+    if not (
+        w1.dim() == 3
+        and type(w1) is torch.nn.Parameter
+        and type(w2) is torch.nn.Parameter
+        and x.shape[0] * topk_ids.shape[1] <= _FUSED_EXPERTS_MAX_ROWS_PER_EXPERT * w1.shape[0]
+        and cpu_kernels.takes(x, w1, w2)
+        and not (torch.is_grad_enabled() and (w1.requires_grad or w2.requires_grad or x.requires_grad))
+        and not graph_capture_active()
+    ):
+        return None
+    return cpu_kernels.moe(x, topk_ids, topk_weights, _cached(w1, _pack_panels), _cached(w2, _pack_panels), w2.shape[2])
+
+
+__all__ = ["fused_experts", "grouped_linear", "linear"]
 
 
 # `tandem::cpu_linear`, registered through the dispatcher directly rather than with

@@ -226,7 +226,7 @@ class ModelRunner:
         (Triton, DeepGEMM, DeepEP) happen here, outside DBO, rather than inside a ubatch, where
         they would hold the other ubatches at a yield for minutes. The compiled step also runs
         a decode of two rows into the null cache block: the graph every step of more than one
-        token shares, and the in-place decode attention."""
+        token shares."""
         steps = [[]] if self.compiled is None else [[], [ScheduledChunk([0], 0, [NULL_BLOCK])] * 2]
         with contextlib.nullcontext() if self.compiled is None else self.compiled.compiling():
             for chunks in steps:

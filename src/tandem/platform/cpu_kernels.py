@@ -1,0 +1,251 @@
+"""tandem's own CPU kernels (`csrc/cpu_kernels.c`): the few-row GEMMs of a decode step and the
+routed experts of a MoE layer in one call.
+
+A decode step multiplies a handful of rows by every weight once, so it runs at the speed the
+weights stream from memory. oneDNN's packed GEMM reaches ~60 % of this machine's one-thread
+read bandwidth there and costs ~10 us of fixed work per call, and the experts cost one call per
+expert and projection plus the torch ops between them (gather, activation, weighted sum). These
+kernels stream weights packed into column panels with register accumulators, and run a whole
+MoE layer's experts (sort by expert, both projections, SiLU-and-mul, weighted sum) in one call;
+`benchmarks/cpu_gemm.py` has the figures against oneDNN.
+
+The library is compiled from the C source on first use with the system's C compiler (`cc`,
+`-O3 -march=native`, the compiler inductor's CPU backend needs anyway) into
+`$TANDEM_KERNEL_CACHE` (default `~/.cache/tandem/kernels`), keyed by the source, the compiler
+and the CPU's flags, and loaded with ctypes, which releases the GIL for the call (DBO's ubatch
+threads keep running). Without a compiler, or with `TANDEM_CPU_KERNELS=0`, `available()` is
+False and callers keep their torch paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_KERNEL_CACHE") or Path.home() / ".cache" / "tandem" / "kernels")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join((_SOURCE.read_text(), compiler, version, *_FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Ranks of one server build at once: each writes its own file and renames it into place.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: tandem's CPU kernels are off, the torch paths run instead")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("tandem's CPU kernels did not build (%s): the torch paths run instead", detail)
+        return None
+    c_long, c_int, c_void_p = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+    library.tandem_packed_elements.argtypes = [c_long, c_long]
+    library.tandem_packed_elements.restype = c_long
+    library.tandem_pack.argtypes = [c_void_p, c_int, c_long, c_long, c_long, c_void_p]
+    library.tandem_pack.restype = None
+    library.tandem_linear.argtypes = [c_void_p, c_int, c_long, c_long, c_void_p, c_int, c_long, c_void_p, c_int]
+    library.tandem_linear.restype = c_int
+    library.tandem_moe.argtypes = [
+        c_void_p, c_int, c_long, c_long, c_void_p, c_void_p, c_long, c_void_p, c_void_p, c_int, c_long, c_long,
+        c_long, c_long, c_void_p, c_int,
+    ]  # fmt: skip
+    library.tandem_moe.restype = c_int
+    library.tandem_decode_attention.argtypes = [
+        c_void_p, c_void_p, c_void_p, c_int, c_long, c_long, c_long, c_long, c_long, c_long, c_void_p, c_long,
+        c_void_p, c_long, c_long, c_long, c_long, c_long, c_long, ctypes.c_float, c_void_p,
+    ]  # fmt: skip
+    library.tandem_decode_attention.restype = c_int
+    return library
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+_switched_off = False
+
+
+@contextlib.contextmanager
+def switched_off() -> Iterator[None]:
+    """Every caller takes its torch path while inside (benchmarks compare both in one process)."""
+    global _switched_off
+    before, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = before
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether these operands run here: plain CPU tensors of one dtype the kernels take."""
+    dtype = tensors[0].dtype
+    return (
+        not _switched_off
+        and dtype in _DTYPES
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+        and available()
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight [N, K]` or stacked experts `[E, N, K]` into column panels (`[..., panels*K*P]`)."""
+    library = _library()
+    weight = weight.detach().contiguous()
+    *lead, n, k = weight.shape
+    per = library.tandem_packed_elements(n, k)
+    flat = weight.reshape(-1, n, k)
+    packed = weight.new_empty((flat.shape[0], per))
+    for index in range(flat.shape[0]):
+        library.tandem_pack(flat[index].data_ptr(), _DTYPES[weight.dtype], n, k, k, packed[index].data_ptr())
+    return packed.view(*lead, per) if lead else packed[0]
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`x [..., K] @ W^T` for the weight `packed` holds (`pack`); x's dtype out."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = rows.new_empty((rows.shape[0], out_features))
+    status = _library().tandem_linear(
+        rows.data_ptr(), _DTYPES[rows.dtype], rows.shape[0], rows.shape[1], packed.data_ptr(),
+        _DTYPES[packed.dtype], out_features, out.data_ptr(), _DTYPES[out.dtype],
+    )  # fmt: skip
+    if status:
+        raise MemoryError("tandem_linear could not allocate its scratch")
+    return out.view(*x.shape[:-1], out_features)
+
+
+def moe(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    intermediate: int,
+) -> torch.Tensor:
+    """The routed experts' output `[T, K]` for `x [T, K]` (see `tandem_moe`); `w13` / `w2` the
+    packed `[E, 2I, K]` / `[E, K, I]` weights. An id outside `[0, E)` adds nothing. One
+    dispatcher op (`tandem::cpu_moe`), so profilers and op counters see it."""
+    return torch.ops.tandem.cpu_moe(x, topk_ids, topk_weights, w13, w2, intermediate)
+
+
+def _moe(x, topk_ids, topk_weights, w13, w2, intermediate):
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    status = _library().tandem_moe(
+        x.data_ptr(), _DTYPES[x.dtype], x.shape[0], x.shape[1], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+        w13.data_ptr(), w2.data_ptr(), _DTYPES[w13.dtype], w13.shape[0], intermediate, w13.shape[1], w2.shape[1],
+        out.data_ptr(), _DTYPES[out.dtype],
+    )  # fmt: skip
+    if status:
+        raise MemoryError("tandem_moe could not allocate its scratch")
+    return out
+
+
+def decode_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor | None:
+    """`query [R, Hq, Dk]`, one row per request, against the paged caches `[blocks, block_size,
+    Hkv, D]` read in place through `block_table [R, W]` up to `seq_lens [R]`; `[R, Hq, Dv]` in
+    the query's dtype, zeros for a request of length 0 (the op `tandem::cpu_decode_attention`).
+    None when a cache's rows are not contiguous in the head dimension, or the two caches are
+    laid out over different blocks."""
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1 or value_cache.shape[:3] != key_cache.shape[:3]:
+        return None
+    if query.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"{query.shape[1]} query heads do not group over {key_cache.shape[2]} KV heads")
+    return torch.ops.tandem.cpu_decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale)
+
+
+def _decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale):
+    requests, num_heads, key_dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    value_dim = value_cache.shape[-1]
+    query = query.contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    out = query.new_empty((requests, num_heads, value_dim))
+    status = _library().tandem_decode_attention(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), _DTYPES[query.dtype], *key_cache.stride()[:3],
+        *value_cache.stride()[:3], table.data_ptr(), table.shape[1], lens.data_ptr(), requests, num_heads, kv_heads,
+        key_dim, value_dim, block_size, scale, out.data_ptr(),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("tandem_decode_attention could not allocate its scratch")
+    return out
+
+
+# Registered through the dispatcher directly (as `tandem::cpu_linear` is): `custom_op`'s Python
+# wrappers cost ~100 us a call, and a decode step calls these once per layer.
+_LIBRARY = torch.library.Library("tandem", "FRAGMENT")
+_LIBRARY.define("cpu_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, int intermediate) -> Tensor")
+_LIBRARY.impl("cpu_moe", _moe, "CPU")
+_LIBRARY.define(
+    "cpu_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
+    "float scale) -> Tensor"
+)
+_LIBRARY.impl("cpu_decode_attention", _decode_attention, "CPU")
+
+
+@torch.library.register_fake("tandem::cpu_moe", lib=_LIBRARY)
+def _(x, topk_ids, topk_weights, w13, w2, intermediate):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("tandem::cpu_decode_attention", lib=_LIBRARY)
+def _(query, key_cache, value_cache, block_table, seq_lens, scale):
+    return query.new_empty((*query.shape[:2], value_cache.shape[-1]))
+
+
+__all__ = ["available", "cache_dir", "decode_attention", "linear", "moe", "pack", "switched_off", "takes"]

@@ -1,0 +1,380 @@
+/* tandem's CPU kernels for the few-row GEMMs of a decode step and the routed experts.
+ *
+ * Built once per machine by tandem/platform/cpu_kernels.py (cc -O3 -march=native) and called
+ * through ctypes, which releases the GIL. Written with GCC vector extensions, so one source
+ * serves AVX-512, AVX2 and NEON; the vector width follows the target.
+ *
+ * Weights are packed once into column panels: panel p holds output columns [p*P, p*P + P) as
+ * K rows of P values (zero past N), so a panel streams through memory in order and each
+ * k-step is NV vector loads, one broadcast per row and NV fused multiply-adds per row into
+ * register accumulators. Activations and accumulators are float32; weights float32 or
+ * bfloat16 (widened in registers: the bytes read are what a decode step pays for).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__) || defined(__AVX2__)
+#define VL 8
+#else
+#define VL 4
+#endif
+#define NV 4
+#define PANEL (VL * NV)
+#define MR 6
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+long tandem_packed_elements(long N, long K) { return (N + PANEL - 1) / PANEL * K * PANEL; }
+
+static inline vf load_f32(const float *p) { return *(const vf_u *)p; }
+
+static inline vf load_bf16(const uint16_t *p) {
+    vh h = *(const vh_u *)p;
+    vu u = __builtin_convertvector(h, vu) << 16;
+    return (vf)u;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+/* out[i, 0:ncols] (+)= x[i, :] . panel[:, 0:ncols] for i < M, M <= MR a constant after inlining. */
+#define PANEL_KERNEL(NAME, WTYPE, LOAD)                                                               \
+    static inline __attribute__((always_inline)) void NAME(                                          \
+        const int M, const float *x, long ldx, const WTYPE *panel, long K, float *out, long ldo,    \
+        int ncols, int accumulate) {                                                               \
+        vf acc[MR][NV];                                                                            \
+        for (int i = 0; i < M; i++)                                                                \
+            for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};                                      \
+        for (long k = 0; k < K; k++) {                                                             \
+            const WTYPE *w = panel + k * PANEL;                                                    \
+            vf w0 = LOAD(w), w1 = LOAD(w + VL), w2 = LOAD(w + 2 * VL), w3 = LOAD(w + 3 * VL);      \
+            for (int i = 0; i < M; i++) {                                                          \
+                float xs = x[i * ldx + k];                                                         \
+                acc[i][0] += xs * w0;                                                              \
+                acc[i][1] += xs * w1;                                                              \
+                acc[i][2] += xs * w2;                                                              \
+                acc[i][3] += xs * w3;                                                              \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < M; i++) {                                                              \
+            float *o = out + i * ldo;                                                              \
+            if (ncols == PANEL && !accumulate) {                                                   \
+                for (int j = 0; j < NV; j++) *(vf_u *)(o + j * VL) = acc[i][j];                    \
+            } else {                                                                               \
+                float tile[PANEL];                                                                 \
+                for (int j = 0; j < NV; j++) *(vf_u *)(tile + j * VL) = acc[i][j];                 \
+                for (int c = 0; c < ncols; c++) o[c] = accumulate ? o[c] + tile[c] : tile[c];      \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+PANEL_KERNEL(panel_f32, float, load_f32)
+PANEL_KERNEL(panel_bf16, uint16_t, load_bf16)
+
+#define ROWS_DISPATCH(FN, m, ...)           \
+    switch (m) {                            \
+        case 1: FN(1, __VA_ARGS__); break;  \
+        case 2: FN(2, __VA_ARGS__); break;  \
+        case 3: FN(3, __VA_ARGS__); break;  \
+        case 4: FN(4, __VA_ARGS__); break;  \
+        case 5: FN(5, __VA_ARGS__); break;  \
+        default: FN(6, __VA_ARGS__); break; \
+    }
+
+/* out [M, N] (row stride ldo) = x [M, K] (float32, row stride ldx) times the packed weight. */
+static void gemm_f32_out(const float *x, long ldx, long M, long K, const void *packed, int w_bf16, long N,
+                         float *out, long ldo) {
+    long panels = (N + PANEL - 1) / PANEL;
+    /* Threads split the panels: each streams its own share of the weight. A GEMM too small to
+     * pay for waking the team (~2 us) runs on the calling thread. */
+#pragma omp parallel for schedule(static) if (panels > 1 && M * K * N >= (1L << 16))
+    for (long p = 0; p < panels; p++) {
+        int ncols = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+        for (long m0 = 0; m0 < M; m0 += MR) {
+            int m = (int)(M - m0 < MR ? M - m0 : MR);
+            const float *xr = x + m0 * ldx;
+            float *o = out + m0 * ldo + p * PANEL;
+            if (w_bf16) {
+                const uint16_t *panel = (const uint16_t *)packed + p * K * PANEL;
+                ROWS_DISPATCH(panel_bf16, m, xr, ldx, panel, K, o, ldo, ncols, 0)
+            } else {
+                const float *panel = (const float *)packed + p * K * PANEL;
+                ROWS_DISPATCH(panel_f32, m, xr, ldx, panel, K, o, ldo, ncols, 0)
+            }
+        }
+    }
+}
+
+/* Scratch that lives as long as the thread: a decode step calls these kernels hundreds of
+ * times, and a fresh allocation above glibc's mmap threshold costs page faults each call. */
+typedef struct {
+    float *data;
+    size_t capacity;
+} scratch_t;
+
+static __thread scratch_t scratch_slots[5];
+
+static float *scratch(int slot, size_t floats) {
+    scratch_t *s = &scratch_slots[slot];
+    if (floats == 0) floats = 1; /* an empty call (no rows) still gets a valid pointer */
+    if (s->capacity < floats) {
+        free(s->data);
+        s->data = (float *)aligned_alloc(64, ((floats * 4 + 63) / 64) * 64);
+        s->capacity = s->data ? floats : 0;
+    }
+    return s->data;
+}
+
+static void to_f32(const void *src, int bf16, long n, float *dst) {
+    if (bf16) {
+        const uint16_t *h = (const uint16_t *)src;
+        for (long i = 0; i < n; i++) dst[i] = bf16_to_f32(h[i]);
+    } else {
+        memcpy(dst, src, n * 4);
+    }
+}
+
+static void from_f32(const float *src, long n, void *dst, int bf16) {
+    if (bf16) {
+        uint16_t *h = (uint16_t *)dst;
+        for (long i = 0; i < n; i++) h[i] = f32_to_bf16(src[i]);
+    } else if ((const void *)src != dst) {
+        memcpy(dst, src, n * 4);
+    }
+}
+
+/* y [M, N] = x [M, K] @ W^T, W packed by tandem_pack. x and y are float32 or bfloat16
+ * (x_bf16 / y_bf16), contiguous. Returns 0, or -1 when scratch could not be allocated. */
+int tandem_linear(const void *x, int x_bf16, long M, long K, const void *packed, int w_bf16, long N, void *y,
+                  int y_bf16) {
+    const float *xf = (const float *)x;
+    if (x_bf16) {
+        float *buf = scratch(0, (size_t)(M * K));
+        if (!buf) return -1;
+        to_f32(x, 1, M * K, buf);
+        xf = buf;
+    }
+    float *out = (float *)y;
+    if (y_bf16) {
+        out = scratch(1, (size_t)(M * N));
+        if (!out) return -1;
+    }
+    gemm_f32_out(xf, K, M, K, packed, w_bf16, N, out, N);
+    if (y_bf16) from_f32(out, M * N, y, 1);
+    return 0;
+}
+
+/* W [N, K] (row stride ldw, float32 or bfloat16) into panels [ceil(N/P), K, P], zero past N;
+ * tandem_packed_elements(N, K) elements. */
+void tandem_pack(const void *w, int bf16, long N, long K, long ldw, void *packed) {
+    size_t esize = bf16 ? 2 : 4;
+    memset(packed, 0, tandem_packed_elements(N, K) * esize);
+    for (long n = 0; n < N; n++) {
+        long p = n / PANEL, c = n % PANEL;
+        for (long k = 0; k < K; k++) {
+            size_t dst = (p * K + k) * PANEL + c;
+            if (bf16)
+                ((uint16_t *)packed)[dst] = ((const uint16_t *)w)[n * ldw + k];
+            else
+                ((float *)packed)[dst] = ((const float *)w)[n * ldw + k];
+        }
+    }
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* The routed experts of one MoE layer for the rows of `x [T, K]`:
+ *   y[t] = sum_j weights[t, j] * W2[e] (silu(W1g[e] x[t]) * W1u[e] x[t]),  e = ids[t, j],
+ * W13[e] [2I, K] (gate rows first) and W2[e] [K, I] packed per expert by tandem_pack, experts
+ * `expert_stride13` / `expert_stride2` elements apart. An id outside [0, E) (another rank's
+ * expert) adds nothing. Each expert's rows are gathered once and run through both projections
+ * while its weights stream once. Returns 0, or -1 when scratch could not be allocated. */
+int tandem_moe(const void *x, int x_bf16, long T, long K, const int64_t *ids, const float *weights, long top_k,
+               const void *w13, const void *w2, int w_bf16, long E, long I, long expert_stride13,
+               long expert_stride2, void *y, int y_bf16) {
+    size_t esize = w_bf16 ? 2 : 4;
+    long pairs = T * top_k;
+    long *count = (long *)calloc(E + 2, sizeof(long));
+    long *order = (long *)malloc((pairs > 0 ? pairs : 1) * sizeof(long));
+    float *acc = scratch(0, (size_t)(T * K));
+    float *rows = scratch(1, (size_t)(pairs * K));
+    float *h = scratch(2, (size_t)(pairs * 2 * I));
+    float *down = scratch(3, (size_t)(pairs * K));
+    if (!count || !order || !acc || !rows || !h || !down) {
+        free(count);
+        free(order);
+        return -1;
+    }
+    memset(acc, 0, T * K * sizeof(float));
+    /* counting sort of the (row, slot) pairs by expert: count[e + 1] pairs go to expert e */
+    for (long q = 0; q < pairs; q++)
+        if (ids[q] >= 0 && ids[q] < E) count[ids[q] + 2]++;
+    for (long e = 0; e < E; e++) count[e + 2] += count[e + 1];
+    for (long q = 0; q < pairs; q++)
+        if (ids[q] >= 0 && ids[q] < E) order[count[ids[q] + 1]++] = q;
+    for (long e = 0; e < E; e++) {
+        long first = count[e], n = count[e + 1] - first;
+        if (!n) continue;
+        const char *w13e = (const char *)w13 + e * expert_stride13 * esize;
+        const char *w2e = (const char *)w2 + e * expert_stride2 * esize;
+        for (long r = 0; r < n; r++) {
+            const char *src = (const char *)x + (order[first + r] / top_k) * K * (x_bf16 ? 2 : 4);
+            to_f32(src, x_bf16, K, rows + r * K);
+        }
+        gemm_f32_out(rows, K, n, K, w13e, w_bf16, 2 * I, h, 2 * I);
+        for (long r = 0; r < n; r++) {
+            float *hr = h + r * 2 * I;
+            for (long i = 0; i < I; i++) hr[i] = silu(hr[i]) * hr[I + i];
+        }
+        /* the activations sit in the first I columns of each 2I-wide row of h */
+        gemm_f32_out(h, 2 * I, n, I, w2e, w_bf16, K, down, K);
+        for (long r = 0; r < n; r++) {
+            long q = order[first + r];
+            float wt = weights[q];
+            float *dst = acc + (q / top_k) * K, *src = down + r * K;
+            for (long k = 0; k < K; k++) dst[k] += wt * src[k];
+        }
+    }
+    from_f32(acc, T * K, y, y_bf16);
+    free(count);
+    free(order);
+    return 0;
+}
+
+static inline float hsum(vf v) {
+    /* pairwise halves: log2(VL) vector adds instead of VL - 1 dependent scalar adds */
+    float lanes[VL];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = VL / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) lanes[i] += lanes[i + width];
+    return lanes[0];
+}
+
+/* Decode attention over a paged cache, read in place: one query row per request.
+ *   out[r, h] = softmax_t(scale * q[r, h] . K[t]) V[t] over the first seq_lens[r] cached rows
+ * of request r (row t in block table[r, t / block_size] at t % block_size), kv head h / G.
+ * q [R, Hq, Dk] and out [R, Hq, Dv] contiguous; the caches are addressed by element strides
+ * (block, row, head), so a value cache that views the key cache's first channels (MLA) works.
+ * Scores and sums stay float32; a request of length 0 gets zeros. Returns 0, -1 when scratch
+ * could not be allocated, -2 when the query heads do not group over the KV heads. */
+#define DECODE_ATTENTION(NAME, CTYPE, LOAD, STORE_OUT)                                              \
+    static int NAME(const CTYPE *q, const CTYPE *kc, const CTYPE *vc, long k_block, long k_row,     \
+                    long k_head, long v_block, long v_row, long v_head, const int32_t *table,       \
+                    long table_stride, const int64_t *seq_lens, long R, long Hq, long Hkv, long Dk, \
+                    long Dv, long block_size, float scale, CTYPE *out) {                           \
+        long G = Hq / Hkv, max_len = 0;                                                            \
+        for (long r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;      \
+        long dk_vec = Dk - Dk % VL, dv_vec = Dv - Dv % VL;                                         \
+        int failed = 0;                                                                            \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic) reduction(|:failed)")              \
+        for (long r = 0; r < R; r++) {                                                             \
+            for (long h = 0; h < Hkv; h++) {                                                       \
+                long len = seq_lens[r];                                                            \
+                float *scores = scratch(0, (size_t)(G * (max_len > 0 ? max_len : 1)));            \
+                float *qf = scratch(1, (size_t)(G * Dk));                                          \
+                float *acc = scratch(2, (size_t)(G * Dv));                                         \
+                float *best = scratch(3, (size_t)G);                                               \
+                if (!scores || !qf || !acc || !best) {                                             \
+                    failed = 1;                                                                    \
+                    continue;                                                                      \
+                }                                                                                  \
+                const CTYPE *qh = q + (r * Hq + h * G) * Dk;                                       \
+                for (long i = 0; i < G * Dk; i++) qf[i] = (float)LOAD##_scalar(qh + i) * scale;   \
+                for (long g = 0; g < G; g++) best[g] = -INFINITY;                                  \
+                /* four rows at a time: independent accumulator chains, one hsum each */    \
+                for (long t0 = 0; t0 < len; t0 += 4) {                                             \
+                    int n = len - t0 < 4 ? (int)(len - t0) : 4;                                    \
+                    const CTYPE *k[4];                                                             \
+                    for (int j = 0; j < 4; j++) {                                                  \
+                        long t = t0 + (j < n ? j : 0);                                             \
+                        long block = table[r * table_stride + t / block_size];                     \
+                        k[j] = kc + block * k_block + (t % block_size) * k_row + h * k_head;       \
+                    }                                                                              \
+                    for (long g = 0; g < G; g++) {                                                 \
+                        vf s0 = (vf){0}, s1 = (vf){0}, s2 = (vf){0}, s3 = (vf){0};                 \
+                        const float *qg = qf + g * Dk;                                             \
+                        for (long d = 0; d < dk_vec; d += VL) {                                    \
+                            vf qv = load_f32(qg + d);                                              \
+                            s0 += qv * LOAD(k[0] + d);                                             \
+                            s1 += qv * LOAD(k[1] + d);                                             \
+                            s2 += qv * LOAD(k[2] + d);                                             \
+                            s3 += qv * LOAD(k[3] + d);                                             \
+                        }                                                                          \
+                        float v[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};                     \
+                        for (long d = dk_vec; d < Dk; d++)                                         \
+                            for (int j = 0; j < 4; j++) v[j] += qg[d] * LOAD##_scalar(k[j] + d);  \
+                        for (int j = 0; j < n; j++) {                                              \
+                            scores[g * len + t0 + j] = v[j];                                       \
+                            if (v[j] > best[g]) best[g] = v[j];                                    \
+                        }                                                                          \
+                    }                                                                              \
+                }                                                                                  \
+                for (long g = 0; g < G; g++) {                                                     \
+                    float total = 0.0f;                                                            \
+                    for (long t = 0; t < len; t++) {                                               \
+                        float p = expf(scores[g * len + t] - best[g]);                             \
+                        scores[g * len + t] = p;                                                   \
+                        total += p;                                                                \
+                    }                                                                              \
+                    float inv = len ? 1.0f / total : 0.0f;                                         \
+                    for (long t = 0; t < len; t++) scores[g * len + t] *= inv;                     \
+                }                                                                                  \
+                for (long i = 0; i < G * Dv; i++) acc[i] = 0.0f;                                   \
+                for (long t = 0; t < len; t++) {                                                   \
+                    long block = table[r * table_stride + t / block_size];                         \
+                    const CTYPE *v = vc + block * v_block + (t % block_size) * v_row + h * v_head; \
+                    for (long d = 0; d < dv_vec; d += VL) {                                        \
+                        vf vv = LOAD(v + d);                                                       \
+                        for (long g = 0; g < G; g++) {                                             \
+                            vf_u *a = (vf_u *)(acc + g * Dv + d);                                  \
+                            *a += scores[g * len + t] * vv;                                        \
+                        }                                                                          \
+                    }                                                                              \
+                    for (long d = dv_vec; d < Dv; d++)                                             \
+                        for (long g = 0; g < G; g++) acc[g * Dv + d] += scores[g * len + t] * LOAD##_scalar(v + d); \
+                }                                                                                  \
+                CTYPE *o = out + (r * Hq + h * G) * Dv;                                            \
+                for (long i = 0; i < G * Dv; i++) o[i] = STORE_OUT(acc[i]);                        \
+            }                                                                                      \
+        }                                                                                          \
+        return failed ? -1 : 0;                                                                    \
+    }
+
+static inline float load_f32_scalar(const float *p) { return *p; }
+static inline float load_bf16_scalar(const uint16_t *p) { return bf16_to_f32(*p); }
+static inline float keep_f32(float v) { return v; }
+
+DECODE_ATTENTION(decode_attention_f32, float, load_f32, keep_f32)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, load_bf16, f32_to_bf16)
+
+int tandem_decode_attention(const void *q, const void *kc, const void *vc, int bf16, long k_block, long k_row,
+                            long k_head, long v_block, long v_row, long v_head, const int32_t *table,
+                            long table_stride, const int64_t *seq_lens, long R, long Hq, long Hkv, long Dk,
+                            long Dv, long block_size, float scale, void *out) {
+    if (Hkv <= 0 || Hq % Hkv) return -2;
+    if (bf16)
+        return decode_attention_bf16(q, kc, vc, k_block, k_row, k_head, v_block, v_row, v_head, table, table_stride,
+                                     seq_lens, R, Hq, Hkv, Dk, Dv, block_size, scale, out);
+    return decode_attention_f32(q, kc, vc, k_block, k_row, k_head, v_block, v_row, v_head, table, table_stride,
+                                seq_lens, R, Hq, Hkv, Dk, Dv, block_size, scale, out);
+}

@@ -1,0 +1,168 @@
+"""tandem's CPU kernels (`tandem.platform.cpu_kernels`) against plain torch: the packed
+few-row GEMM, the fused routed experts and the in-place paged decode attention, in float32 and
+bfloat16, on shapes that leave tails (rows, panel columns, head dims); and where the engine
+takes them (the experts' `apply`, decode attention) and where it must not (graph captures)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.models.paged_attention import AttentionMetadata, _decode_attention, paged_attention
+from tandem.modular_kernels.experts_torch import TorchExperts
+from tandem.modular_kernels.interfaces import ExpertTokens
+from tandem.platform import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="tandem's CPU kernels did not build here")
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 64, 32), (5, 100, 48), (13, 200, 40), (7, 3, 17)])
+def test_packed_linear_equals_f_linear(dtype, rows, out_features, in_features):
+    torch.manual_seed(rows)
+    weight = torch.randn(out_features, in_features, dtype=dtype)
+    x = torch.randn(2, rows, in_features, dtype=dtype)
+    got = cpu_kernels.linear(x, cpu_kernels.pack(weight), out_features)
+    expected = F.linear(x.float(), weight.float())
+    assert got.dtype == dtype and got.shape == (2, rows, out_features)
+    torch.testing.assert_close(got.float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * 10)
+
+
+def _experts_reference(x, ids, weights, w13, w2):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if 0 <= e < w13.shape[0]:
+                h = w13[e].float() @ x[t].float()
+                out[t] += weights[t, j].float() * (w2[e].float() @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_equal_the_per_pair_sum_and_skip_other_ranks_experts(dtype):
+    torch.manual_seed(1)
+    tokens, hidden, experts, inter, top_k = 11, 80, 6, 40, 3
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype) / 8
+    w2 = torch.randn(experts, hidden, inter, dtype=dtype) / 8
+    ids = torch.randint(0, experts, (tokens, top_k))
+    ids[0] = -1  # every expert of row 0 lives on another rank: its output is zero
+    ids[3, 1] = experts  # out of range: dropped
+    weights = torch.rand(tokens, top_k, dtype=dtype)
+    got = cpu_kernels.moe(x, ids, weights, cpu_kernels.pack(w13), cpu_kernels.pack(w2), inter)
+    expected = _experts_reference(x, ids, weights, w13, w2)
+    assert got.dtype == dtype and not got[0].any()
+    torch.testing.assert_close(got.float(), expected, rtol=TOLERANCE[dtype] * 5, atol=TOLERANCE[dtype] * 5)
+
+
+def test_experts_apply_takes_the_fused_kernel_and_equals_the_grouped_gemms(monkeypatch):
+    """`TorchExperts.apply` on module weights runs the fused kernel; with it off, the sorted
+    grouped GEMMs give the same output."""
+    torch.manual_seed(2)
+    w13 = torch.nn.Parameter(torch.randn(4, 64, 48) / 8, requires_grad=False)
+    w2 = torch.nn.Parameter(torch.randn(4, 48, 32) / 8, requires_grad=False)
+    x = torch.randn(9, 48)
+    ids = torch.randint(-1, 4, (9, 2))
+    tokens = ExpertTokens(x, None, torch.float32, topk_ids=ids, topk_weights=torch.rand(9, 2))
+    calls = []
+    real_moe = cpu_kernels.moe
+    monkeypatch.setattr(cpu_kernels, "moe", lambda *a: calls.append(1) or real_moe(*a))
+    fused = TorchExperts().apply(tokens, w13, w2)
+    assert calls == [1]
+    grouped = next(TorchExperts()._blocks(tokens, w13, w2, None))[1]
+    torch.testing.assert_close(fused, grouped, rtol=1e-5, atol=1e-5)
+
+
+def _decode_case(dtype, requests, kv_heads, heads, dim, value_dim=None, lengths=None):
+    torch.manual_seed(0)
+    block_size, width = 4, 5
+    blocks = requests * width + 1
+    key_cache = torch.randn(blocks, block_size, kv_heads, dim, dtype=dtype)
+    value_cache = key_cache[..., :value_dim] if value_dim else torch.randn(blocks, block_size, kv_heads, dim, dtype=dtype)
+    table = (torch.randperm(blocks - 1)[: requests * width].view(requests, width) + 1).int()
+    lens = torch.tensor(lengths if lengths else torch.randint(1, width * block_size + 1, (requests,)).tolist(), dtype=torch.int32)
+    query = torch.randn(requests, heads, dim, dtype=dtype)
+    metadata = AttentionMetadata(
+        torch.arange(requests + 1, dtype=torch.int32), lens, 1, torch.zeros(requests, dtype=torch.long), table,
+        block_size, decode_only=True, query_start_loc_host=tuple(range(requests + 1)), seq_lens_host=tuple(lens.tolist()),
+    )
+    return query, key_cache, value_cache, metadata
+
+
+@pytest.mark.parametrize(
+    "dtype,requests,kv_heads,heads,dim,value_dim,lengths",
+    [
+        (torch.float32, 5, 2, 4, 32, None, None),  # GQA
+        (torch.float32, 1, 2, 4, 16, None, [3]),  # one request, one block
+        (torch.float32, 3, 1, 4, 24, 16, [9, 0, 20]),  # MLA's latent: values are the keys' first channels; a padding request
+        (torch.float32, 6, 1, 2, 20, None, [1, 2, 3, 5, 7, 20]),  # head dim off the vector width: scalar tails
+        (torch.bfloat16, 4, 2, 2, 16, None, None),
+    ],
+)
+def test_in_place_decode_attention_equals_the_gathered_one(dtype, requests, kv_heads, heads, dim, value_dim, lengths):
+    query, key_cache, value_cache, metadata = _decode_case(dtype, requests, kv_heads, heads, dim, value_dim, lengths)
+    scale = dim**-0.5
+    expected = _decode_attention(query, key_cache, value_cache, metadata, scale, in_place=False)
+    got = paged_attention(query, key_cache, value_cache, metadata, scale)
+    torch.testing.assert_close(got, expected, rtol=TOLERANCE[dtype] * 5, atol=TOLERANCE[dtype] * 5)
+    assert got.dtype == dtype and got.shape == (requests, heads, value_dim or dim)
+    if lengths and 0 in lengths:
+        assert not got[lengths.index(0)].any()
+    direct = cpu_kernels.decode_attention(query, key_cache, value_cache, metadata.block_table, metadata.seq_lens, scale)
+    torch.testing.assert_close(direct, got, rtol=0, atol=0)
+
+
+def test_decode_attention_refuses_heads_that_do_not_group():
+    query, key_cache, value_cache, metadata = _decode_case(torch.float32, 2, 3, 4, 16)
+    with pytest.raises(ValueError, match="4 query heads do not group over 3 KV heads"):
+        cpu_kernels.decode_attention(query, key_cache, value_cache, metadata.block_table, metadata.seq_lens, 1.0)
+
+
+def test_graph_captures_never_take_the_kernels():
+    """A `CpuGraph` records ATen ops: a ctypes call inside a capture would vanish from its
+    replays, so under a capture the experts and attention keep their torch paths."""
+    from tandem.platform.cpu_gemm import fused_experts
+    from tandem.platform.graph import _CaptureState, _capturing
+
+    w13 = torch.nn.Parameter(torch.randn(2, 32, 16), requires_grad=False)
+    w2 = torch.nn.Parameter(torch.randn(2, 16, 16), requires_grad=False)
+    x, ids, weights = torch.randn(3, 16), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    assert fused_experts(x, ids, weights, w13, w2) is not None
+    query, key_cache, value_cache, _ = _decode_case(torch.float32, 2, 1, 2, 16)
+    from tandem.models.paged_attention import _in_place_decode_applies
+
+    assert _in_place_decode_applies(query, key_cache, value_cache)
+    with _capturing(_CaptureState()):
+        assert fused_experts(x, ids, weights, w13, w2) is None
+        assert not _in_place_decode_applies(query, key_cache, value_cache)
+
+
+def test_the_library_is_built_once_per_source_and_can_be_switched_off(tmp_path):
+    script = "from tandem.platform import cpu_kernels as k; print(k.available(), sorted(p.name for p in k.cache_dir().glob('*.so')))"
+    env = {**os.environ, "TANDEM_KERNEL_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert first.stdout.startswith("True") and first.stdout == second.stdout
+    assert len(list(tmp_path.glob("*.so"))) == 1 and not list(tmp_path.glob("tmp*"))
+    off = subprocess.run([sys.executable, "-c", script], env=env | {"TANDEM_CPU_KERNELS": "0"}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert off.stdout.startswith("False")
+
+
+def test_calls_without_rows_return_empty_outputs():
+    """A rank that received no tokens (expert parallel) or a ubatch without requests."""
+    w13, w2 = cpu_kernels.pack(torch.randn(4, 64, 32)), cpu_kernels.pack(torch.randn(4, 32, 32))
+    out = cpu_kernels.moe(torch.randn(0, 32), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), w13, w2, 32)
+    assert out.shape == (0, 32)
+    cache = torch.randn(3, 4, 2, 16)
+    empty = torch.zeros(0, dtype=torch.int32)
+    assert cpu_kernels.decode_attention(torch.randn(0, 4, 16), cache, cache, empty.view(0, 1), empty, 1.0).shape == (0, 4, 16)
