@@ -201,3 +201,25 @@ def test_the_documented_flags_table_is_current(tmp_path):
     copy = tmp_path / "configuration.md"
     copy.write_text(doc.read_text())
     assert not write_flags_table(str(copy)), "run: python -m tandem.cli_options --write docs/configuration.md"
+
+
+def test_overlap_schedule_is_on_unless_the_forward_holds_every_cpu_core():
+    from tandem.config import SchedulerConfig
+
+    auto = SchedulerConfig()
+    assert auto.overlap_schedule is None
+    assert auto.overlaps_schedule("cuda", forward_threads=16, cores=16)
+    assert auto.overlaps_schedule("cpu", forward_threads=1, cores=2)
+    assert not auto.overlaps_schedule("cpu", forward_threads=2, cores=2)
+    assert SchedulerConfig(overlap_schedule=True).overlaps_schedule("cpu", 2, 2)
+    assert not SchedulerConfig(overlap_schedule=False).overlaps_schedule("cuda", 1, 2)
+
+
+def test_spawned_ranks_share_the_cores_unless_omp_num_threads_says(monkeypatch):
+    from tandem.distributed import launch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(launch, "available_cores", lambda: 8)
+    assert [launch.threads_per_rank(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch.threads_per_rank(2) == 3

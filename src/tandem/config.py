@@ -310,10 +310,12 @@ class SchedulerConfig:
         "Longest context (prompt + max_tokens) a request may use (default: the model's, capped by the KV cache); "
         "the front end and the ranks both refuse longer requests.",
     )
-    overlap_schedule: bool = option(
-        True,
+    #: None: on where it pays (`overlaps_schedule`).
+    overlap_schedule: bool | None = option(
+        None,
         "Overlap the CPU work of step N-1 (results, stop checks, scheduling) with the forward of step N; "
-        "--disable-overlap-schedule runs them in sequence.",
+        "--disable-overlap-schedule runs them in sequence. Default: on, except on a CPU whose cores all "
+        "run the forward (the overlapped work would take a core from it).",
         flag="--overlap-schedule/--disable-overlap-schedule",
     )
     #: 512 MB: vLLM's bound for the same cache.
@@ -322,6 +324,15 @@ class SchedulerConfig:
         "Compiled grammars (response_format json_schema, tools) each rank keeps, in MB; the least recently used go "
         "first. A client that sends a new schema per call would otherwise grow the rank for good.",
     )
+    def overlaps_schedule(self, device_type: str, forward_threads: int, cores: int) -> bool:
+        """Whether the loop overlaps step N-1's CPU work with step N's forward. On the CPU the
+        forward is the CPU: the overlapped work runs in a second thread and, when the forward's
+        threads hold every core, stalls them at each parallel region's barrier (one rank on 2
+        cores decoded at 15.6 ms/token overlapped against 11.6 ms in sequence)."""
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return device_type != "cpu" or forward_threads < cores
+
     step_timeout_s: float = option(
         300.0,
         "Seconds a rank may spend in one step before it is declared stuck and the engine unavailable "
@@ -447,7 +458,7 @@ class EngineConfig:
         return (
             f"model={self.model} dp={p.data_parallel_size}{pp} all2all={p.all2all_backend} moe={p.moe_backend} "
             f"dbo={dbo} sbo={p.sbo_mode if p.enable_sbo else 'off'} graph={o.graph_mode} compile={self.compile} "
-            f"device={self.device} dtype={self.dtype} schedule={'overlap' if s.overlap_schedule else 'normal'} "
+            f"device={self.device} dtype={self.dtype} schedule={ {True: 'overlap', False: 'normal', None: 'auto'}[s.overlap_schedule]} "
             f"max_num_seqs={s.max_num_seqs} max_num_batched_tokens={self.max_num_batched_tokens} "
             f"kv_cache={self.cache.usable_tokens} tokens/rank"
         )

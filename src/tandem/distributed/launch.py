@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tandem.platform.device import available_cores
+
 
 class RankFailedError(RuntimeError):
     pass
@@ -76,6 +78,16 @@ def cpu_group() -> dist.ProcessGroup | None:
     return _CPU_GROUP if _CPU_GROUP is not None else dist.group.WORLD
 
 
+def threads_per_rank(world_size: int) -> int:
+    """Each spawned rank's `OMP_NUM_THREADS`: `$OMP_NUM_THREADS` when set, else the cores this
+    process may run on shared out among the ranks (at least one). One rank on a 2-core
+    machine streams its weights on both cores: a decode step reads every weight once, and one
+    core alone reaches about half the memory bandwidth."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, available_cores() // world_size)
+
+
 def use_thread_env(env: dict) -> None:
     """Apply a spawned rank's `OMP_NUM_THREADS`: the child imported torch (unpickling its
     arguments) before it could set the variable, so torch kept one thread per core, and two
@@ -105,7 +117,7 @@ def launch_ranks(
     `device` (`--device` value) picks each rank's device and so its group backend."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": str(threads_per_rank(world_size))}
     procs = [
         ctx.Process(target=_rank_main, args=(rank, world_size, env, fn, args, results, timeout_s, device), daemon=True)
         for rank in range(world_size)

@@ -24,8 +24,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
+import torch
+
 from tandem.config import EngineConfig, SchedulerConfig
 from tandem.models.hf_config import config_value
+from tandem.platform.device import available_cores
 from tandem.worker.future_map import FutureMap
 from tandem.worker.model_runner import ModelRunner, StepResult
 from tandem.worker.sampling import SamplingParams
@@ -81,7 +84,7 @@ class Engine:
             vocab_size=_vocab_size(runner.model),
         )
         self.outputs = OutputProcessor(lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True))
-        self.overlap_schedule = settings.overlap_schedule
+        self.overlap_schedule = settings.overlaps_schedule(runner.device.type, torch.get_num_threads(), available_cores())
         self.lockstep = lockstep
         self.step_timeout_s = settings.step_timeout_s
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if self.overlap_schedule else None

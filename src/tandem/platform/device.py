@@ -8,11 +8,18 @@ platform's streams and graphs, the process groups) follows the resolved device, 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class DeviceUnavailableError(RuntimeError):

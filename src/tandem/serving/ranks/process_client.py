@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable
 import torch.multiprocessing as mp
 
 from tandem.models.loader import load_tokenizer_info
-from tandem.distributed.launch import find_free_port
+from tandem.distributed.launch import find_free_port, threads_per_rank
 from tandem.worker.sampling import SamplingParams
 from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
 from tandem.engine.counters import RankCounters
@@ -123,7 +123,7 @@ class ProcessEngineClient(EngineClient):
             env = {
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(find_free_port()),
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "OMP_NUM_THREADS": str(threads_per_rank(self.world_size)),
             }
             for rank in range(self.world_size):
                 proc = self._ctx.Process(

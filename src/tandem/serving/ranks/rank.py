@@ -147,7 +147,7 @@ def serve_rank(
         if rank == 0 and outbox is not None:
             outbox.put(message)
 
-    if config.scheduler.overlap_schedule:
+    if config.scheduler.overlap_schedule is not False:  # the engine may overlap (`overlaps_schedule`)
         # The scheduler thread and the forward worker share the GIL. With the default 5 ms
         # switch interval, every time the forward drops the GIL around a native op it can
         # wait up to 5 ms to get it back from the scheduler (a convoy); a short interval
