@@ -129,7 +129,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if x.device.type == "cpu" and _AVAILABLE:
             return torch.ops.tandem.cpu_linear(x, weight, bias)
         return F.linear(x, weight, bias)
-    packed = _cached(weight, _pack_one) if _packable(x, weight, weight) else None
+    if not _packable(x, weight, weight):
+        return F.linear(x, weight, bias)
+    if x.numel() <= x.shape[-1] * _panel_rows_limit(x.dtype) and cpu_kernels.takes(x, weight) and not graph_capture_active():
+        out = cpu_kernels.linear(x, _cached(weight, _pack_panels), weight.shape[0])
+        return out if bias is None else out + bias
+    packed = _cached(weight, _pack_one)
     if packed is None:
         return F.linear(x, weight, bias)
     out = _packed_gemm(x.reshape(-1, x.shape[-1]), packed, bias)
@@ -153,6 +158,15 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) ->
             out[start : start + count] = _packed_gemm(rows, per_expert[expert], None)
         start += count
     return out
+
+
+def _panel_rows_limit(dtype: torch.dtype) -> int:
+    """Up to how many rows a dense GEMM runs tandem's kernel rather than oneDNN's: bfloat16 on
+    AMX tiles stays memory-bound to 32 rows (1.0-1.4x oneDNN's time there); float32 in
+    registers wins only at one row (1.1x), where oneDNN's fixed cost per call weighs most."""
+    if dtype == torch.bfloat16 and cpu_kernels.uses_amx():
+        return 32
+    return 1
 
 
 def _pack_panels(weights: torch.Tensor) -> torch.Tensor:

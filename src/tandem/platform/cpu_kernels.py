@@ -93,7 +93,8 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("tandem's CPU kernels did not build (%s): the torch paths run instead", detail)
         return None
     c_long, c_int, c_void_p = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
-    library.tandem_packed_elements.argtypes = [c_long, c_long]
+    library.tandem_amx.restype = c_int
+    library.tandem_packed_elements.argtypes = [c_long, c_long, c_int]
     library.tandem_packed_elements.restype = c_long
     library.tandem_pack.argtypes = [c_void_p, c_int, c_long, c_long, c_long, c_void_p]
     library.tandem_pack.restype = None
@@ -146,7 +147,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     library = _library()
     weight = weight.detach().contiguous()
     *lead, n, k = weight.shape
-    per = library.tandem_packed_elements(n, k)
+    per = library.tandem_packed_elements(n, k, _DTYPES[weight.dtype])
     flat = weight.reshape(-1, n, k)
     packed = weight.new_empty((flat.shape[0], per))
     for index in range(flat.shape[0]):
@@ -154,8 +155,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed.view(*lead, per) if lead else packed[0]
 
 
+def uses_amx() -> bool:
+    """Whether bfloat16 weights run on AMX tiles here (packed for them, any row count memory-bound)."""
+    return available() and bool(_library().tandem_amx())
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """`x [..., K] @ W^T` for the weight `packed` holds (`pack`); x's dtype out."""
+    """`x [..., K] @ W^T` for the weight `packed` holds (`pack`); x's dtype out (the op
+    `tandem::cpu_panel_linear`)."""
+    return torch.ops.tandem.cpu_panel_linear(x, packed, out_features)
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = rows.new_empty((rows.shape[0], out_features))
     status = _library().tandem_linear(
@@ -229,6 +240,8 @@ def _decode_attention(query, key_cache, value_cache, block_table, seq_lens, scal
 # Registered through the dispatcher directly (as `tandem::cpu_linear` is): `custom_op`'s Python
 # wrappers cost ~100 us a call, and a decode step calls these once per layer.
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")
+_LIBRARY.define("cpu_panel_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
+_LIBRARY.impl("cpu_panel_linear", _linear, "CPU")
 _LIBRARY.define("cpu_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, int intermediate) -> Tensor")
 _LIBRARY.impl("cpu_moe", _moe, "CPU")
 _LIBRARY.define(
@@ -236,6 +249,11 @@ _LIBRARY.define(
     "float scale) -> Tensor"
 )
 _LIBRARY.impl("cpu_decode_attention", _decode_attention, "CPU")
+
+
+@torch.library.register_fake("tandem::cpu_panel_linear", lib=_LIBRARY)
+def _(x, packed, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.register_fake("tandem::cpu_moe", lib=_LIBRARY)
@@ -248,4 +266,4 @@ def _(query, key_cache, value_cache, block_table, seq_lens, scale):
     return query.new_empty((*query.shape[:2], value_cache.shape[-1]))
 
 
-__all__ = ["available", "cache_dir", "decode_attention", "linear", "moe", "pack", "switched_off", "takes"]
+__all__ = ["available", "cache_dir", "decode_attention", "linear", "moe", "pack", "switched_off", "takes", "uses_amx"]

@@ -32,7 +32,37 @@ typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
-long tandem_packed_elements(long N, long K) { return (N + PANEL - 1) / PANEL * K * PANEL; }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && VL == 16
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HAVE_AMX 0
+#endif
+
+/* AMX tiles: a bfloat16 weight panel is 32-k blocks of four 16 x 64-byte B tiles (k pairs
+ * interleaved, 16 columns each), so K rounds up to a multiple of 32. */
+#define AMX_K 32
+
+/* Whether this process may use AMX: Linux hands out the tile state on request, once. */
+static int amx_usable(void) {
+#if HAVE_AMX
+    static int usable = -1;
+    if (usable < 0) usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return usable;
+#else
+    return 0;
+#endif
+}
+
+int tandem_amx(void) { return amx_usable(); }
+
+static inline int amx_layout(int bf16) { return bf16 && amx_usable(); }
+static inline long amx_k(long K) { return (K + AMX_K - 1) / AMX_K * AMX_K; }
+static inline long panel_rows(long K, int bf16) { return amx_layout(bf16) ? amx_k(K) : K; }
+
+long tandem_packed_elements(long N, long K, int bf16) { return (N + PANEL - 1) / PANEL * panel_rows(K, bf16) * PANEL; }
 
 static inline vf load_f32(const float *p) { return *(const vf_u *)p; }
 
@@ -125,6 +155,79 @@ static void gemm_f32_out(const float *x, long ldx, long M, long K, const void *p
     }
 }
 
+#if HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config_t;
+
+/* out [M, N] = x [M, Kp] (bfloat16, row stride Kp elements, zero past K) times an AMX-packed
+ * bfloat16 weight: per 16-row block and panel, four C tiles (64 columns) accumulate one A
+ * tile times four B tiles per 32-k block. Tile state is per thread: each thread of the team
+ * loads its configuration. */
+static void gemm_amx(const uint16_t *x, long M, long Kp, const uint16_t *packed, long N, float *out, long ldo) {
+    long panels = (N + PANEL - 1) / PANEL, kblocks = Kp / AMX_K;
+#pragma omp parallel if (panels > 1 && M * Kp * N >= (1L << 16))
+    {
+        long configured = -1;
+#pragma omp for schedule(static)
+        for (long p = 0; p < panels; p++) {
+            int ncols = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+            const uint16_t *panel = packed + p * Kp * PANEL;
+            for (long m0 = 0; m0 < M; m0 += 16) {
+                long m = M - m0 < 16 ? M - m0 : 16;
+                if (m != configured) {
+                    tile_config_t cfg;
+                    memset(&cfg, 0, sizeof cfg);
+                    cfg.palette = 1;
+                    for (int t = 0; t < 4; t++) cfg.rows[t] = (uint8_t)m, cfg.colsb[t] = 64; /* C */
+                    cfg.rows[4] = (uint8_t)m, cfg.colsb[4] = 64;                               /* A */
+                    for (int t = 5; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;           /* B */
+                    _tile_loadconfig(&cfg);
+                    configured = m;
+                }
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (long kb = 0; kb < kblocks; kb++) {
+                    const uint16_t *b = panel + kb * AMX_K * PANEL;
+                    _tile_loadd(4, x + m0 * Kp + kb * AMX_K, Kp * 2);
+                    _tile_loadd(5, b, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, b + 512, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(7, b + 1024, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, b + 1536, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+                float tile[16 * PANEL];
+                _tile_stored(0, tile, PANEL * 4);
+                _tile_stored(1, tile + 16, PANEL * 4);
+                _tile_stored(2, tile + 32, PANEL * 4);
+                _tile_stored(3, tile + 48, PANEL * 4);
+                for (long i = 0; i < m; i++) memcpy(out + (m0 + i) * ldo + p * PANEL, tile + i * PANEL, ncols * 4);
+            }
+        }
+        if (configured >= 0) _tile_release();
+    }
+}
+#endif
+
+/* Rows `src` [M, K] (float32 or bfloat16, row stride lds) as bfloat16 [M, Kp], zero past K. */
+static void rows_to_bf16(const void *src, int src_bf16, long M, long K, long lds, long Kp, uint16_t *dst) {
+    for (long m = 0; m < M; m++) {
+        uint16_t *d = dst + m * Kp;
+        if (src_bf16)
+            memcpy(d, (const uint16_t *)src + m * lds, K * 2);
+        else
+            for (long k = 0; k < K; k++) d[k] = f32_to_bf16(((const float *)src)[m * lds + k]);
+        memset(d + K, 0, (Kp - K) * 2);
+    }
+}
+
 /* Scratch that lives as long as the thread: a decode step calls these kernels hundreds of
  * times, and a fresh allocation above glibc's mmap threshold costs page faults each call. */
 typedef struct {
@@ -167,6 +270,18 @@ static void from_f32(const float *src, long n, void *dst, int bf16) {
  * (x_bf16 / y_bf16), contiguous. Returns 0, or -1 when scratch could not be allocated. */
 int tandem_linear(const void *x, int x_bf16, long M, long K, const void *packed, int w_bf16, long N, void *y,
                   int y_bf16) {
+#if HAVE_AMX
+    if (amx_layout(w_bf16)) {
+        long Kp = amx_k(K);
+        uint16_t *xb = (uint16_t *)scratch(0, (size_t)(M * Kp / 2 + 1));
+        float *out = y_bf16 ? scratch(1, (size_t)(M * N)) : (float *)y;
+        if (!xb || !out) return -1;
+        rows_to_bf16(x, x_bf16, M, K, K, Kp, xb);
+        gemm_amx(xb, M, Kp, (const uint16_t *)packed, N, out, N);
+        if (y_bf16) from_f32(out, M * N, y, 1);
+        return 0;
+    }
+#endif
     const float *xf = (const float *)x;
     if (x_bf16) {
         float *buf = scratch(0, (size_t)(M * K));
@@ -184,15 +299,19 @@ int tandem_linear(const void *x, int x_bf16, long M, long K, const void *packed,
     return 0;
 }
 
-/* W [N, K] (row stride ldw, float32 or bfloat16) into panels [ceil(N/P), K, P], zero past N;
- * tandem_packed_elements(N, K) elements. */
+/* W [N, K] (row stride ldw, float32 or bfloat16) into panels [ceil(N/P), K, P], zero past N,
+ * or for AMX the tiles gemm_amx reads; tandem_packed_elements(N, K, bf16) elements. */
 void tandem_pack(const void *w, int bf16, long N, long K, long ldw, void *packed) {
     size_t esize = bf16 ? 2 : 4;
-    memset(packed, 0, tandem_packed_elements(N, K) * esize);
+    int amx = amx_layout(bf16);
+    long rows = panel_rows(K, bf16);
+    memset(packed, 0, tandem_packed_elements(N, K, bf16) * esize);
     for (long n = 0; n < N; n++) {
         long p = n / PANEL, c = n % PANEL;
         for (long k = 0; k < K; k++) {
-            size_t dst = (p * K + k) * PANEL + c;
+            size_t dst = (p * rows + k) * PANEL + c;
+            if (amx) /* k-block, 16-column tile, k pair row, column, pair member */
+                dst = p * rows * PANEL + (k / AMX_K) * AMX_K * PANEL + (c / 16) * 512 + (k % AMX_K / 2) * 32 + (c % 16) * 2 + k % 2;
             if (bf16)
                 ((uint16_t *)packed)[dst] = ((const uint16_t *)w)[n * ldw + k];
             else
@@ -213,14 +332,17 @@ int tandem_moe(const void *x, int x_bf16, long T, long K, const int64_t *ids, co
                const void *w13, const void *w2, int w_bf16, long E, long I, long expert_stride13,
                long expert_stride2, void *y, int y_bf16) {
     size_t esize = w_bf16 ? 2 : 4;
+    int amx = amx_layout(w_bf16); /* bfloat16 rows and activations into AMX tiles */
+    long Kp = amx ? amx_k(K) : K, Ip = amx_k(I);
     long pairs = T * top_k;
     long *count = (long *)calloc(E + 2, sizeof(long));
     long *order = (long *)malloc((pairs > 0 ? pairs : 1) * sizeof(long));
     float *acc = scratch(0, (size_t)(T * K));
-    float *rows = scratch(1, (size_t)(pairs * K));
+    float *rows = scratch(1, (size_t)(pairs * Kp));
     float *h = scratch(2, (size_t)(pairs * 2 * I));
     float *down = scratch(3, (size_t)(pairs * K));
-    if (!count || !order || !acc || !rows || !h || !down) {
+    uint16_t *act = (uint16_t *)scratch(4, (size_t)(amx ? pairs * Ip / 2 + 1 : 1));
+    if (!count || !order || !acc || !rows || !h || !down || !act) {
         free(count);
         free(order);
         return -1;
@@ -239,8 +361,23 @@ int tandem_moe(const void *x, int x_bf16, long T, long K, const int64_t *ids, co
         const char *w2e = (const char *)w2 + e * expert_stride2 * esize;
         for (long r = 0; r < n; r++) {
             const char *src = (const char *)x + (order[first + r] / top_k) * K * (x_bf16 ? 2 : 4);
-            to_f32(src, x_bf16, K, rows + r * K);
+            if (amx)
+                rows_to_bf16(src, x_bf16, 1, K, K, Kp, (uint16_t *)rows + r * Kp);
+            else
+                to_f32(src, x_bf16, K, rows + r * K);
         }
+#if HAVE_AMX
+        if (amx) {
+            gemm_amx((const uint16_t *)rows, n, Kp, (const uint16_t *)w13e, 2 * I, h, 2 * I);
+            for (long r = 0; r < n; r++) {
+                float *hr = h + r * 2 * I;
+                for (long i = 0; i < I; i++) hr[i] = silu(hr[i]) * hr[I + i];
+            }
+            rows_to_bf16(h, 0, n, I, 2 * I, Ip, act);
+            gemm_amx(act, n, Ip, (const uint16_t *)w2e, K, down, K);
+        } else
+#endif
+        {
         gemm_f32_out(rows, K, n, K, w13e, w_bf16, 2 * I, h, 2 * I);
         for (long r = 0; r < n; r++) {
             float *hr = h + r * 2 * I;
@@ -248,6 +385,7 @@ int tandem_moe(const void *x, int x_bf16, long T, long K, const int64_t *ids, co
         }
         /* the activations sit in the first I columns of each 2I-wide row of h */
         gemm_f32_out(h, 2 * I, n, I, w2e, w_bf16, K, down, K);
+        }
         for (long r = 0; r < n; r++) {
             long q = order[first + r];
             float wt = weights[q];
