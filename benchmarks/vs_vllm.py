@@ -8,7 +8,8 @@ checkpoint's local tokenizer, fixed seed, ignore_eos) at each concurrency. Serve
 interleaved per round (tandem, vLLM, tandem, vLLM, ...) and each figure is the median over the
 rounds. Reported as tandem/vLLM ratios: output tok/s (> 1: tandem faster), median TTFT, TPOT,
 ITL and end-to-end request latency (< 1: tandem faster), start-up time (launch to the first /health 200) and peak memory
-of the server's process tree (RSS summed; PSS too, in the JSON).
+of the server's process tree (RSS summed, sampled every 0.5 s from `statm`; PSS too, read between
+runs: reading it walks the page tables and would take time from the server under load).
 
 Greedy-token agreement: the same greedy prompts (token ids) through tandem, vLLM and a
 transformers forward (the third opinion, fp32, no cache), as the length of the matching prefix
@@ -205,20 +206,29 @@ def _tree(root: int) -> list[int]:
     return found
 
 
-def _memory_kb(pids: list[int]) -> tuple[int, int]:
-    """(RSS, PSS) summed over `pids`, in kB (PSS splits pages that processes share)."""
-    rss = pss = 0
+def _rss_kb(pids: list[int]) -> int:
+    """Resident memory summed over `pids`, in kB, from `statm`: kernel counters, no page walk."""
+    pages = 0
+    for pid in pids:
+        try:
+            pages += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _pss_kb(pids: list[int]) -> int:
+    """PSS (shared pages split among the processes sharing them) summed over `pids`, in kB.
+    `smaps_rollup` walks the page tables (~25 ms per GB mapped) under the process's memory
+    lock: read between benchmark runs, never under load, so it takes no time from a step."""
+    pss = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Rss:"):
-                        rss += int(line.split()[1])
-                    elif line.startswith("Pss:"):
-                        pss += int(line.split()[1])
+                pss += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
         except OSError:
             pass
-    return rss, pss
+    return pss
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
@@ -268,9 +278,12 @@ class ServerProcess:
 
     def _sample(self) -> None:
         while self._sampling and self.proc.poll() is None:
-            rss, pss = _memory_kb(_tree(self.proc.pid))
-            self.peak_rss_kb, self.peak_pss_kb = max(self.peak_rss_kb, rss), max(self.peak_pss_kb, pss)
+            self.peak_rss_kb = max(self.peak_rss_kb, _rss_kb(_tree(self.proc.pid)))
             time.sleep(0.5)
+
+    def sample_pss(self) -> None:
+        """Between runs only (see `_pss_kb`)."""
+        self.peak_pss_kb = max(self.peak_pss_kb, _pss_kb(_tree(self.proc.pid)))
 
     def tail(self, lines: int = 8) -> str:
         self.log.flush()
@@ -396,6 +409,7 @@ def run_model(name: str, args, record: dict) -> None:
                 for concurrency in args.concurrency:
                     log(f"{name} {kind} c={concurrency}")
                     run["bench"][str(concurrency)] = bench_serve(server, model_dir, concurrency, args, seed=round_index)
+                    server.sample_pss()
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 run["error"] = str(exc)[-1500:]
                 log(f"{name} {kind}: {str(exc)[-400:]}")
