@@ -223,3 +223,84 @@ def test_invalid_unicode_in_a_string_field_is_a_400_naming_the_field(client, pat
     """A lone surrogate is valid JSON but not text: the tokenizer raised TypeError (a 500)."""
     response = client.post(path, content=(body % MODEL).encode(), headers={"content-type": "application/json"})
     assert_openai_error(response, 400, param=param, contains="lone surrogate")
+
+
+#: A valid body of each POST endpoint with strings in every place its schema has one.
+_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "description": "the answer"}}}
+STRING_BODIES = {
+    "/v1/completions": {
+        "model": MODEL, "prompt": ["first", "second"], "stop": ["\n\n", "END"], "user": "someone",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": _SCHEMA}},
+    },
+    "/v1/chat/completions": {
+        "model": MODEL, "stop": "END", "user": "someone",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "name": "ann", "content": [{"type": "text", "text": "hello"}]},
+        ],
+        # tools would render past the fake model's 128-token context; their texts are checked
+        # where the body is decoded, like every string here
+        "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": _SCHEMA}},
+    },
+    "/tokenize": {"model": MODEL, "prompt": "count me"},
+    "/detokenize": {"model": MODEL, "tokens": [1, 2, 3]},
+}
+
+
+def _string_places(value, path=""):
+    """(path a refusal names, a function that returns a copy with a lone surrogate there) for
+    every string of a JSON value, object keys included (a key is named by its object's path)."""
+    import copy
+
+    def spliced(path_parts, make):
+        def build(root):
+            root = copy.deepcopy(root)
+            *parents, last = path_parts
+            node = root
+            for part in parents:
+                node = node[part]
+            make(node, last)
+            return root
+
+        return build
+
+    def walk(node, parts, named):
+        if isinstance(node, str):
+            yield named, spliced(parts, lambda parent, key: parent.__setitem__(key, parent[key] + "\udcff"))
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                yield named or None, spliced(parts + [key], lambda parent, k: parent.__setitem__(k + "\udcff", parent.pop(k)))
+                yield from walk(item, parts + [key], f"{named}.{key}" if named else key)
+        elif isinstance(node, list):
+            for index, item in enumerate(node):
+                yield from walk(item, parts + [index], f"{named}[{index}]")
+
+    yield from walk(value, [], path)
+
+
+@pytest.mark.parametrize("endpoint", sorted(STRING_BODIES))
+def test_a_lone_surrogate_in_any_string_of_any_endpoint_is_a_400_naming_it(client, endpoint):
+    """#34 item 5's fuzz: every string (value or key) of a valid body, in turn, gets a lone
+    surrogate (`json.dumps` writes it as the escape `\\udcff`); each is a 400 naming where it sits,
+    never a 5xx; the valid body itself is served."""
+    import json
+
+    body = STRING_BODIES[endpoint]
+    assert client.post(endpoint, json=body).status_code == 200
+    places = list(_string_places(body))
+    assert len(places) >= 3  # /detokenize: its model and its two keys
+    for param, mutate in places:
+        raw = json.dumps(mutate(body))
+        assert "\\udcff" in raw
+        response = client.post(endpoint, content=raw.encode(), headers={"content-type": "application/json"})
+        assert_openai_error(response, 400, param=param, contains="lone surrogate")
+
+
+@pytest.mark.parametrize("escape", ["\\x41", "\\u12G4", "\\U0001F600", "\\q", "\\u00"])
+@pytest.mark.parametrize("endpoint", sorted(STRING_BODIES))
+def test_an_invalid_escape_in_a_string_is_a_400(client, endpoint, escape):
+    import json
+
+    raw = json.dumps(STRING_BODIES[endpoint]).replace('"model": "', '"model": "' + escape, 1)
+    response = client.post(endpoint, content=raw.encode(), headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, param=None, contains="malformed JSON")
