@@ -8,7 +8,7 @@ GEMM per expert with the torch ops between them, attention over a gathered copy 
 through SDPA), step by step in one process. Reported: the median step of each and their ratio
 (off / on: > 1, the kernels are faster), and the step against its weight-bandwidth floor (the
 weights a step reads once, over a read bandwidth measured in the same run at the same thread
-count).
+count). A second table times one MoE layer's experts alone from a decode to a prefill.
 
     python benchmarks/cpu_kernels.py --model build/vs_vllm_models/qwen3_moe_h1024 --threads 1,2
 
@@ -96,6 +96,41 @@ def alternate(engine, batch: int, prompt_len: int, steps: int, seed: int) -> dic
     return times
 
 
+def experts_rows(tokens: list[int], hidden: int = 1024, intermediate: int = 512, experts: int = 16) -> list[dict]:
+    """One MoE layer's routed experts alone (top-2 of `experts`, 4 layers' weights cycled so each
+    call reads its weights from memory) at each token count: the fused kernel against
+    `TorchExperts.apply` on the torch path."""
+    from tandem.modular_kernels.experts_torch import TorchExperts
+    from tandem.modular_kernels.interfaces import ExpertTokens
+    from tandem.platform import cpu_gemm
+
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        def weights(*shape):
+            return torch.nn.Parameter(torch.randn(*shape, dtype=dtype) / 32, requires_grad=False)
+
+        layers = [(weights(experts, 2 * intermediate, hidden), weights(experts, hidden, intermediate)) for _ in range(4)]
+        for count in tokens:
+            x, ids, gates = torch.randn(count, hidden, dtype=dtype), torch.randint(0, experts, (count, 2)), torch.rand(count, 2)
+            batch = ExpertTokens(x, None, dtype, topk_ids=ids, topk_weights=gates)
+
+            def fused():
+                for w1, w2 in layers:
+                    cpu_gemm.fused_experts(x, ids, gates, w1, w2)
+
+            def torch_path():
+                with cpu_kernels.switched_off():
+                    for w1, w2 in layers:
+                        TorchExperts().apply(batch, w1, w2)
+
+            with torch.inference_mode():
+                on = statistics.median(_timed(fused) for _ in range(5)) * 1e3 / len(layers)
+                off = statistics.median(_timed(torch_path) for _ in range(5)) * 1e3 / len(layers)
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "tokens": count, "rows_per_expert": 2 * count // experts,
+                         "kernel_ms": round(on, 2), "torch_ms": round(off, 2), "speedup": round(off / on, 2)})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="build/vs_vllm_models/qwen3_moe_h1024")
@@ -104,6 +139,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per path and batch")
+    parser.add_argument("--experts-tokens", default="32,128,512,4096", help="token counts of the experts-alone table")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not cpu_kernels.available():
@@ -130,8 +166,14 @@ def main() -> None:
                 print(f"| {dtype} | {threads} | {batch} | {row['kernels_ms']} | {row['torch_ms']} | {row['speedup']}x | "
                       f"{row['floor_ms']} | {row['over_floor']}x |", flush=True)
         engine.close()
+    print(f"\nOne MoE layer's routed experts alone (hidden 1024, 16 experts x 512, top-2), {torch.get_num_threads()} threads:")
+    print("| dtype | tokens | rows per expert | kernel ms | torch ms | torch / kernel |")
+    print("|---|---|---|---|---|---|")
+    experts = experts_rows([int(t) for t in args.experts_tokens.split(",")])
+    for r in experts:
+        print(f"| {r['dtype']} | {r['tokens']} | {r['rows_per_expert']} | {r['kernel_ms']} | {r['torch_ms']} | {r['speedup']}x |")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"model": args.model, "rows": rows}, indent=2))
+    args.output.write_text(json.dumps({"model": args.model, "rows": rows, "experts": experts}, indent=2))
     print(f"\nwrote {args.output}")
 
 

@@ -4,7 +4,9 @@ Both run the up projection (gate and up) once for every row and the down project
 block (`apply_blocks`), so SBO `combine-down-gemm` sends each block's combine while the
 next block's down projection runs; `apply` is the one-block case.
 
-The STANDARD format sorts the (row, top-k slot) pairs by expert once per call and runs the
+On the CPU, `TorchExperts.apply` runs the whole layer in one call of tandem's kernel where it
+is built (`cpu_gemm.fused_experts`). Otherwise, and for SBO's blocks, the STANDARD format
+sorts the (row, top-k slot) pairs by expert once per call and runs the
 sorted rows through each expert's weights in the model dtype: on CPU, where oneDNN takes the
 dtype, one GEMM per expert with rows on its weights packed once (`tandem.platform.cpu_gemm`;
 1.7-1.9x faster than `grouped_mm` at 4 rows per expert, whose MKL path repacks every weight on
