@@ -324,15 +324,6 @@ class SchedulerConfig:
         "Compiled grammars (response_format json_schema, tools) each rank keeps, in MB; the least recently used go "
         "first. A client that sends a new schema per call would otherwise grow the rank for good.",
     )
-    def overlaps_schedule(self, device_type: str, forward_threads: int, cores: int) -> bool:
-        """Whether the loop overlaps step N-1's CPU work with step N's forward. On the CPU the
-        forward is the CPU: the overlapped work runs in a second thread and, when the forward's
-        threads hold every core, stalls them at each parallel region's barrier (one rank on 2
-        cores decoded at 15.6 ms/token overlapped against 11.6 ms in sequence)."""
-        if self.overlap_schedule is not None:
-            return self.overlap_schedule
-        return device_type != "cpu" or forward_threads < cores
-
     step_timeout_s: float = option(
         300.0,
         "Seconds a rank may spend in one step before it is declared stuck and the engine unavailable "
@@ -349,6 +340,15 @@ class SchedulerConfig:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"--step-timeout must be > 0, got {self.step_timeout_s}")
+
+    def overlaps_schedule(self, device_type: str, forward_threads: int, cores: int) -> bool:
+        """Whether the loop overlaps step N-1's CPU work with step N's forward. On the CPU the
+        forward is the CPU: the overlapped work runs in a second thread and, when the forward's
+        threads hold every core, stalls them at each parallel region's barrier (one rank on 2
+        cores decoded at 15.6 ms/token overlapped against 11.6 ms in sequence)."""
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return device_type != "cpu" or forward_threads < cores
 
     def context_length(self, model_max_len: int) -> int:
         """The longest context a request may use: `--max-model-len`, or the model's own; the one

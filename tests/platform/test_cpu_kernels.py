@@ -78,7 +78,7 @@ def test_experts_apply_takes_the_fused_kernel_and_equals_the_grouped_gemms(monke
     monkeypatch.setattr(cpu_kernels, "moe", lambda *a: calls.append(1) or real_moe(*a))
     fused = TorchExperts().apply(tokens, w13, w2)
     assert calls == [1]
-    grouped = next(TorchExperts()._blocks(tokens, w13, w2, None))[1]
+    grouped = next(TorchExperts()._blocks(x, tokens, w13, w2, None))[1]
     torch.testing.assert_close(fused, grouped, rtol=1e-5, atol=1e-5)
 
 

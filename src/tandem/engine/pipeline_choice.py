@@ -4,12 +4,12 @@ micro-batch in flight, whichever decodes faster here."""
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
 
 from tandem.engine.pipeline import PipelineEngine, StageCounters
+from tandem.platform.device import available_cores
 from tandem.worker.sampling import SamplingParams
 
 
@@ -69,8 +69,8 @@ def pipeline_verdict(engine: PipelineEngine, max_num_seqs: int) -> str:
     from tandem.distributed.launch import local_world_size
 
     topology = engine.worker.topology
-    if engine.worker.device.type == "cpu" and hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
+    if engine.worker.device.type == "cpu":
+        cores = available_cores()
         here = local_world_size(topology.world_size)  # under torchrun, the other hosts' ranks have their own
         wanted = here * torch.get_num_threads()
         if wanted > cores:

@@ -100,14 +100,13 @@ class TorchExperts(Experts):
         fused = fused_experts(x, tokens.topk_ids, tokens.topk_weights, w1, w2)
         if fused is not None:
             return fused
-        return next(self._blocks(tokens, w1, w2, None))[1]
+        return next(self._blocks(x, tokens, w1, w2, None))[1]
 
     def apply_blocks(self, tokens, w1, w2, blocks) -> Iterator[tuple[int, torch.Tensor]]:
-        return self._blocks(tokens, w1, w2, blocks)
+        return self._blocks(tokens.dequantized(), tokens, w1, w2, blocks)
 
-    def _blocks(self, tokens, w1, w2, blocks: list | None) -> Iterator[tuple[int, torch.Tensor]]:
-        """`blocks=None`: one block of every row in order (`apply`)."""
-        x = tokens.dequantized()
+    def _blocks(self, x, tokens, w1, w2, blocks: list | None) -> Iterator[tuple[int, torch.Tensor]]:
+        """`x`: the tokens' rows, dequantized. `blocks=None`: one block of every row in order (`apply`)."""
         ids, weights = tokens.topk_ids, tokens.topk_weights
         top_k = ids.shape[1]
         w1, w2 = w1.to(x.dtype), w2.to(x.dtype)  # no copy when they already are (the model's case)

@@ -136,7 +136,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and cpu_kernels.takes(x, weight)
         and not graph_capture_active()
     ):  # any size: the kernel has no fixed cost to amortise (a router's 16 x 1024 took 0.18 ms in F.linear)
-        out = cpu_kernels.linear(x, _cached(weight, _pack_panels), weight.shape[0])
+        out = cpu_kernels.linear(x, _cached(weight, cpu_kernels.pack), weight.shape[0])
         return out if bias is None else out + bias
     packed = _cached(weight, _pack_one) if _packable(x, weight, weight) else None
     if packed is None:
@@ -173,10 +173,6 @@ def _panel_rows_limit(dtype: torch.dtype) -> int:
     return 1
 
 
-def _pack_panels(weights: torch.Tensor) -> torch.Tensor:
-    return cpu_kernels.pack(weights)
-
-
 def fused_experts(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor | None:
@@ -194,7 +190,7 @@ def fused_experts(
         and not graph_capture_active()
     ):
         return None
-    return cpu_kernels.moe(x, topk_ids, topk_weights, _cached(w1, _pack_panels), _cached(w2, _pack_panels), w2.shape[2])
+    return cpu_kernels.moe(x, topk_ids, topk_weights, _cached(w1, cpu_kernels.pack), _cached(w2, cpu_kernels.pack), w2.shape[2])
 
 
 __all__ = ["fused_experts", "grouped_linear", "linear"]
