@@ -70,7 +70,8 @@ def timed_logits(model, totals: dict[str, float]):
 
 def profile_batch(model, batch: int, context: int, steps: int, vocab: int) -> dict:
     block_size = 16
-    blocks = batch * ((context + steps + 8) // block_size + 2)
+    decodes = 1 + 3 + 3 * steps  # the prefill's token, warm-up, then timed, hooked and profiled steps
+    blocks = batch * ((context + decodes) // block_size + 2)
     harness = GreedyHarness(model, num_blocks=blocks + 1, block_size=block_size)
     gen = torch.Generator().manual_seed(0)
     sequences = [{"tokens": torch.randint(2, vocab, (context,), generator=gen).tolist(), "computed": 0} for _ in range(batch)]

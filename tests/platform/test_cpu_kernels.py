@@ -185,3 +185,71 @@ def test_dense_projections_of_few_rows_take_the_panel_kernel(monkeypatch, dtype)
         expected = F.linear(x.float(), weight.float())
         torch.testing.assert_close(cpu_gemm.linear(x, weight).float(), expected, rtol=TOLERANCE[dtype] * 5, atol=TOLERANCE[dtype] * 20)
     assert calls == sorted({1, limit})
+
+
+def _rotary(dim: int, interleaved: bool):
+    from tandem.models.rope import RopeConfig, RotaryEmbedding
+
+    yarn = RopeConfig("yarn", 10000.0, factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.7,
+                      max_positions=256)  # fmt: skip
+    return RotaryEmbedding(dim, yarn, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_and_cache_gives_the_torch_paths_bits(interleaved, dtype):
+    """GQA's layout: the rotated query, the rotated key in the key cache and the value in the
+    value cache equal the torch path's to the bit; a padding row (slot -1) and a row past the
+    slot mapping write nothing but still get their query rotated."""
+    from tandem.models.paged_attention import write_to_cache
+
+    rotary = _rotary(16, interleaved)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, heads, 16, generator=g).to(dtype) for heads in (4, 2, 2))
+    positions = torch.tensor([4, 9, 9, 30, 0, 255])
+    slots = torch.tensor([3, 7, 12, 0, -1])  # row 5 is past the mapping
+    key_cache, value_cache = torch.zeros(4, 4, 2, 16, dtype=dtype), torch.zeros(4, 4, 2, 16, dtype=dtype)
+    want_q, want_k = rotary(positions, q, k)
+    want_keys, want_values = key_cache.clone(), value_cache.clone()
+    write_to_cache(want_keys, want_k, slots)
+    write_to_cache(want_values, v, slots)
+    got_q = cpu_kernels.rope_and_cache(positions, q, k, v, rotary.cos_sin_cache, slots, key_cache, value_cache, interleaved)
+    assert got_q.is_contiguous() and got_q.dtype == dtype
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(key_cache, want_keys) and torch.equal(value_cache, want_values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_writes_mlas_latent_row(monkeypatch, dtype):
+    """MLA's latent cache row `[latent, rotated shared key]`: the key and the copy are slices
+    of one cache, the query a strided view; `rotate_and_cache` takes the kernel."""
+    rank, rope_dim = 24, 8
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 2, 16 + rope_dim, generator=g).to(dtype)
+    kv = torch.randn(3, rank + rope_dim, generator=g).to(dtype)
+    latent, k_rope = kv[:, :rank].contiguous(), kv[:, rank:].unsqueeze(1)
+    positions, slots = torch.tensor([2, 40, 41]), torch.tensor([5, 1, 2])
+    cache, want_cache = torch.zeros(2, 4, 1, rank + rope_dim, dtype=dtype), torch.zeros(2, 4, 1, rank + rope_dim, dtype=dtype)
+    rotary = _rotary(rope_dim, True)
+    with cpu_kernels.switched_off():
+        want_q = rotary.rotate_and_cache(positions, q[..., 16:], k_rope, slots, want_cache[..., rank:],
+                                         copy=(latent.unsqueeze(1), want_cache[..., :rank]))  # fmt: skip
+    calls = []
+    real = cpu_kernels.rope_and_cache
+    monkeypatch.setattr(cpu_kernels, "rope_and_cache", lambda *a: calls.append(1) or real(*a))
+    got_q = rotary.rotate_and_cache(positions, q[..., 16:], k_rope, slots, cache[..., rank:],
+                                    copy=(latent.unsqueeze(1), cache[..., :rank]))  # fmt: skip
+    assert calls == [1]
+    assert torch.equal(got_q, want_q) and torch.equal(cache, want_cache)
+
+
+def test_rope_and_cache_refuses_positions_and_slots_outside_their_tables():
+    rotary = _rotary(16, False)
+    q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    cache = torch.zeros(2, 4, 1, 16)
+    with pytest.raises(IndexError, match="outside the rotary table's 256 rows"):
+        cpu_kernels.rope_and_cache(torch.tensor([0, 256]), q, k, k, rotary.cos_sin_cache, torch.tensor([0, 1]), cache,
+                                   cache.clone(), False)  # fmt: skip
+    with pytest.raises(IndexError, match="outside the cache's 8 slots"):
+        cpu_kernels.rope_and_cache(torch.tensor([0, 1]), q, k, k, rotary.cos_sin_cache, torch.tensor([0, 8]), cache,
+                                   cache.clone(), False)  # fmt: skip

@@ -21,7 +21,8 @@ from torch import nn
 from tandem.models.hf_config import config_value
 from tandem.models.paged_attention import write_to_cache
 from tandem.models.rope_kernel import rope_and_cache_triton
-from tandem.platform import triton_utils
+from tandem.platform import cpu_kernels, triton_utils
+from tandem.platform.graph import graph_capture_active
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,13 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions, q.dtype)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
+    @staticmethod
+    def _cpu_kernel_applies(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, v: torch.Tensor,
+                            v_cache: torch.Tensor) -> bool:
+        # A CpuGraph records ATen ops only, so a capture keeps the torch path.
+        return (k_cache.device.type == "cpu" and not graph_capture_active()
+                and cpu_kernels.takes(q, k, v, k_cache, v_cache))
+
     def rotate_and_cache(
         self,
         positions: torch.Tensor,
@@ -168,13 +176,17 @@ class RotaryEmbedding(nn.Module):
         """Rotate `q` and `k`, write the rotated `k` to `k_cache` (a `[blocks, block_size,
         Hk, D]` view) at `slot_mapping`, and `copy = (rows [T, ...], cache)` to the same slots;
         returns the rotated `q`. One Triton kernel on CUDA (q rotated in place: pass a
-        tensor nothing else reads), torch ops and `write_to_cache` elsewhere."""
+        tensor nothing else reads), one of tandem's kernels on the CPU (a new `q`, the same
+        bits as the torch path), torch ops and `write_to_cache` elsewhere."""
         if triton_utils.use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             rope_and_cache_triton(
                 self.cos_sin_cache, positions, q, k, interleaved=self.interleaved,
                 slot_mapping=slot_mapping, k_cache=k_cache, copy=copy,
             )  # fmt: skip
             return q
+        if copy is not None and self._cpu_kernel_applies(q, k, k_cache, *copy):
+            return cpu_kernels.rope_and_cache(positions, q, k, copy[0], self.cos_sin_cache, slot_mapping, k_cache,
+                                              copy[1], self.interleaved)
         q, k = self(positions, q, k)
         write_to_cache(k_cache, k, slot_mapping)
         if copy is not None:

@@ -110,6 +110,12 @@ def _library() -> ctypes.CDLL | None:
         c_void_p, c_long, c_long, c_long, c_long, c_long, c_long, ctypes.c_float, c_void_p,
     ]  # fmt: skip
     library.tandem_decode_attention.restype = c_int
+    library.tandem_rope_and_cache.argtypes = [
+        c_void_p, c_long, c_long, c_void_p, c_long, c_long, c_void_p, c_long, c_long, c_int, c_void_p, c_void_p,
+        c_long, c_long, c_long, c_long, c_long, c_int, c_void_p, c_long, c_long, c_void_p, c_long, c_long, c_long,
+        c_void_p, c_long, c_long, c_long, c_long, c_long, c_long, c_void_p,
+    ]  # fmt: skip
+    library.tandem_rope_and_cache.restype = c_int
     return library
 
 
@@ -237,6 +243,45 @@ def _decode_attention(query, key_cache, value_cache, block_table, seq_lens, scal
     return out
 
 
+def rope_and_cache(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
+    slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, interleaved: bool,
+) -> torch.Tensor:
+    """The rotary embedding of `query [T, Hq, D]` and `key [T, Hk, D]` at `positions [T]`
+    (angles from `table`, float32 `[P, D]`: cos then sin), the rotated key written to
+    `key_cache` and `value [T, Hv, Dv]` to `value_cache` (`[blocks, block_size, heads, dim]`
+    views) at `slot_mapping` (rows past it or at slot -1 write nothing): `RotaryEmbedding.
+    rotate_and_cache`'s torch path in one call, with the same bits. Returns the rotated query,
+    a new contiguous tensor (the op `tandem::cpu_rope_and_cache`)."""
+    return torch.ops.tandem.cpu_rope_and_cache(positions, query, key, value, table, slot_mapping, key_cache,
+                                               value_cache, interleaved)
+
+
+def _rope_and_cache(positions, query, key, value, table, slot_mapping, key_cache, value_cache, interleaved):
+    tokens, q_heads, dim = query.shape
+    if key.shape[-1] != dim or table.shape[-1] != dim or dim % 2:
+        raise ValueError(f"rotary dims differ or are odd: query {dim}, key {key.shape[-1]}, table {table.shape[-1]}")
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the caches' last dimension must be contiguous")
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    positions, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
+    table = table.to(torch.float32).contiguous()
+    out = query.new_empty((tokens, q_heads, dim))
+    status = _library().tandem_rope_and_cache(
+        query.data_ptr(), *query.stride()[:2], key.data_ptr(), *key.stride()[:2], value.data_ptr(),
+        *value.stride()[:2], _DTYPES[query.dtype], positions.data_ptr(), table.data_ptr(), table.shape[0], tokens,
+        q_heads, key.shape[1], dim, int(interleaved), slots.data_ptr(), slots.shape[0],
+        key_cache.shape[0] * key_cache.shape[1], key_cache.data_ptr(), *key_cache.stride()[:3],
+        value_cache.data_ptr(), *value_cache.stride()[:3], value.shape[1], value.shape[2], key_cache.shape[1],
+        out.data_ptr(),
+    )  # fmt: skip
+    if status == -3:
+        raise IndexError(f"a position is outside the rotary table's {table.shape[0]} rows")
+    if status == -4:
+        raise IndexError(f"a slot is outside the cache's {key_cache.shape[0] * key_cache.shape[1]} slots")
+    return out
+
+
 # Registered through the dispatcher directly (as `tandem::cpu_linear` is): `custom_op`'s Python
 # wrappers cost ~100 us a call, and a decode step calls these once per layer.
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")
@@ -249,6 +294,11 @@ _LIBRARY.define(
     "float scale) -> Tensor"
 )
 _LIBRARY.impl("cpu_decode_attention", _decode_attention, "CPU")
+_LIBRARY.define(
+    "cpu_rope_and_cache(Tensor positions, Tensor query, Tensor key, Tensor value, Tensor table, Tensor slot_mapping, "
+    "Tensor(a!) key_cache, Tensor(b!) value_cache, bool interleaved) -> Tensor"
+)
+_LIBRARY.impl("cpu_rope_and_cache", _rope_and_cache, "CPU")
 
 
 @torch.library.register_fake("tandem::cpu_panel_linear", lib=_LIBRARY)
@@ -266,4 +316,12 @@ def _(query, key_cache, value_cache, block_table, seq_lens, scale):
     return query.new_empty((*query.shape[:2], value_cache.shape[-1]))
 
 
-__all__ = ["available", "cache_dir", "decode_attention", "linear", "moe", "pack", "switched_off", "takes", "uses_amx"]
+@torch.library.register_fake("tandem::cpu_rope_and_cache", lib=_LIBRARY)
+def _(positions, query, key, value, table, slot_mapping, key_cache, value_cache, interleaved):
+    return query.new_empty(query.shape)
+
+
+__all__ = [
+    "available", "cache_dir", "decode_attention", "linear", "moe", "pack", "rope_and_cache", "switched_off", "takes",
+    "uses_amx",
+]  # fmt: skip

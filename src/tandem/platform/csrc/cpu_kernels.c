@@ -516,3 +516,77 @@ int tandem_decode_attention(const void *q, const void *kc, const void *vc, int b
     return decode_attention_f32(q, kc, vc, k_block, k_row, k_head, v_block, v_row, v_head, table, table_stride,
                                 seq_lens, R, Hq, Hkv, Dk, Dv, block_size, scale, out);
 }
+
+/* Rotary embedding and the cache write of one attention layer, in one pass over the step's rows:
+ *   q_out[t, h] = rotate(q[t, h]),  k_cache[slots[t], h] = rotate(k[t, h]),  v_cache[slots[t], h] = v[t, h]
+ * at the angles of row positions[t] of `table` (float32 [P, D]: cos in the first D/2 columns, sin
+ * in the rest). Pairs are (x[i], x[i + D/2]) or, `interleaved`, (x[2i], x[2i+1]) written back
+ * de-interleaved. Rows t >= S or with slots[t] < 0 write nothing; v may be NULL (no copy).
+ * Element strides for q, k, v (token, head) and both caches (block, row, head); the last
+ * dimension of each is contiguous. The arithmetic is the torch path's, rounding where it rounds
+ * (cos and sin to the dtype, then each product, then the sum) and never fusing a multiply-add,
+ * so both paths give the same bits. Returns 0, -3 for a position outside the table, -4 for a
+ * slot outside the cache. */
+#define ROPE_AND_CACHE(NAME, CTYPE, TO_F, ROUND, FROM_F)                                                 \
+    __attribute__((optimize("fp-contract=off"))) static int NAME(                                     \
+        const CTYPE *q, long q_tok, long q_head, const CTYPE *k, long k_tok, long k_head,             \
+        const CTYPE *v, long v_tok, long v_head, const int64_t *positions, const float *table,        \
+        long P, long T, long Hq, long Hk, long D, int interleaved, const int64_t *slots, long S,       \
+        long cache_slots, CTYPE *kc, long kc_block, long kc_row, long kc_head, CTYPE *vc,             \
+        long vc_block, long vc_row, long vc_head, long Hv, long Dv, long block_size, CTYPE *q_out) {  \
+        long half = D / 2;                                                                             \
+        int bad = 0;                                                                                   \
+        _Pragma("omp parallel for schedule(static) reduction(|:bad) if (T * (Hq + Hk) * D >= (1L << 16))") \
+        for (long t = 0; t < T; t++) {                                                                 \
+            int64_t pos = positions[t];                                                                \
+            if (pos < 0 || pos >= P) {                                                                 \
+                bad |= 1;                                                                              \
+                continue;                                                                              \
+            }                                                                                          \
+            int64_t slot = t < S ? slots[t] : -1;                                                      \
+            if (slot >= cache_slots) {                                                                 \
+                bad |= 2;                                                                              \
+                continue;                                                                              \
+            }                                                                                          \
+            const float *cs = table + pos * D;                                                         \
+            for (long h = 0; h < Hq + (slot >= 0 ? Hk : 0); h++) {                                    \
+                const CTYPE *x = h < Hq ? q + t * q_tok + h * q_head : k + t * k_tok + (h - Hq) * k_head; \
+                CTYPE *o = h < Hq ? q_out + (t * Hq + h) * D                                           \
+                                  : kc + (slot / block_size) * kc_block + (slot % block_size) * kc_row \
+                                        + (h - Hq) * kc_head;                                          \
+                for (long i = 0; i < half; i++) {                                                      \
+                    float a = TO_F(x[interleaved ? 2 * i : i]);                                        \
+                    float b = TO_F(x[interleaved ? 2 * i + 1 : half + i]);                             \
+                    float c = ROUND(cs[i]), s = ROUND(cs[half + i]);                                   \
+                    float ac = ROUND(a * c), bs = ROUND(b * s), bc = ROUND(b * c), as = ROUND(a * s);   \
+                    o[i] = FROM_F(ac - bs);                                                            \
+                    o[half + i] = FROM_F(bc + as);                                                     \
+                }                                                                                      \
+            }                                                                                          \
+            if (v && slot >= 0)                                                                        \
+                for (long h = 0; h < Hv; h++)                                                          \
+                    memcpy(vc + (slot / block_size) * vc_block + (slot % block_size) * vc_row + h * vc_head, \
+                           v + t * v_tok + h * v_head, Dv * sizeof(CTYPE));                             \
+        }                                                                                              \
+        return bad & 1 ? -3 : bad ? -4 : 0;                                                            \
+    }
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+ROPE_AND_CACHE(rope_and_cache_f32, float, keep_f32, keep_f32, keep_f32)
+ROPE_AND_CACHE(rope_and_cache_bf16, uint16_t, bf16_to_f32, round_bf16, f32_to_bf16)
+
+int tandem_rope_and_cache(const void *q, long q_tok, long q_head, const void *k, long k_tok, long k_head,
+                          const void *v, long v_tok, long v_head, int bf16, const int64_t *positions,
+                          const float *table, long P, long T, long Hq, long Hk, long D, int interleaved,
+                          const int64_t *slots, long S, long cache_slots, void *kc, long kc_block, long kc_row,
+                          long kc_head, void *vc, long vc_block, long vc_row, long vc_head, long Hv, long Dv,
+                          long block_size, void *q_out) {
+    if (bf16)
+        return rope_and_cache_bf16(q, q_tok, q_head, k, k_tok, k_head, v, v_tok, v_head, positions, table, P, T, Hq,
+                                   Hk, D, interleaved, slots, S, cache_slots, kc, kc_block, kc_row, kc_head, vc,
+                                   vc_block, vc_row, vc_head, Hv, Dv, block_size, q_out);
+    return rope_and_cache_f32(q, q_tok, q_head, k, k_tok, k_head, v, v_tok, v_head, positions, table, P, T, Hq, Hk,
+                              D, interleaved, slots, S, cache_slots, kc, kc_block, kc_row, kc_head, vc, vc_block,
+                              vc_row, vc_head, Hv, Dv, block_size, q_out);
+}
