@@ -253,3 +253,32 @@ def test_rope_and_cache_refuses_positions_and_slots_outside_their_tables():
     with pytest.raises(IndexError, match="outside the cache's 8 slots"):
         cpu_kernels.rope_and_cache(torch.tensor([0, 1]), q, k, k, rotary.cos_sin_cache, torch.tensor([0, 8]), cache,
                                    cache.clone(), False)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 40), (2, 5, 32), (1, 1024)])
+def test_rms_norm_and_the_residual_add_equal_torchs(dtype, shape):
+    """Normalised in float32, cast back, then scaled, as torch does; with the residual, the
+    sum rounded to the dtype first (the next residual). Rows of a strided view are read in place."""
+    from tandem.models.norm import fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(len(shape))
+    wide = torch.randn(*shape[:-1], shape[-1] + 8, generator=g).to(dtype)
+    x = wide[..., 4 : 4 + shape[-1]]  # rows strided in memory
+    residual = torch.randn(shape, generator=g).to(dtype)
+    weight = torch.nn.Parameter((1 + torch.randn(shape[-1], generator=g) / 4).to(dtype), requires_grad=False)
+    with cpu_kernels.switched_off():
+        want = F.rms_norm(x, (shape[-1],), weight, 1e-6)
+        want_normed, want_total = fused_add_rms_norm(x, residual, weight, 1e-6)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    got = rms_norm(x, weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **tolerance)
+    normed, total = fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(normed, want_normed, **tolerance)
+    with torch.profiler.profile() as profile:
+        rms_norm(x, weight, 1e-6)
+        fused_add_rms_norm(x, residual, weight, 1e-6)
+    counted = [e.name for e in profile.events() if e.name.startswith("tandem::")]
+    assert counted == ["tandem::cpu_rms_norm", "tandem::cpu_add_rms_norm"]

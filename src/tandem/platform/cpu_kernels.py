@@ -116,6 +116,10 @@ def _library() -> ctypes.CDLL | None:
         c_void_p, c_long, c_long, c_long, c_long, c_long, c_long, c_void_p,
     ]  # fmt: skip
     library.tandem_rope_and_cache.restype = c_int
+    library.tandem_rms_norm.argtypes = [
+        c_void_p, c_long, c_void_p, c_long, c_void_p, c_void_p, c_int, c_long, c_long, ctypes.c_float, c_void_p,
+    ]  # fmt: skip
+    library.tandem_rms_norm.restype = None
     return library
 
 
@@ -282,6 +286,46 @@ def _rope_and_cache(positions, query, key, value, table, slot_mapping, key_cache
     return out
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`F.rms_norm(x, (H,), weight, eps)` as torch computes it (normalised in float32, cast
+    back, then scaled by the weight) in one call (the op `tandem::cpu_rms_norm`)."""
+    return torch.ops.tandem.cpu_rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(x + residual), x + residual)`, the sum rounded to the dtype (the op
+    `tandem::cpu_add_rms_norm`)."""
+    return torch.ops.tandem.cpu_add_rms_norm(x, residual, weight, eps)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _norm(x, residual, weight, eps):
+    rows, weight = _rows(x), weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    total = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    added = None if residual is None else _rows(residual)
+    _library().tandem_rms_norm(
+        rows.data_ptr(), rows.stride(0), None if added is None else added.data_ptr(), 0 if added is None else added.stride(0),
+        None if total is None else total.data_ptr(), weight.data_ptr(), _DTYPES[x.dtype], rows.shape[0], rows.shape[1],
+        eps, out.data_ptr(),
+    )  # fmt: skip
+    return out, total
+
+
+def _rms_norm(x, weight, eps):
+    return _norm(x, None, weight, eps)[0]
+
+
+def _add_rms_norm(x, residual, weight, eps):
+    if residual.shape != x.shape:
+        raise ValueError(f"the residual {tuple(residual.shape)} does not match the rows {tuple(x.shape)}")
+    return _norm(x, residual, weight, eps)
+
+
 # Registered through the dispatcher directly (as `tandem::cpu_linear` is): `custom_op`'s Python
 # wrappers cost ~100 us a call, and a decode step calls these once per layer.
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")
@@ -299,6 +343,10 @@ _LIBRARY.define(
     "Tensor(a!) key_cache, Tensor(b!) value_cache, bool interleaved) -> Tensor"
 )
 _LIBRARY.impl("cpu_rope_and_cache", _rope_and_cache, "CPU")
+_LIBRARY.define("cpu_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIBRARY.impl("cpu_rms_norm", _rms_norm, "CPU")
+_LIBRARY.define("cpu_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
+_LIBRARY.impl("cpu_add_rms_norm", _add_rms_norm, "CPU")
 
 
 @torch.library.register_fake("tandem::cpu_panel_linear", lib=_LIBRARY)
@@ -321,7 +369,17 @@ def _(positions, query, key, value, table, slot_mapping, key_cache, value_cache,
     return query.new_empty(query.shape)
 
 
+@torch.library.register_fake("tandem::cpu_rms_norm", lib=_LIBRARY)
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("tandem::cpu_add_rms_norm", lib=_LIBRARY)
+def _(x, residual, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 __all__ = [
-    "available", "cache_dir", "decode_attention", "linear", "moe", "pack", "rope_and_cache", "switched_off", "takes",
-    "uses_amx",
+    "add_rms_norm", "available", "cache_dir", "decode_attention", "linear", "moe", "pack", "rms_norm",
+    "rope_and_cache", "switched_off", "takes", "uses_amx",
 ]  # fmt: skip

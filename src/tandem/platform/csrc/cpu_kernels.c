@@ -590,3 +590,44 @@ int tandem_rope_and_cache(const void *q, long q_tok, long q_head, const void *k,
                               D, interleaved, slots, S, cache_slots, kc, kc_block, kc_row, kc_head, vc, vc_block,
                               vc_row, vc_head, Hv, Dv, block_size, q_out);
 }
+
+/* RMSNorm of the rows of x [M, H] (row stride x_row), optionally after the residual add:
+ *   s = x + residual (rounded to the dtype, written to res_out [M, H]) or s = x,
+ *   out [M, H] = weight * dtype(s / sqrt(mean(s^2) + eps))
+ * as torch does it: normalised in float32, cast to the dtype, then scaled by the weight. */
+#define RMS_NORM(NAME, CTYPE, LOAD, TO_F, FROM_F)                                                       \
+    static void NAME(const CTYPE *x, long x_row, const CTYPE *residual, long r_row, CTYPE *res_out,  \
+                     const CTYPE *w, long M, long H, float eps, CTYPE *out) {                       \
+        _Pragma("omp parallel for schedule(static) if (M * H >= (1L << 16))")                       \
+        for (long m = 0; m < M; m++) {                                                              \
+            const CTYPE *xr = x + m * x_row;                                                        \
+            CTYPE *o = out + m * H;                                                                 \
+            if (residual) {                                                                         \
+                const CTYPE *rr = residual + m * r_row;                                             \
+                CTYPE *s = res_out + m * H;                                                         \
+                for (long i = 0; i < H; i++) s[i] = FROM_F(TO_F(xr[i]) + TO_F(rr[i]));              \
+                xr = s;                                                                             \
+            }                                                                                       \
+            vf sv = (vf){0};                                                                        \
+            long i = 0;                                                                             \
+            for (; i + VL <= H; i += VL) {                                                          \
+                vf v = LOAD(xr + i);                                                                \
+                sv += v * v;                                                                        \
+            }                                                                                       \
+            float ss = hsum(sv);                                                                    \
+            for (; i < H; i++) ss += TO_F(xr[i]) * TO_F(xr[i]);                                     \
+            float inv = 1.0f / sqrtf(ss / (float)H + eps);                                          \
+            for (i = 0; i < H; i++) o[i] = FROM_F(TO_F(FROM_F(TO_F(xr[i]) * inv)) * TO_F(w[i]));     \
+        }                                                                                           \
+    }
+
+RMS_NORM(rms_norm_f32, float, load_f32, keep_f32, keep_f32)
+RMS_NORM(rms_norm_bf16, uint16_t, load_bf16, bf16_to_f32, f32_to_bf16)
+
+void tandem_rms_norm(const void *x, long x_row, const void *residual, long r_row, void *res_out, const void *w,
+                     int bf16, long M, long H, float eps, void *out) {
+    if (bf16)
+        rms_norm_bf16(x, x_row, residual, r_row, res_out, w, M, H, eps, out);
+    else
+        rms_norm_f32(x, x_row, residual, r_row, res_out, w, M, H, eps, out);
+}
