@@ -408,6 +408,49 @@ static inline float hsum(vf v) {
     return lanes[0];
 }
 
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+/* The four sums of s0..s3's lanes, each added in hsum's order (so the same bits), with a
+ * transposing tree of shuffles on AVX-512 instead of four round trips through memory. */
+static inline void sum4(vf s0, vf s1, vf s2, vf s3, float out[4]) {
+#if VL == 16
+    const vi lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    vf a = __builtin_shuffle(s0, s1, lo) + __builtin_shuffle(s0, s1, hi); /* s0's 8 partials, then s1's */
+    vf b = __builtin_shuffle(s2, s3, lo) + __builtin_shuffle(s2, s3, hi);
+    const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    vf c = __builtin_shuffle(a, b, lo2) + __builtin_shuffle(a, b, hi2); /* 4 partials of each */
+    const vi by2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    c += __builtin_shuffle(c, by2);
+    const vi by1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    c += __builtin_shuffle(c, by1);
+    out[0] = c[0], out[1] = c[4], out[2] = c[8], out[3] = c[12];
+#else
+    out[0] = hsum(s0), out[1] = hsum(s1), out[2] = hsum(s2), out[3] = hsum(s3);
+#endif
+}
+
+/* exp(x) for x <= 0 (a score less its row's maximum), within 3e-7 of expf relatively: x = n ln2 + r,
+ * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n into the exponent bits. Below
+ * -87 it returns exp(-87) (~1e-38) where expf underflows towards 0: nothing a softmax sees. */
+static inline vf exp_nonpositive(vf x) {
+    const vf floor_x = (vf){0} - 87.0f;
+    vi low = x < floor_x;
+    x = (vf)(((vi)x & ~low) | ((vi)floor_x & low));
+    vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi); /* round to nearest for x <= 0 */
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * 0.693145752f - nf * 1.42860677e-06f;
+    vf p = (vf){0} + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (vf)((n + 127) << 23);
+}
+
 /* Decode attention over a paged cache, read in place: one query row per request.
  *   out[r, h] = softmax_t(scale * q[r, h] . K[t]) V[t] over the first seq_lens[r] cached rows
  * of request r (row t in block table[r, t / block_size] at t % block_size), kv head h / G.
@@ -458,7 +501,8 @@ static inline float hsum(vf v) {
                             s2 += qv * LOAD(k[2] + d);                                             \
                             s3 += qv * LOAD(k[3] + d);                                             \
                         }                                                                          \
-                        float v[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};                     \
+                        float v[4];                                                                \
+                        sum4(s0, s1, s2, s3, v);                                                   \
                         for (long d = dk_vec; d < Dk; d++)                                         \
                             for (int j = 0; j < 4; j++) v[j] += qg[d] * LOAD##_scalar(k[j] + d);  \
                         for (int j = 0; j < n; j++) {                                              \
@@ -468,10 +512,18 @@ static inline float hsum(vf v) {
                     }                                                                              \
                 }                                                                                  \
                 for (long g = 0; g < G; g++) {                                                     \
-                    float total = 0.0f;                                                            \
-                    for (long t = 0; t < len; t++) {                                               \
-                        float p = expf(scores[g * len + t] - best[g]);                             \
-                        scores[g * len + t] = p;                                                   \
+                    float *sg = scores + g * len;                                                  \
+                    vf totals = (vf){0};                                                           \
+                    long t = 0;                                                                    \
+                    for (; t + VL <= len; t += VL) {                                               \
+                        vf p = exp_nonpositive(load_f32(sg + t) - best[g]);                        \
+                        *(vf_u *)(sg + t) = p;                                                     \
+                        totals += p;                                                               \
+                    }                                                                              \
+                    float total = hsum(totals);                                                    \
+                    for (; t < len; t++) {                                                         \
+                        float p = expf(sg[t] - best[g]);                                           \
+                        sg[t] = p;                                                                 \
                         total += p;                                                                \
                     }                                                                              \
                     float inv = len ? 1.0f / total : 0.0f;                                         \
