@@ -13,7 +13,7 @@ from torch import nn
 
 from tandem.models.linear import Linear
 from tandem.platform import cpu_gemm
-from tandem.platform.cpu_gemm import grouped_linear, linear
+from tandem.platform.cpu_gemm import grouped_linear, joined_linear, linear
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm._AVAILABLE, reason="this torch build has no oneDNN")
 
@@ -73,6 +73,33 @@ def test_a_weight_is_packed_once_and_again_whenever_it_changes(monkeypatch):
         router = Linear(256, 16, bias=False)  # too small to gain: oneDNN's fixed cost outweighs it
         torch.testing.assert_close(router(x), F.linear(x, router.weight))
     assert packings == [320] * 3
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_joined_linear_is_one_gemm_over_the_weights_joined(rows, dtype, monkeypatch):
+    """q, k and v of an attention layer: one packing of the three weights joined and one GEMM
+    per call (tandem's panel kernel or oneDNN, by row count), the outputs equal to three
+    `F.linear`s; a change to any one weight packs them again."""
+    packings = _count_packings(monkeypatch)
+    weights = tuple(_parameter(n, 256, seed=n).to(dtype) for n in (256, 128, 128))
+    weights = tuple(nn.Parameter(w, requires_grad=False) for w in weights)
+    biases = (None, torch.randn(128).to(dtype), None)
+    x = torch.randn(rows, 256).to(dtype)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    with torch.inference_mode():
+        with torch.profiler.profile() as profile:
+            got = joined_linear(x, weights, biases)
+        gemms = [e.name for e in profile.events() if e.name in ("tandem::cpu_panel_linear", "mkldnn::_linear_pointwise")]
+        assert len(gemms) == 1
+        for part, weight, bias in zip(got, weights, biases):
+            torch.testing.assert_close(part, F.linear(x, weight, bias), **tolerance)
+        joined_linear(x, weights, biases)
+        weights[2].detach()[:4].copy_(torch.zeros(4, 256))
+        torch.testing.assert_close(joined_linear(x, weights, biases)[2], F.linear(x, weights[2]), **tolerance)
+    if gemms == ["mkldnn::_linear_pointwise"]:
+        assert packings == [512, 512]
 
 
 def test_what_is_not_a_module_weight_or_not_taken_by_onednn_runs_the_plain_op(monkeypatch):

@@ -17,6 +17,7 @@ from tandem.models.rope import RopeConfig, RotaryEmbedding
 from tandem.modular_kernels import BlockFP8Weight, select_experts
 from tandem.modular_kernels.activation import silu_and_mul
 from tandem.models.linear import Linear
+from tandem.platform.cpu_gemm import joined_linear
 from tandem.models import opaque_ops  # noqa: F401  (registers torch.ops.tandem.*)
 
 
@@ -82,11 +83,17 @@ class Attention(nn.Module):
         return self.core(self.prepare(positions, x))
 
     def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Projections and QK norm: `(positions, q, k, v)` (TBO's attention prepare)."""
+        """Projections (one GEMM over q, k and v joined where the CPU packs weights) and QK
+        norm: `(positions, q, k, v)` (TBO's attention prepare)."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if all(type(p) is Linear for p in projections):
+            q, k, v = joined_linear(x, tuple(p.weight for p in projections), tuple(p.bias for p in projections))
+        else:  # a projection with a forward of its own
+            q, k, v = (p(x) for p in projections)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return positions, q, k, v

@@ -55,19 +55,22 @@ def _state(weight: torch.Tensor) -> tuple:
     return version, weight.data_ptr(), weight.dtype, tuple(weight.shape)
 
 
-def _cached(weight: torch.Tensor, pack):
-    """`pack(weight)` as of the weight's current state, made once per state and layout."""
-    state = _state(weight)
-    layouts = _PACKED.setdefault(weight, {})
-    cached = layouts.get(pack)
+def _cached(weight: torch.Tensor | tuple[torch.Tensor, ...], pack):
+    """`pack(weight)` as of the weight's current state, made once per state and layout; for a
+    tuple of weights, `pack` of them joined along the output dimension (kept with the first)."""
+    weights = weight if isinstance(weight, tuple) else (weight,)
+    state = tuple(_state(w) for w in weights)
+    layouts = _PACKED.setdefault(weights[0], {})
+    key = pack if len(weights) == 1 else (pack, len(weights))
+    cached = layouts.get(key)
     if cached is not None and cached[0] == state:
         return cached[1]
     try:
         with _disable_current_modes(), torch.no_grad():
-            packed = pack(weight.detach())
+            packed = pack(weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights]))
     except RuntimeError:  # e.g. bfloat16 needs AVX-512 (or AVX-NE-CONVERT) in oneDNN
         packed = None
-    layouts[pack] = (state, packed)
+    layouts[key] = (state, packed)
     return packed
 
 
@@ -145,6 +148,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def joined_linear(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor, ...]:
+    """`tuple(F.linear(x, w, b) for w, b in zip(weights, biases))`. Where `linear` would pack
+    the weights, one GEMM over them joined (packed once, as one weight) whose outputs are views
+    of its columns: q, k and v of an attention layer in one call instead of three, each with
+    its fixed cost. Anywhere else (another device, compiled, a capture), one `linear` each."""
+    if not torch.compiler.is_compiling() and not graph_capture_active() and all(_module_gemm(x, w, w) for w in weights):
+        widths = [w.shape[0] for w in weights]
+        out = None
+        if x.numel() <= x.shape[-1] * _panel_rows_limit(x.dtype) and cpu_kernels.takes(x, *weights):
+            out = cpu_kernels.linear(x, _cached(weights, cpu_kernels.pack), sum(widths))
+        elif _AVAILABLE and sum(w.numel() for w in weights) >= _MIN_PACKED_ELEMENTS:
+            packed = _cached(weights, _pack_one)
+            if packed is not None:
+                out = _packed_gemm(x.reshape(-1, x.shape[-1]), packed, None).view(*x.shape[:-1], sum(widths))
+        if out is not None:
+            parts = out.split(widths, dim=-1)
+            return tuple(part if bias is None else part + bias for part, bias in zip(parts, biases))
+    return tuple(linear(x, w, b) for w, b in zip(weights, biases))
+
+
 def grouped_linear(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
     """`x [sum(counts), K]` holds expert e's rows at the e-th run of `counts`; returns each run
     times `weights[e] [N, K]` transposed, one packed GEMM per expert with rows, or None when
@@ -193,7 +218,7 @@ def fused_experts(
     return cpu_kernels.moe(x, topk_ids, topk_weights, _cached(w1, cpu_kernels.pack), _cached(w2, cpu_kernels.pack), w2.shape[2])
 
 
-__all__ = ["fused_experts", "grouped_linear", "linear"]
+__all__ = ["fused_experts", "grouped_linear", "joined_linear", "linear"]
 
 
 # `tandem::cpu_linear`, registered through the dispatcher directly rather than with
