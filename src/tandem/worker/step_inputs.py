@@ -50,9 +50,10 @@ def build_step_inputs(
     num_tokens_padded: int | None = None,
     device: torch.device | str = "cpu",
 ) -> StepInputs:
-    """Built on the host, then copied to `device` without blocking (one staged copy each).
-    A step's worth of tensor ops, not a few per request: with 64 decode requests the
-    per-request ops cost more than a small model's layers (docs/pipeline.md)."""
+    """Built on the host as Python lists, one tensor each at the end, then copied to `device`
+    without blocking (one staged copy each): a tensor op costs ~10 us on the CPU, more than
+    the list work of a decode step, and per-request tensor ops cost more than a small model's
+    layers with 64 requests (docs/pipeline.md)."""
     counts = [len(c.token_ids) for c in chunks]
     total = sum(counts)
     padded = total if num_tokens_padded is None else num_tokens_padded
@@ -69,15 +70,17 @@ def build_step_inputs(
         [list(c.block_ids) + [0] * (max_blocks - len(c.block_ids)) for c in chunks] if max_blocks else
         [[0] for _ in chunks], dtype=torch.int32,
     ).reshape(len(chunks), max(max_blocks, 1))
-    input_ids = torch.zeros(padded, dtype=torch.int64)
-    positions = torch.zeros(padded, dtype=torch.int64)
-    slot_mapping = torch.full((padded,), -1, dtype=torch.int64)
-    if total:
-        input_ids[:total] = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
-        pos = torch.tensor([p for c, end in zip(chunks, seq_lens) for p in range(c.num_computed, end)], dtype=torch.int64)
-        owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(counts))
-        positions[:total] = pos
-        slot_mapping[:total] = block_table[owner, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    ids, positions, slots = [], [], []
+    for chunk, end in zip(chunks, seq_lens):
+        ids.extend(chunk.token_ids)
+        span = range(chunk.num_computed, end)
+        positions.extend(span)
+        blocks = chunk.block_ids
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
+    pad = padded - total
+    input_ids = torch.tensor(ids + [0] * pad, dtype=torch.int64)
+    positions = torch.tensor(positions + [0] * pad, dtype=torch.int64)
+    slot_mapping = torch.tensor(slots + [-1] * pad, dtype=torch.int64)
     query_start_loc = [0, *itertools.accumulate(counts)]
     move = lambda t: to_device_async(t, device)  # noqa: E731
     metadata = AttentionMetadata(
