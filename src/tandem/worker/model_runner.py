@@ -272,8 +272,8 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
         inputs = self.step_inputs(chunks, plan)
-        if self.future_map is not None:
-            inputs.input_ids = self.future_map.resolve(inputs.input_ids)
+        if self.future_map is not None and any(c.token_ids and min(c.token_ids) < 0 for c in chunks):
+            inputs.input_ids = self.future_map.resolve(inputs.input_ids)  # 5 tensor ops: only with placeholders
         if plan.num_tokens_padded == 0:  # every DP rank is idle
             self.steps += 1
             self.idle_steps += 1
