@@ -107,6 +107,25 @@ def hard_exit(code: int, outbox=None) -> None:
     os._exit(code)
 
 
+def _forwarded(inbox):
+    """The front end's queue, read by a thread into an in-process one: the loop polls its inbox
+    every step, and a multiprocessing queue's poll takes its lock and selects on its pipe
+    (~0.2 ms a step on the CPU, 6 % of a one-stream rank) where an in-process queue checks a
+    deque. The thread waits in the pipe's read with the GIL released."""
+    local = queue.SimpleQueue()
+
+    def pump() -> None:
+        while True:
+            try:
+                message = inbox.get()
+            except (EOFError, OSError, ValueError):  # the front end is gone, or the queue closed
+                return
+            local.put(message)
+
+    threading.Thread(target=pump, name="tandem-inbox", daemon=True).start()
+    return local
+
+
 def _drain(inbox, block_s: float) -> list[ToHead]:
     messages = []
     try:
@@ -181,6 +200,7 @@ def serve_rank(
 
         watchdog = Watchdog(config.scheduler.step_timeout_s, stuck).start()
         try:
+            inbox = _forwarded(inbox) if inbox is not None else None
             _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive, watchdog)
             watchdog.beat()
             engine.close()
