@@ -12,10 +12,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.linear import Linear
-from tandem.platform import cpu_gemm
+from tandem.platform import cpu_gemm, cpu_kernels
 from tandem.platform.cpu_gemm import grouped_linear, joined_linear, linear
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm._AVAILABLE, reason="this torch build has no oneDNN")
+
+
+@pytest.fixture
+def onednn_only():
+    """The oneDNN path alone: tandem's panel kernel would take these tests' few rows of small
+    weights (its own tests are in test_cpu_kernels.py)."""
+    with cpu_kernels.switched_off():
+        yield
 
 
 def _parameter(*shape, seed: int = 0) -> nn.Parameter:
@@ -41,7 +49,7 @@ def _count_packings(monkeypatch) -> list[int]:
 
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 8, 33, 257])
-def test_linear_equals_f_linear(rows, monkeypatch):
+def test_linear_equals_f_linear(rows, monkeypatch, onednn_only):
     packings = _count_packings(monkeypatch)
     g = torch.Generator().manual_seed(rows)
     weight, bias = _parameter(384, 256, seed=rows), torch.randn(384, generator=g)  # big enough to pack
@@ -56,7 +64,7 @@ def test_linear_equals_f_linear(rows, monkeypatch):
 
 
 @needs_onednn
-def test_a_weight_is_packed_once_and_again_whenever_it_changes(monkeypatch):
+def test_a_weight_is_packed_once_and_again_whenever_it_changes(monkeypatch, onednn_only):
     packings = _count_packings(monkeypatch)
     layer = Linear(256, 320, bias=False)
     x = torch.randn(4, 256)
@@ -144,7 +152,7 @@ def test_bfloat16_runs_whether_or_not_the_cpu_packs_it():
 
 
 @needs_onednn
-def test_a_weight_made_under_inference_mode_is_packed_once(monkeypatch):
+def test_a_weight_made_under_inference_mode_is_packed_once(monkeypatch, onednn_only):
     packings = _count_packings(monkeypatch)
     with torch.inference_mode():
         weight, x = nn.Parameter(torch.randn(512, 128), requires_grad=False), torch.randn(2, 128)
@@ -169,7 +177,7 @@ def test_grouped_linear_multiplies_each_experts_rows_by_its_weight(monkeypatch):
 
 
 @needs_onednn
-def test_row_counts_are_bucketed_so_onednn_shapes_repeat(monkeypatch):
+def test_row_counts_are_bucketed_so_onednn_shapes_repeat(monkeypatch, onednn_only):
     """oneDNN builds a primitive per input shape; the packed GEMM pads a row count up to its
     bucket (as is up to 16, then multiples of 16, above 256 multiples of 64) and returns only
     the real rows."""

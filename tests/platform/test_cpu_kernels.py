@@ -169,22 +169,24 @@ def test_calls_without_rows_return_empty_outputs():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_projections_of_few_rows_take_the_panel_kernel(monkeypatch, dtype):
-    """One row (float32), or up to 32 on AMX tiles (bfloat16), runs tandem's kernel; more rows
-    run oneDNN's packed GEMM. Both equal `F.linear`."""
+@pytest.mark.parametrize("out_features", [300, 2304])
+def test_dense_projections_of_few_rows_take_the_panel_kernel(monkeypatch, dtype, out_features):
+    """One row, or up to 32 on AMX tiles (bfloat16) or of a small float32 weight (up to 2^19
+    elements), runs tandem's kernel; more rows run oneDNN's packed GEMM. Both equal `F.linear`."""
     from tandem.platform import cpu_gemm
 
     torch.manual_seed(3)
-    weight = torch.nn.Parameter(torch.randn(300, 256, dtype=dtype) / 16, requires_grad=False)
+    weight = torch.nn.Parameter(torch.randn(out_features, 256, dtype=dtype) / 16, requires_grad=False)
     calls = []
     real_linear = cpu_kernels.linear
     monkeypatch.setattr(cpu_kernels, "linear", lambda *a: calls.append(a[0].shape[0]) or real_linear(*a))
-    limit = 32 if dtype == torch.bfloat16 and cpu_kernels.uses_amx() else 1
-    for rows in sorted({1, limit, limit + 1}):
+    small = dtype == torch.float32 and weight.numel() <= 1 << 19
+    limit = 32 if (dtype == torch.bfloat16 and cpu_kernels.uses_amx()) or small else 1
+    for rows in sorted({1, 2, limit, limit + 1}):
         x = torch.randn(rows, 256, dtype=dtype)
         expected = F.linear(x.float(), weight.float())
         torch.testing.assert_close(cpu_gemm.linear(x, weight).float(), expected, rtol=TOLERANCE[dtype] * 5, atol=TOLERANCE[dtype] * 20)
-    assert calls == sorted({1, limit})
+    assert calls == sorted({1, 2, limit} if limit > 1 else {1})
 
 
 def _rotary(dim: int, interleaved: bool):

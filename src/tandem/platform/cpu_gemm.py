@@ -134,7 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.ops.tandem.cpu_linear(x, weight, bias)
         return F.linear(x, weight, bias)
     if (
-        x.numel() <= x.shape[-1] * _panel_rows_limit(x.dtype)
+        _panel_kernel_takes(x, weight.numel())
         and _module_gemm(x, weight, weight)
         and cpu_kernels.takes(x, weight)
         and not graph_capture_active()
@@ -158,7 +158,7 @@ def joined_linear(
     if not torch.compiler.is_compiling() and not graph_capture_active() and all(_module_gemm(x, w, w) for w in weights):
         widths = [w.shape[0] for w in weights]
         out = None
-        if x.numel() <= x.shape[-1] * _panel_rows_limit(x.dtype) and cpu_kernels.takes(x, *weights):
+        if _panel_kernel_takes(x, sum(w.numel() for w in weights)) and cpu_kernels.takes(x, *weights):
             out = cpu_kernels.linear(x, _cached(weights, cpu_kernels.pack), sum(widths))
         elif _AVAILABLE and sum(w.numel() for w in weights) >= _MIN_PACKED_ELEMENTS:
             packed = _cached(weights, _pack_one)
@@ -189,13 +189,25 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) ->
     return out
 
 
-def _panel_rows_limit(dtype: torch.dtype) -> int:
-    """Up to how many rows a dense GEMM runs tandem's kernel rather than oneDNN's: bfloat16 on
-    AMX tiles stays memory-bound to 32 rows (1.0-1.4x oneDNN's time there); float32 in
-    registers wins only at one row (1.1x), where oneDNN's fixed cost per call weighs most."""
-    if dtype == torch.bfloat16 and cpu_kernels.uses_amx():
-        return 32
-    return 1
+#: Weights up to this many elements are "small" for float32 (2 MB: a tiny model's projections).
+_SMALL_WEIGHT = 1 << 19
+
+
+def _panel_kernel_takes(x: torch.Tensor, weight_elements: int) -> bool:
+    """Whether a dense GEMM runs tandem's panel kernel rather than oneDNN, by its rows and its
+    weight's size (`benchmarks/cpu_gemm.py`, 2 threads): bfloat16 on AMX tiles stays
+    memory-bound to 32 rows (1.0-1.4x oneDNN's time there); float32 in registers wins at one
+    row (1.1x), where oneDNN's fixed cost per call weighs most, and up to 32 rows of a small
+    weight (0.54-0.86x oneDNN's time for 256 x 256 to 2048 x 256), but not of a large one
+    (1.03-1.15x at 8-32 rows of 1024 x 1024 and up)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= 1:
+        return True
+    if rows > 32:
+        return False
+    if x.dtype == torch.bfloat16 and cpu_kernels.uses_amx():
+        return True
+    return x.dtype == torch.float32 and weight_elements <= _SMALL_WEIGHT
 
 
 def fused_experts(

@@ -165,6 +165,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed.view(*lead, per) if lead else packed[0]
 
 
+@lru_cache(maxsize=None)
 def uses_amx() -> bool:
     """Whether bfloat16 weights run on AMX tiles here (packed for them, any row count memory-bound)."""
     return available() and bool(_library().tandem_amx())
