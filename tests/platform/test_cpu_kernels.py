@@ -106,6 +106,10 @@ def _decode_case(dtype, requests, kv_heads, heads, dim, value_dim=None, lengths=
         (torch.float32, 3, 1, 4, 24, 16, [9, 0, 20]),  # MLA's latent: values are the keys' first channels; a padding request
         (torch.float32, 6, 1, 2, 20, None, [1, 2, 3, 5, 7, 20]),  # head dim off the vector width: scalar tails
         (torch.bfloat16, 4, 2, 2, 16, None, None),
+        # 8+ requests: a request's KV heads are one work item (rows streamed head after head)
+        (torch.float32, 9, 3, 6, 40, None, [1, 17, 0, 20, 4, 16, 2, 19, 5]),
+        (torch.bfloat16, 8, 2, 10, 64, None, None),  # 5 query heads per KV head: two passes of up to four
+        (torch.float32, 8, 1, 4, 24, 16, [9, 0, 20, 3, 1, 16, 17, 4]),  # MLA's latent, many requests
     ],
 )
 def test_in_place_decode_attention_equals_the_gathered_one(dtype, requests, kv_heads, heads, dim, value_dim, lengths):

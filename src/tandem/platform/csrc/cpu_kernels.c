@@ -456,8 +456,55 @@ static inline vf exp_nonpositive(vf x) {
  * of request r (row t in block table[r, t / block_size] at t % block_size), kv head h / G.
  * q [R, Hq, Dk] and out [R, Hq, Dv] contiguous; the caches are addressed by element strides
  * (block, row, head), so a value cache that views the key cache's first channels (MLA) works.
+ * Rows are visited four at a time, walking the block table (no division per row): four dot
+ * products per query head, then four value rows folded into the accumulators per pass.
  * Scores and sums stay float32; a request of length 0 gets zeros. Returns 0, -1 when scratch
  * could not be allocated, -2 when the query heads do not group over the KV heads. */
+
+/* The next cached row of a request: `row` steps through block `*block` of the table row. */
+#define NEXT_ROW(row, off, blk, base, cache, c_block, c_row, c_head)                                \
+    do {                                                                                           \
+        row = base + off * c_row;                                                                  \
+        if (++off == block_size) {                                                                 \
+            off = 0;                                                                               \
+            if ((++blk) * block_size < len)                                                        \
+                base = cache + (long)table[r * table_stride + blk] * c_block + h * c_head;        \
+        }                                                                                          \
+    } while (0)
+
+/* Scores of up to four query heads (GN, a constant after inlining) against four cached rows:
+ * each key vector is loaded (and widened from bfloat16) once for all GN heads. Rows j >= n
+ * are copies whose scores are set to 0 (weights of nothing in the value pass). */
+#define DOTS(NAME, CTYPE, LOAD)                                                                     \
+    static inline __attribute__((always_inline)) void NAME##_dots(                                 \
+        const int GN, const CTYPE *const k[4], const float *qg, long Dk, long dk_vec, int n,       \
+        float *sc, long stride, float *best) {                                                     \
+        vf s[4][4];                                                                                \
+        for (int g = 0; g < GN; g++)                                                               \
+            for (int j = 0; j < 4; j++) s[g][j] = (vf){0};                                         \
+        for (long d = 0; d < dk_vec; d += VL) {                                                    \
+            vf k0 = LOAD(k[0] + d), k1 = LOAD(k[1] + d), k2 = LOAD(k[2] + d), k3 = LOAD(k[3] + d); \
+            for (int g = 0; g < GN; g++) {                                                         \
+                vf qv = load_f32(qg + g * Dk + d);                                                 \
+                s[g][0] += qv * k0;                                                                \
+                s[g][1] += qv * k1;                                                                \
+                s[g][2] += qv * k2;                                                                \
+                s[g][3] += qv * k3;                                                                \
+            }                                                                                      \
+        }                                                                                          \
+        for (int g = 0; g < GN; g++) {                                                             \
+            float v[4];                                                                            \
+            sum4(s[g][0], s[g][1], s[g][2], s[g][3], v);                                           \
+            for (long d = dk_vec; d < Dk; d++)                                                     \
+                for (int j = 0; j < 4; j++) v[j] += qg[g * Dk + d] * LOAD##_scalar(k[j] + d);     \
+            for (int j = 0; j < n; j++) {                                                          \
+                sc[g * stride + j] = v[j];                                                         \
+                if (v[j] > best[g]) best[g] = v[j];                                                \
+            }                                                                                      \
+            for (int j = n; j < 4; j++) sc[g * stride + j] = 0.0f;                                 \
+        }                                                                                          \
+    }
+
 #define DECODE_ATTENTION(NAME, CTYPE, LOAD, STORE_OUT)                                              \
     static int NAME(const CTYPE *q, const CTYPE *kc, const CTYPE *vc, long k_block, long k_row,     \
                     long k_head, long v_block, long v_row, long v_head, const int32_t *table,       \
@@ -466,86 +513,96 @@ static inline vf exp_nonpositive(vf x) {
         long G = Hq / Hkv, max_len = 0;                                                            \
         for (long r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;      \
         long dk_vec = Dk - Dk % VL, dv_vec = Dv - Dv % VL;                                         \
+        /* A work item is a request's KV heads h0 .. h0 + hc - 1: all of them when there are     \
+         * requests enough to share out (a row's heads then stream in order), else one each. */ \
+        long hc = R >= 8 ? Hkv : 1, chunks = Hkv / hc, HG = hc * G;                               \
+        /* 3 spare scores per head: the last pass of four rows may run past len */                 \
+        long stride = (max_len > 0 ? max_len : 1) + 3;                                             \
         int failed = 0;                                                                            \
-        _Pragma("omp parallel for collapse(2) schedule(dynamic) reduction(|:failed)")              \
-        for (long r = 0; r < R; r++) {                                                             \
-            for (long h = 0; h < Hkv; h++) {                                                       \
-                long len = seq_lens[r];                                                            \
-                float *scores = scratch(0, (size_t)(G * (max_len > 0 ? max_len : 1)));            \
-                float *qf = scratch(1, (size_t)(G * Dk));                                          \
-                float *acc = scratch(2, (size_t)(G * Dv));                                         \
-                float *best = scratch(3, (size_t)G);                                               \
-                if (!scores || !qf || !acc || !best) {                                             \
-                    failed = 1;                                                                    \
-                    continue;                                                                      \
-                }                                                                                  \
-                const CTYPE *qh = q + (r * Hq + h * G) * Dk;                                       \
-                for (long i = 0; i < G * Dk; i++) qf[i] = (float)LOAD##_scalar(qh + i) * scale;   \
-                for (long g = 0; g < G; g++) best[g] = -INFINITY;                                  \
-                /* four rows at a time: independent accumulator chains, one hsum each */    \
-                for (long t0 = 0; t0 < len; t0 += 4) {                                             \
-                    int n = len - t0 < 4 ? (int)(len - t0) : 4;                                    \
-                    const CTYPE *k[4];                                                             \
-                    for (int j = 0; j < 4; j++) {                                                  \
-                        long t = t0 + (j < n ? j : 0);                                             \
-                        long block = table[r * table_stride + t / block_size];                     \
-                        k[j] = kc + block * k_block + (t % block_size) * k_row + h * k_head;       \
-                    }                                                                              \
-                    for (long g = 0; g < G; g++) {                                                 \
-                        vf s0 = (vf){0}, s1 = (vf){0}, s2 = (vf){0}, s3 = (vf){0};                 \
-                        const float *qg = qf + g * Dk;                                             \
-                        for (long d = 0; d < dk_vec; d += VL) {                                    \
-                            vf qv = load_f32(qg + d);                                              \
-                            s0 += qv * LOAD(k[0] + d);                                             \
-                            s1 += qv * LOAD(k[1] + d);                                             \
-                            s2 += qv * LOAD(k[2] + d);                                             \
-                            s3 += qv * LOAD(k[3] + d);                                             \
-                        }                                                                          \
-                        float v[4];                                                                \
-                        sum4(s0, s1, s2, s3, v);                                                   \
-                        for (long d = dk_vec; d < Dk; d++)                                         \
-                            for (int j = 0; j < 4; j++) v[j] += qg[d] * LOAD##_scalar(k[j] + d);  \
-                        for (int j = 0; j < n; j++) {                                              \
-                            scores[g * len + t0 + j] = v[j];                                       \
-                            if (v[j] > best[g]) best[g] = v[j];                                    \
+        _Pragma("omp parallel for schedule(dynamic) reduction(|:failed)")                          \
+        for (long item = 0; item < R * chunks; item++) {                                           \
+            long r = item / chunks, h0 = item % chunks * hc, len = seq_lens[r];                    \
+            float *scores = scratch(0, (size_t)(HG * stride));                                     \
+            float *qf = scratch(1, (size_t)(HG * Dk));                                             \
+            float *acc = scratch(2, (size_t)(HG * Dv));                                            \
+            float *best = scratch(3, (size_t)HG);                                                  \
+            if (!scores || !qf || !acc || !best) {                                                 \
+                failed = 1;                                                                        \
+                continue;                                                                          \
+            }                                                                                      \
+            const CTYPE *qh = q + (r * Hq + h0 * G) * Dk;                                          \
+            for (long i = 0; i < HG * Dk; i++) qf[i] = (float)LOAD##_scalar(qh + i) * scale;       \
+            for (long g = 0; g < HG; g++) best[g] = -INFINITY;                                     \
+            long off = 0, blk = 0, h = h0;                                                         \
+            const CTYPE *base = len ? kc + (long)table[r * table_stride] * k_block + h * k_head : kc; \
+            for (long t0 = 0; t0 < len; t0 += 4) {                                                 \
+                int n = len - t0 < 4 ? (int)(len - t0) : 4;                                        \
+                const CTYPE *k[4] = {0};                                                           \
+                for (int j = 0; j < n; j++) NEXT_ROW(k[j], off, blk, base, kc, k_block, k_row, k_head); \
+                for (int j = n; j < 4; j++) k[j] = k[0];                                           \
+                for (long hh = 0; hh < hc; hh++) {                                                 \
+                    const CTYPE *kh[4] = {k[0] + hh * k_head, k[1] + hh * k_head, k[2] + hh * k_head, \
+                                          k[3] + hh * k_head};                                     \
+                    for (long g0 = 0; g0 < G; g0 += 4) {                                           \
+                        long head = hh * G + g0;                                                   \
+                        float *sc = scores + head * stride + t0, *bg = best + head;                \
+                        const float *qg = qf + head * Dk;                                          \
+                        switch (G - g0 < 4 ? G - g0 : 4) {                                         \
+                            case 1: NAME##_dots(1, kh, qg, Dk, dk_vec, n, sc, stride, bg); break;  \
+                            case 2: NAME##_dots(2, kh, qg, Dk, dk_vec, n, sc, stride, bg); break;  \
+                            case 3: NAME##_dots(3, kh, qg, Dk, dk_vec, n, sc, stride, bg); break;  \
+                            default: NAME##_dots(4, kh, qg, Dk, dk_vec, n, sc, stride, bg); break; \
                         }                                                                          \
                     }                                                                              \
                 }                                                                                  \
-                for (long g = 0; g < G; g++) {                                                     \
-                    float *sg = scores + g * len;                                                  \
-                    vf totals = (vf){0};                                                           \
-                    long t = 0;                                                                    \
-                    for (; t + VL <= len; t += VL) {                                               \
-                        vf p = exp_nonpositive(load_f32(sg + t) - best[g]);                        \
-                        *(vf_u *)(sg + t) = p;                                                     \
-                        totals += p;                                                               \
-                    }                                                                              \
-                    float total = hsum(totals);                                                    \
-                    for (; t < len; t++) {                                                         \
-                        float p = expf(sg[t] - best[g]);                                           \
-                        sg[t] = p;                                                                 \
-                        total += p;                                                                \
-                    }                                                                              \
-                    float inv = len ? 1.0f / total : 0.0f;                                         \
-                    for (long t = 0; t < len; t++) scores[g * len + t] *= inv;                     \
+            }                                                                                      \
+            for (long g = 0; g < HG; g++) {                                                        \
+                float *sg = scores + g * stride;                                                   \
+                vf totals = (vf){0};                                                               \
+                long t = 0;                                                                        \
+                for (; t + VL <= len; t += VL) {                                                   \
+                    vf p = exp_nonpositive(load_f32(sg + t) - best[g]);                            \
+                    *(vf_u *)(sg + t) = p;                                                         \
+                    totals += p;                                                                   \
                 }                                                                                  \
-                for (long i = 0; i < G * Dv; i++) acc[i] = 0.0f;                                   \
-                for (long t = 0; t < len; t++) {                                                   \
-                    long block = table[r * table_stride + t / block_size];                         \
-                    const CTYPE *v = vc + block * v_block + (t % block_size) * v_row + h * v_head; \
+                float total = hsum(totals);                                                        \
+                for (; t < len; t++) {                                                             \
+                    float p = expf(sg[t] - best[g]);                                               \
+                    sg[t] = p;                                                                     \
+                    total += p;                                                                    \
+                }                                                                                  \
+                float inv = len ? 1.0f / total : 0.0f;                                             \
+                for (t = 0; t < len; t++) sg[t] *= inv;                                            \
+            }                                                                                      \
+            for (long i = 0; i < HG * Dv; i++) acc[i] = 0.0f;                                      \
+            off = 0, blk = 0;                                                                      \
+            base = len ? vc + (long)table[r * table_stride] * v_block + h * v_head : vc;           \
+            for (long t0 = 0; t0 < len; t0 += 4) {                                                 \
+                int n = len - t0 < 4 ? (int)(len - t0) : 4;                                        \
+                const CTYPE *v[4] = {0};                                                           \
+                for (int j = 0; j < n; j++) NEXT_ROW(v[j], off, blk, base, vc, v_block, v_row, v_head); \
+                for (int j = n; j < 4; j++) v[j] = v[0]; /* weighted by the 0 scores past len */   \
+                for (long hh = 0; hh < hc; hh++) {                                                 \
+                    const CTYPE *v0p = v[0] + hh * v_head, *v1p = v[1] + hh * v_head,              \
+                                *v2p = v[2] + hh * v_head, *v3p = v[3] + hh * v_head;              \
                     for (long d = 0; d < dv_vec; d += VL) {                                        \
-                        vf vv = LOAD(v + d);                                                       \
+                        vf v0 = LOAD(v0p + d), v1 = LOAD(v1p + d), v2 = LOAD(v2p + d), v3 = LOAD(v3p + d); \
                         for (long g = 0; g < G; g++) {                                             \
-                            vf_u *a = (vf_u *)(acc + g * Dv + d);                                  \
-                            *a += scores[g * len + t] * vv;                                        \
+                            const float *p = scores + (hh * G + g) * stride + t0;                  \
+                            vf_u *a = (vf_u *)(acc + (hh * G + g) * Dv + d);                       \
+                            *a += p[0] * v0 + p[1] * v1 + p[2] * v2 + p[3] * v3;                   \
                         }                                                                          \
                     }                                                                              \
                     for (long d = dv_vec; d < Dv; d++)                                             \
-                        for (long g = 0; g < G; g++) acc[g * Dv + d] += scores[g * len + t] * LOAD##_scalar(v + d); \
+                        for (long g = 0; g < G; g++) {                                             \
+                            const float *p = scores + (hh * G + g) * stride + t0;                  \
+                            acc[(hh * G + g) * Dv + d] += p[0] * LOAD##_scalar(v0p + d) + p[1] * LOAD##_scalar(v1p + d) \
+                                                        + p[2] * LOAD##_scalar(v2p + d) + p[3] * LOAD##_scalar(v3p + d); \
+                        }                                                                          \
                 }                                                                                  \
-                CTYPE *o = out + (r * Hq + h * G) * Dv;                                            \
-                for (long i = 0; i < G * Dv; i++) o[i] = STORE_OUT(acc[i]);                        \
             }                                                                                      \
+            CTYPE *o = out + (r * Hq + h0 * G) * Dv;                                               \
+            for (long i = 0; i < HG * Dv; i++) o[i] = STORE_OUT(acc[i]);                           \
         }                                                                                          \
         return failed ? -1 : 0;                                                                    \
     }
@@ -554,6 +611,8 @@ static inline float load_f32_scalar(const float *p) { return *p; }
 static inline float load_bf16_scalar(const uint16_t *p) { return bf16_to_f32(*p); }
 static inline float keep_f32(float v) { return v; }
 
+DOTS(decode_attention_f32, float, load_f32)
+DOTS(decode_attention_bf16, uint16_t, load_bf16)
 DECODE_ATTENTION(decode_attention_f32, float, load_f32, keep_f32)
 DECODE_ATTENTION(decode_attention_bf16, uint16_t, load_bf16, f32_to_bf16)
 
