@@ -628,6 +628,25 @@ int tandem_decode_attention(const void *q, const void *kc, const void *vc, int b
                                 seq_lens, R, Hq, Hkv, Dk, Dv, block_size, scale, out);
 }
 
+/* The rounding of a float32 to bfloat16 and back (round to nearest even, NaN kept quiet), a
+ * vector at a time: what torch does after each bfloat16 op. */
+static inline __attribute__((always_inline)) vf vround_bf16(vf x) {
+    vu u = (vu)x;
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    vu quiet = (u | 0x400000u) & 0xffff0000u;
+    return (vf)((rounded & ~nan) | (quiet & nan));
+}
+
+static inline __attribute__((always_inline)) vf vkeep(vf x) { return x; }
+
+static inline __attribute__((always_inline)) void store_f32(float *p, vf v) { *(vf_u *)p = v; }
+
+/* v must already be rounded (vround_bf16): its high halves are the bfloat16 values. */
+static inline __attribute__((always_inline)) void store_bf16(uint16_t *p, vf v) {
+    *(vh_u *)p = __builtin_convertvector((vu)v >> 16, vh);
+}
+
 /* Rotary embedding and the cache write of one attention layer, in one pass over the step's rows:
  *   q_out[t, h] = rotate(q[t, h]),  k_cache[slots[t], h] = rotate(k[t, h]),  v_cache[slots[t], h] = v[t, h]
  * at the angles of row positions[t] of `table` (float32 [P, D]: cos in the first D/2 columns, sin
@@ -638,7 +657,7 @@ int tandem_decode_attention(const void *q, const void *kc, const void *vc, int b
  * (cos and sin to the dtype, then each product, then the sum) and never fusing a multiply-add,
  * so both paths give the same bits. Returns 0, -3 for a position outside the table, -4 for a
  * slot outside the cache. */
-#define ROPE_AND_CACHE(NAME, CTYPE, TO_F, ROUND, FROM_F)                                                 \
+#define ROPE_AND_CACHE(NAME, CTYPE, TO_F, ROUND, FROM_F, VLOAD, VROUND, VSTORE)                                                 \
     __attribute__((optimize("fp-contract=off"))) static int NAME(                                     \
         const CTYPE *q, long q_tok, long q_head, const CTYPE *k, long k_tok, long k_head,             \
         const CTYPE *v, long v_tok, long v_head, const int64_t *positions, const float *table,        \
@@ -665,7 +684,16 @@ int tandem_decode_attention(const void *q, const void *kc, const void *vc, int b
                 CTYPE *o = h < Hq ? q_out + (t * Hq + h) * D                                           \
                                   : kc + (slot / block_size) * kc_block + (slot % block_size) * kc_row \
                                         + (h - Hq) * kc_head;                                          \
-                for (long i = 0; i < half; i++) {                                                      \
+                long i = 0;                                                                            \
+                if (!interleaved)                                                                      \
+                    for (; i + VL <= half; i += VL) {                                                  \
+                        vf a = VLOAD(x + i), b = VLOAD(x + half + i);                                  \
+                        vf c = VROUND(load_f32(cs + i)), s = VROUND(load_f32(cs + half + i));          \
+                        vf ac = VROUND(a * c), bs = VROUND(b * s), bc = VROUND(b * c), as = VROUND(a * s); \
+                        VSTORE(o + i, VROUND(ac - bs));                                                \
+                        VSTORE(o + half + i, VROUND(bc + as));                                         \
+                    }                                                                                  \
+                for (; i < half; i++) {                                                                \
                     float a = TO_F(x[interleaved ? 2 * i : i]);                                        \
                     float b = TO_F(x[interleaved ? 2 * i + 1 : half + i]);                             \
                     float c = ROUND(cs[i]), s = ROUND(cs[half + i]);                                   \
@@ -684,8 +712,8 @@ int tandem_decode_attention(const void *q, const void *kc, const void *vc, int b
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-ROPE_AND_CACHE(rope_and_cache_f32, float, keep_f32, keep_f32, keep_f32)
-ROPE_AND_CACHE(rope_and_cache_bf16, uint16_t, bf16_to_f32, round_bf16, f32_to_bf16)
+ROPE_AND_CACHE(rope_and_cache_f32, float, keep_f32, keep_f32, keep_f32, load_f32, vkeep, store_f32)
+ROPE_AND_CACHE(rope_and_cache_bf16, uint16_t, bf16_to_f32, round_bf16, f32_to_bf16, load_bf16, vround_bf16, store_bf16)
 
 int tandem_rope_and_cache(const void *q, long q_tok, long q_head, const void *k, long k_tok, long k_head,
                           const void *v, long v_tok, long v_head, int bf16, const int64_t *positions,
