@@ -291,3 +291,33 @@ def test_rms_norm_and_the_residual_add_equal_torchs(dtype, shape):
         fused_add_rms_norm(x, residual, weight, 1e-6)
     counted = [e.name for e in profile.events() if e.name.startswith("tandem::")]
     assert counted == ["tandem::cpu_rms_norm", "tandem::cpu_add_rms_norm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_softmax_routing_in_one_call_equals_torchs(dtype, renormalize):
+    """Mixtral / Qwen-MoE routing: the same experts in the same order as softmax + topk, the
+    weights equal to float32 rounding; ties go to the lower expert; DeepSeek's grouped
+    routing keeps the torch path."""
+    from tandem.modular_kernels.routing import select_experts
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(37, 16, generator=g).to(dtype)
+    logits[3, 5] = logits[3, 2] = 9.0  # a tie at the top
+    with cpu_kernels.switched_off():
+        want_weights, want_ids = select_experts(logits, 4, renormalize=renormalize)
+    with torch.profiler.profile() as profile:
+        weights, ids = select_experts(logits, 4, renormalize=renormalize)
+    assert [e.name for e in profile.events() if e.name.startswith("tandem::")] == ["tandem::cpu_topk_softmax"]
+    # The same experts up to ties (which torch.topk leaves in no set order; bfloat16 has many).
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids)) and ids.dtype == torch.int64
+    if dtype == torch.float32:
+        assert torch.equal(ids[torch.arange(37) != 3], want_ids[torch.arange(37) != 3])
+    assert ids[3, :2].tolist() == [2, 5]
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+    assert weights.dtype == torch.float32
+    scaled, _ = select_experts(logits, 4, renormalize=renormalize, routed_scaling_factor=2.5)
+    torch.testing.assert_close(scaled, weights * 2.5)
+    with torch.profiler.profile() as profile:
+        select_experts(logits, 4, renormalize=True, num_expert_group=4, topk_group=2)
+    assert not [e.name for e in profile.events() if e.name.startswith("tandem::")]

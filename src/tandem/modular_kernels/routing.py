@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.platform import triton_utils
+from tandem.platform import cpu_kernels, triton_utils
+from tandem.platform.graph import graph_capture_active
 from tandem.modular_kernels.topk_kernel import fused_topk_triton
+
+
+def _cpu_kernel_applies(router_logits: torch.Tensor) -> bool:
+    # One call instead of ~7 ATen ops; a CpuGraph records ATen ops only, compiled steps trace torch's.
+    return (router_logits.is_cpu and not torch.compiler.is_compiling() and not graph_capture_active()
+            and cpu_kernels.takes(router_logits))
 
 
 def select_experts(
@@ -29,7 +36,8 @@ def select_experts(
       choice (groups ranked by the sum of their two best biased scores); weights come from
       the unbiased scores.
 
-    On CUDA this is one Triton kernel (`topk_kernel.py`).
+    On CUDA this is one Triton kernel (`topk_kernel.py`); plain softmax routing on the CPU is
+    one of tandem's kernels (`cpu_kernels.topk_softmax`).
     """
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [tokens, experts], got shape {tuple(router_logits.shape)}")
@@ -50,6 +58,9 @@ def select_experts(
             routed_scaling_factor=routed_scaling_factor, num_expert_group=num_expert_group if group_limited else None,
             topk_group=topk_group,
         )  # fmt: skip
+    if scoring == "softmax" and not group_limited and correction_bias is None and _cpu_kernel_applies(router_logits):
+        topk_weights, topk_ids = cpu_kernels.topk_softmax(router_logits, top_k, renormalize)
+        return topk_weights if routed_scaling_factor == 1.0 else topk_weights * routed_scaling_factor, topk_ids
     if scoring == "softmax":
         scores = torch.softmax(router_logits.float(), dim=-1)
     else:

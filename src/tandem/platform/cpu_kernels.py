@@ -120,6 +120,8 @@ def _library() -> ctypes.CDLL | None:
         c_void_p, c_long, c_void_p, c_long, c_void_p, c_void_p, c_int, c_long, c_long, ctypes.c_float, c_void_p,
     ]  # fmt: skip
     library.tandem_rms_norm.restype = None
+    library.tandem_topk_softmax.argtypes = [c_void_p, c_int, c_long, c_long, c_long, c_int, c_void_p, c_void_p]
+    library.tandem_topk_softmax.restype = None
     return library
 
 
@@ -143,13 +145,18 @@ def switched_off() -> Iterator[None]:
 
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether these operands run here: plain CPU tensors of one dtype the kernels take."""
+    if _switched_off:
+        return False
     dtype = tensors[0].dtype
-    return (
-        not _switched_off
-        and dtype in _DTYPES
-        and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-        and available()
-    )
+    if dtype not in _DTYPES:
+        return False
+    for tensor in tensors:  # a loop, not all(...): this runs ~40 times a decode step
+        if tensor.dtype is not dtype or not tensor.is_cpu or type(tensor) not in _PLAIN_TYPES:
+            return False
+    return available()
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -327,6 +334,23 @@ def _add_rms_norm(x, residual, weight, eps):
     return _norm(x, residual, weight, eps)
 
 
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(weights float32 [T, K], ids int64 [T, K])`: each row's top-k experts by logit, best
+    first (ties to the lower expert), weighted by their softmax probabilities, renormalised to
+    sum to 1 if asked (the op `tandem::cpu_topk_softmax`)."""
+    return torch.ops.tandem.cpu_topk_softmax(router_logits, top_k, renormalize)
+
+
+def _topk_softmax(router_logits, top_k, renormalize):
+    logits = router_logits.contiguous()
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=torch.float32)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64)
+    _library().tandem_topk_softmax(logits.data_ptr(), _DTYPES[logits.dtype], tokens, experts, top_k, int(renormalize),
+                                   weights.data_ptr(), ids.data_ptr())  # fmt: skip
+    return weights, ids
+
+
 # Registered through the dispatcher directly (as `tandem::cpu_linear` is): `custom_op`'s Python
 # wrappers cost ~100 us a call, and a decode step calls these once per layer.
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")
@@ -348,6 +372,8 @@ _LIBRARY.define("cpu_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIBRARY.impl("cpu_rms_norm", _rms_norm, "CPU")
 _LIBRARY.define("cpu_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
 _LIBRARY.impl("cpu_add_rms_norm", _add_rms_norm, "CPU")
+_LIBRARY.define("cpu_topk_softmax(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)")
+_LIBRARY.impl("cpu_topk_softmax", _topk_softmax, "CPU")
 
 
 @torch.library.register_fake("tandem::cpu_panel_linear", lib=_LIBRARY)
@@ -380,7 +406,13 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("tandem::cpu_topk_softmax", lib=_LIBRARY)
+def _(router_logits, top_k, renormalize):
+    shape = (router_logits.shape[0], top_k)
+    return router_logits.new_empty(shape, dtype=torch.float32), router_logits.new_empty(shape, dtype=torch.int64)
+
+
 __all__ = [
     "add_rms_norm", "available", "cache_dir", "decode_attention", "linear", "moe", "pack", "rms_norm",
-    "rope_and_cache", "switched_off", "takes", "uses_amx",
+    "rope_and_cache", "switched_off", "takes", "topk_softmax", "uses_amx",
 ]  # fmt: skip

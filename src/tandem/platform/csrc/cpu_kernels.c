@@ -770,3 +770,38 @@ void tandem_rms_norm(const void *x, long x_row, const void *residual, long r_row
     else
         rms_norm_f32(x, x_row, residual, r_row, res_out, w, M, H, eps, out);
 }
+
+/* Softmax routing of a MoE layer: for each row of logits [T, E] (float32 or bfloat16), the top
+ * `K` experts by logit (the softmax keeps the order; ties go to the lower expert, where
+ * torch.topk leaves their order unset), their softmax probabilities computed in float32, renormalised to sum to 1
+ * when `renormalize`. weights [T, K] float32, ids [T, K] int64, best first. */
+void tandem_topk_softmax(const void *logits, int bf16, long T, long E, long K, int renormalize, float *weights,
+                         int64_t *ids) {
+#pragma omp parallel for schedule(static) if (T * E >= (1L << 16))
+    for (long t = 0; t < T; t++) {
+        float row[E];
+        for (long e = 0; e < E; e++)
+            row[e] = bf16 ? bf16_to_f32(((const uint16_t *)logits)[t * E + e]) : ((const float *)logits)[t * E + e];
+        float top = -INFINITY;
+        for (long e = 0; e < E; e++) top = row[e] > top ? row[e] : top;
+        float total = 0.0f;
+        for (long e = 0; e < E; e++) total += expf(row[e] - top);
+        float *w = weights + t * K;
+        int64_t *id = ids + t * K;
+        for (long j = 0; j < K; j++) {
+            long pick = -1;
+            for (long e = 0; e < E; e++) {
+                int taken = 0;
+                for (long i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (pick < 0 || row[e] > row[pick])) pick = e;
+            }
+            id[j] = pick;
+            w[j] = expf(row[pick] - top) / total;
+        }
+        if (renormalize) {
+            float sum = 0.0f;
+            for (long j = 0; j < K; j++) sum += w[j];
+            for (long j = 0; j < K; j++) w[j] /= sum;
+        }
+    }
+}
