@@ -1,5 +1,5 @@
-"""tandem's own CPU kernels (`csrc/cpu_kernels.c`): the few-row GEMMs of a decode step and the
-routed experts of a MoE layer in one call.
+"""tandem's own CPU kernels (`csrc/cpu_kernels.c`): what a decode step spends its time on, each
+in one call where torch runs several ops.
 
 A decode step multiplies a handful of rows by every weight once, so it runs at the speed the
 weights stream from memory. oneDNN's packed GEMM reaches ~60 % of this machine's one-thread
@@ -7,7 +7,10 @@ read bandwidth there and costs ~10 us of fixed work per call, and the experts co
 expert and projection plus the torch ops between them (gather, activation, weighted sum). These
 kernels stream weights packed into column panels with register accumulators, and run a whole
 MoE layer's experts (sort by expert, both projections, SiLU-and-mul, weighted sum) in one call;
-`benchmarks/cpu_gemm.py` has the figures against oneDNN.
+`benchmarks/cpu_gemm.py` has the figures against oneDNN. The rest of a layer's small work is
+one call each as well: decode attention over the paged cache read in place, the rotary
+embedding with the cache write, RMSNorm (with the residual add), softmax routing; each ATen op
+costs ~5-15 us of dispatch on the CPU, and a layer ran ~50 of them.
 
 The library is compiled from the C source on first use with the system's C compiler (`cc`,
 `-O3 -march=native`, the compiler inductor's CPU backend needs anyway) into

@@ -1,4 +1,5 @@
-/* tandem's CPU kernels for the few-row GEMMs of a decode step and the routed experts.
+/* tandem's CPU kernels: the few-row GEMMs of a decode step, the routed experts, decode attention
+ * over the paged cache, the rotary embedding with the cache write, RMSNorm and softmax routing.
  *
  * Built once per machine by tandem/platform/cpu_kernels.py (cc -O3 -march=native) and called
  * through ctypes, which releases the GIL. Written with GCC vector extensions, so one source
