@@ -65,7 +65,7 @@ def build(model: str, dtype: str, max_batch: int, prompt_len: int, steps: int):
     from tandem.engine.build import build_engine
 
     return build_engine(EngineConfig(
-        model=model, device="cpu", dtype=dtype, max_num_batched_tokens=max(2048, max_batch * prompt_len),
+        model=model, device="cpu", dtype=dtype, compile="off", max_num_batched_tokens=max(2048, max_batch * prompt_len),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, overlap_schedule=False),
         cache=CacheConfig(kv_cache_tokens=max_batch * (prompt_len + 2 * steps + 16)),
     ))  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 EXECUTORS = ("thread", "greenlet", "stages")
 GRAPH_MODES = ("none", "full")
-#: `--compile`: `auto` decides per device (tandem.models.compiled.compile_default).
+#: `--compile`: `auto` decides per device and dtype (tandem.models.compiled.compile_default).
 COMPILE_MODES = ("auto", "on", "off")
 #: `static`: the two token thresholds decide; `auto`: the overlap planner (tandem.ubatch.planner).
 OVERLAP_POLICIES = ("static", "auto")
@@ -414,7 +414,8 @@ class EngineConfig:
     compile: str = option(
         "auto",
         "auto | on | off: run the model step compiled by torch.compile (inductor), attention and MoE layers as "
-        "opaque ops (auto: off; see docs/compiled-step.md). The first start compiles (cached on disk for the next).",
+        "opaque ops (auto: on for bfloat16 on the CPU, else off; see docs/compiled-step.md). The first start "
+        "compiles (cached on disk for the next).",
     )
 
     def __post_init__(self) -> None:

@@ -114,7 +114,7 @@ def test_engine_future_map_and_generators_follow_the_runner_device(monkeypatch):
 
 
 def test_float16_dtype_reaches_weights_and_cache():
-    config = EngineConfig(cache=CacheConfig(num_kv_blocks=8, block_size=4), device="cpu", dtype="bfloat16")
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=8, block_size=4), device="cpu", dtype="bfloat16", compile="off")
     runner = build_runner(config)
     assert {p.dtype for p in runner.model.parameters()} >= {torch.bfloat16}
     assert all(t.dtype == torch.bfloat16 for t in runner.model.model.layers[0].self_attn.kv_cache.values())

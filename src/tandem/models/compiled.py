@@ -34,22 +34,25 @@ from tandem.platform.compile_support import allow_many_compiled_models, below_au
 DEFAULT_CACHE_ROOT = Path.home() / ".cache" / "tandem" / "compile"
 
 
-def compile_default(device: torch.device) -> bool:
-    """`--compile auto`: off on both devices, as measured. On the CPU, `tandem serve` of the
-    hidden-1024 Qwen3-MoE against vLLM (`benchmarks/vs_vllm.py`, one round) ran 1.03-1.08x
-    eager's output tok/s compiled at bfloat16 and 0.91-1.11x at float32 (within the round's
-    noise), for a 25-30 s first start (3 s from the cache). On CUDA nothing is measured yet: a
-    GPU run decides it against eager and full graphs."""
-    return False
+def compile_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """`--compile auto`: on for bfloat16 on the CPU, off otherwise, as measured. On the CPU,
+    `tandem serve` of the hidden-1024 Qwen3-MoE against vLLM (`benchmarks/vs_vllm.py`, three
+    rounds each, with tandem's CPU kernels behind the opaque ops) gave 1.19 / 1.17 / 0.90x
+    vLLM's output tok/s at c = 1 / 8 / 32 compiled in bfloat16 against 0.82 / 1.06 / 0.92x
+    eager, for a ~20 s first start (~9 s from the compile cache); in float32 the compiled and
+    eager engine steps measure alike (`benchmarks/compiled_step.py`: 0.98-1.03x), so float32
+    keeps eager's 4 s start. On CUDA nothing is measured yet: a GPU run decides it against
+    eager and full graphs."""
+    return device.type == "cpu" and dtype == torch.bfloat16
 
 
-def resolve_compile(mode: str, device: torch.device, *, greenlet_ubatches: bool = False) -> bool:
+def resolve_compile(mode: str, device: torch.device, dtype: torch.dtype, *, greenlet_ubatches: bool = False) -> bool:
     """Whether the step runs compiled, for a `mode` EngineConfig has checked. Never with
     greenlet ubatches (EngineConfig refuses `on`; `auto` turns off): their switch inside the
     MoE op would cross the dispatcher's C++ frames."""
     if greenlet_ubatches:
         return False
-    return compile_default(device) if mode == "auto" else mode == "on"
+    return compile_default(device, dtype) if mode == "auto" else mode == "on"
 
 
 def _source_digest() -> str:
@@ -116,7 +119,8 @@ class CompiledModel:
     @classmethod
     def for_config(cls, model: nn.Module, config, device: torch.device) -> "CompiledModel | None":
         """The compiled step `config` (an EngineConfig, or None: eager) asks for on `device`."""
-        if config is None or not resolve_compile(config.compile, device, greenlet_ubatches=config.overlap.greenlet_ubatches):
+        if config is None or not resolve_compile(config.compile, device, model.dtype,
+                                                 greenlet_ubatches=config.overlap.greenlet_ubatches):
             return None
         return cls(model, cache_dir=cache_dir_for(model, model.dtype, device))
 
