@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (serve's ranks run 1 unless OMP_NUM_THREADS says)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (serve's ranks share the cores out among themselves unless OMP_NUM_THREADS says)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
