@@ -153,20 +153,32 @@ def joined_linear(
     """`tuple(F.linear(x, w, b) for w, b in zip(weights, biases))`. Where `linear` would pack
     the weights, one GEMM over them joined (packed once, as one weight) whose outputs are views
     of its columns: q, k and v of an attention layer in one call instead of three, each with
-    its fixed cost. Anywhere else (another device, compiled, a capture), one `linear` each."""
-    if not torch.compiler.is_compiling() and not graph_capture_active() and all(_module_gemm(x, w, w) for w in weights):
-        widths = [w.shape[0] for w in weights]
-        out = None
-        if _panel_kernel_takes(x, sum(w.numel() for w in weights)) and cpu_kernels.takes(x, *weights):
-            out = cpu_kernels.linear(x, _cached(weights, cpu_kernels.pack), sum(widths))
-        elif _AVAILABLE and sum(w.numel() for w in weights) >= _MIN_PACKED_ELEMENTS:
-            packed = _cached(weights, _pack_one)
-            if packed is not None:
-                out = _packed_gemm(x.reshape(-1, x.shape[-1]), packed, None).view(*x.shape[:-1], sum(widths))
-        if out is not None:
-            parts = out.split(widths, dim=-1)
-            return tuple(part if bias is None else part + bias for part, bias in zip(parts, biases))
-    return tuple(linear(x, w, b) for w, b in zip(weights, biases))
+    its fixed cost. Compiled on the CPU, the same GEMM as the opaque `tandem::cpu_joined_linear`;
+    anywhere else (another device, a capture), one `linear` each."""
+    widths = [w.shape[0] for w in weights]
+    if torch.compiler.is_compiling():
+        out = torch.ops.tandem.cpu_joined_linear(x, list(weights)) if x.device.type == "cpu" and _AVAILABLE else None
+    else:
+        out = _joined_gemm(x, weights)
+    if out is None:
+        return tuple(linear(x, w, b) for w, b in zip(weights, biases))
+    parts = out.split(widths, dim=-1)
+    return tuple(part if bias is None else part + bias for part, bias in zip(parts, biases))
+
+
+def _joined_gemm(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """`x` times the weights joined, `[..., sum of their rows]`, in one packed GEMM; None where
+    `linear` would not pack them."""
+    if graph_capture_active() or not all(_module_gemm(x, w, w) for w in weights):
+        return None
+    width = sum(w.shape[0] for w in weights)
+    if _panel_kernel_takes(x, sum(w.numel() for w in weights)) and cpu_kernels.takes(x, *weights):
+        return cpu_kernels.linear(x, _cached(weights, cpu_kernels.pack), width)
+    if _AVAILABLE and sum(w.numel() for w in weights) >= _MIN_PACKED_ELEMENTS:
+        packed = _cached(weights, _pack_one)
+        if packed is not None:
+            return _packed_gemm(x.reshape(-1, x.shape[-1]), packed, None).view(*x.shape[:-1], width)
+    return None
 
 
 def grouped_linear(x: torch.Tensor, weights: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
@@ -243,3 +255,18 @@ _LIBRARY.impl("cpu_linear", linear, "CPU")
 @torch.library.register_fake("tandem::cpu_linear", lib=_LIBRARY)
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _joined_linear_op(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    out = _joined_gemm(x, tuple(weights))
+    return torch.cat([linear(x, w) for w in weights], dim=-1) if out is None else out
+
+
+# `tandem::cpu_joined_linear`: the compiled step's q/k/v in one GEMM, as in eager.
+_LIBRARY.define("cpu_joined_linear(Tensor x, Tensor[] weights) -> Tensor")
+_LIBRARY.impl("cpu_joined_linear", _joined_linear_op, "CPU")
+
+
+@torch.library.register_fake("tandem::cpu_joined_linear", lib=_LIBRARY)
+def _(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
