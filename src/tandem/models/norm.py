@@ -3,8 +3,9 @@
 `rms_norm` is `torch.nn.functional.rms_norm` (one fused op on CUDA; on the CPU, where torch
 runs it as ~10 ATen ops, one of tandem's kernels). `fused_add_rms_norm` returns
 `(rms_norm(x + residual), x + residual)`: one Triton kernel on CUDA, one of tandem's kernels
-on the CPU, the two torch ops elsewhere. Both keep the reference's roundings: the sum is rounded to the model dtype (it
-is the next residual), normalised in float32, cast back, then scaled by the weight.
+on the CPU, the two torch ops elsewhere. Both keep the reference's roundings: the sum is
+rounded to the model dtype (it is the next residual), normalised in float32, cast back, then
+scaled by the weight.
 """
 
 from __future__ import annotations
@@ -16,17 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.platform import cpu_kernels, triton_utils
-from tandem.platform.graph import graph_capture_active
-
-
-def _cpu_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Compiled, inductor fuses the norm into its neighbours; a CpuGraph records ATen ops only.
-    return (x.device.type == "cpu" and not torch.compiler.is_compiling() and not graph_capture_active()
-            and cpu_kernels.takes(x, weight))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _cpu_kernel_applies(x, weight):
+    if cpu_kernels.takes_eager(x, weight):
         return cpu_kernels.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -83,7 +77,7 @@ def fused_add_rms_norm(
     """`(rms_norm(x + residual), x + residual)`."""
     if triton_utils.use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
-    if x.shape == residual.shape and _cpu_kernel_applies(x, weight) and residual.dtype == x.dtype:
+    if x.shape == residual.shape and cpu_kernels.takes_eager(x, residual, weight):
         return cpu_kernels.add_rms_norm(x, residual, weight, eps)
     total = residual + x
     return rms_norm(total, weight, eps), total

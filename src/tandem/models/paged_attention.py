@@ -152,7 +152,7 @@ def paged_attention(
 
 
 def _in_place_decode_applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    return key_cache.device.type == "cpu" and not graph_capture_active() and cpu_kernels.takes(query, key_cache, value_cache)
+    return cpu_kernels.takes(query, key_cache, value_cache)
 
 
 def _triton_decode_applies(cache: torch.Tensor) -> bool:

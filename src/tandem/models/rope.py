@@ -22,7 +22,6 @@ from tandem.models.hf_config import config_value
 from tandem.models.paged_attention import write_to_cache
 from tandem.models.rope_kernel import rope_and_cache_triton
 from tandem.platform import cpu_kernels, triton_utils
-from tandem.platform.graph import graph_capture_active
 
 
 @dataclass(frozen=True)
@@ -157,13 +156,6 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions, q.dtype)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
-    @staticmethod
-    def _cpu_kernel_applies(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, v: torch.Tensor,
-                            v_cache: torch.Tensor) -> bool:
-        # A CpuGraph records ATen ops only, so a capture keeps the torch path.
-        return (k_cache.device.type == "cpu" and not graph_capture_active()
-                and cpu_kernels.takes(q, k, v, k_cache, v_cache))
-
     def rotate_and_cache(
         self,
         positions: torch.Tensor,
@@ -184,7 +176,7 @@ class RotaryEmbedding(nn.Module):
                 slot_mapping=slot_mapping, k_cache=k_cache, copy=copy,
             )  # fmt: skip
             return q
-        if copy is not None and self._cpu_kernel_applies(q, k, k_cache, *copy):
+        if copy is not None and cpu_kernels.takes(q, k, copy[0], k_cache, copy[1]):
             return cpu_kernels.rope_and_cache(positions, q, k, copy[0], self.cos_sin_cache, slot_mapping, k_cache,
                                               copy[1], self.interleaved)
         q, k = self(positions, q, k)

@@ -6,14 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.platform import cpu_kernels, triton_utils
-from tandem.platform.graph import graph_capture_active
 from tandem.modular_kernels.topk_kernel import fused_topk_triton
-
-
-def _cpu_kernel_applies(router_logits: torch.Tensor) -> bool:
-    # One call instead of ~7 ATen ops; a CpuGraph records ATen ops only, compiled steps trace torch's.
-    return (router_logits.is_cpu and not torch.compiler.is_compiling() and not graph_capture_active()
-            and cpu_kernels.takes(router_logits))
 
 
 def select_experts(
@@ -58,7 +51,7 @@ def select_experts(
             routed_scaling_factor=routed_scaling_factor, num_expert_group=num_expert_group if group_limited else None,
             topk_group=topk_group,
         )  # fmt: skip
-    if scoring == "softmax" and not group_limited and correction_bias is None and _cpu_kernel_applies(router_logits):
+    if scoring == "softmax" and not group_limited and correction_bias is None and cpu_kernels.takes_eager(router_logits):
         topk_weights, topk_ids = cpu_kernels.topk_softmax(router_logits, top_k, renormalize)
         return topk_weights if routed_scaling_factor == 1.0 else topk_weights * routed_scaling_factor, topk_ids
     if scoring == "softmax":

@@ -136,7 +136,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _panel_kernel_takes(x, weight.numel())
         and _module_gemm(x, weight, weight)
         and cpu_kernels.takes(x, weight)
-        and not graph_capture_active()
     ):  # any size: the kernel has no fixed cost to amortise (a router's 16 x 1024 took 0.18 ms in F.linear)
         out = cpu_kernels.linear(x, _cached(weight, cpu_kernels.pack), weight.shape[0])
         return out if bias is None else out + bias
@@ -171,10 +170,10 @@ def _joined_gemm(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Te
     `linear` would not pack them."""
     if graph_capture_active() or not all(_module_gemm(x, w, w) for w in weights):
         return None
-    width = sum(w.shape[0] for w in weights)
-    if _panel_kernel_takes(x, sum(w.numel() for w in weights)) and cpu_kernels.takes(x, *weights):
+    width, elements = sum(w.shape[0] for w in weights), sum(w.numel() for w in weights)
+    if _panel_kernel_takes(x, elements) and cpu_kernels.takes(x, *weights):
         return cpu_kernels.linear(x, _cached(weights, cpu_kernels.pack), width)
-    if _AVAILABLE and sum(w.numel() for w in weights) >= _MIN_PACKED_ELEMENTS:
+    if _AVAILABLE and elements >= _MIN_PACKED_ELEMENTS:
         packed = _cached(weights, _pack_one)
         if packed is not None:
             return _packed_gemm(x.reshape(-1, x.shape[-1]), packed, None).view(*x.shape[:-1], width)
@@ -235,7 +234,6 @@ def fused_experts(
         and type(w2) is torch.nn.Parameter
         and cpu_kernels.takes(x, w1, w2)
         and not (torch.is_grad_enabled() and (w1.requires_grad or w2.requires_grad or x.requires_grad))
-        and not graph_capture_active()
     ):
         return None
     return cpu_kernels.moe(x, topk_ids, topk_weights, _cached(w1, cpu_kernels.pack), _cached(w2, cpu_kernels.pack), w2.shape[2])

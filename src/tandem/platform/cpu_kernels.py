@@ -36,6 +36,8 @@ from typing import Iterator
 
 import torch
 
+from tandem.platform.graph import graph_capture_active
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
@@ -146,8 +148,13 @@ def switched_off() -> Iterator[None]:
         _switched_off = before
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def takes(*tensors: torch.Tensor) -> bool:
-    """Whether these operands run here: plain CPU tensors of one dtype the kernels take."""
+    """Whether these operands run here: plain CPU tensors of one dtype the kernels take, outside
+    a graph capture (a `CpuGraph` records ATen ops, and a ctypes call would vanish from its
+    replays)."""
     if _switched_off:
         return False
     dtype = tensors[0].dtype
@@ -156,10 +163,13 @@ def takes(*tensors: torch.Tensor) -> bool:
     for tensor in tensors:  # a loop, not all(...): this runs ~40 times a decode step
         if tensor.dtype is not dtype or not tensor.is_cpu or type(tensor) not in _PLAIN_TYPES:
             return False
-    return available()
+    return not graph_capture_active() and available()
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+def takes_eager(*tensors: torch.Tensor) -> bool:
+    """`takes`, and not while torch.compile traces: for the small ops inductor fuses into their
+    neighbours itself (RMSNorm, softmax routing)."""
+    return not torch.compiler.is_compiling() and takes(*tensors)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -417,5 +427,5 @@ def _(router_logits, top_k, renormalize):
 
 __all__ = [
     "add_rms_norm", "available", "cache_dir", "decode_attention", "linear", "moe", "pack", "rms_norm",
-    "rope_and_cache", "switched_off", "takes", "topk_softmax", "uses_amx",
+    "rope_and_cache", "switched_off", "takes", "takes_eager", "topk_softmax", "uses_amx",
 ]  # fmt: skip
