@@ -80,46 +80,56 @@ class FakeCudaPlatform(CpuPlatform):
         return FakeCaptureGraph()
 
 
+def use_fake_cuda_platform(monkeypatch) -> None:
+    """`platform_for("cuda")` answers `FakeCudaPlatform` for the test's duration."""
+    import tandem.platform as platform_module
+
+    platform = FakeCudaPlatform()
+    real = platform_module._platform_for
+    monkeypatch.setattr(platform_module, "_platform_for", lambda t: platform if t == "cuda" else real(t))
+
+
 class _Launch:
-    def __init__(self, name: str, launches: list):
-        self.name, self.launches = name, launches
+    """A kernel's launches checked and logged: its name in `launches`, and, where the real
+    kernel is known, the launch as a manifest entry (`triton_aot.describe`) in `described`."""
+
+    def __init__(self, name: str, launches: list, kernel=None, described: list | None = None):
+        self.name, self.launches, self.kernel, self.described = name, launches, kernel, described
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             _check_cuda(f"triton kernel {self.name}", *args)
             self.launches.append(self.name)
+            if self.described is not None:
+                from tandem.testing.triton_aot import describe
+
+                self.described.append(describe(self.kernel, args, kwargs))
 
         return launch
 
 
-def stub_triton(monkeypatch) -> list:
-    """Triton kernels that check their tensors and launch nothing; returns the launch log.
-    Covers the experts' GEMMs, the split-KV decode attention and every fused kernel defined
-    through `triton_utils.kernels`."""
-    import triton
-
+def stub_triton(monkeypatch, described: list | None = None) -> list:
+    """Triton kernels that check their tensors and launch nothing; returns the launch log
+    (and appends each launch's manifest entry to `described` when given). Covers the
+    experts' GEMMs, the split-KV decode attention and every fused kernel defined through
+    `triton_utils.kernels`. Defining a kernel compiles nothing."""
     from tandem.modular_kernels import experts_triton
+    from tandem.models import triton_decode_attention
     from tandem.platform import triton_utils
 
     launches: list = []
-    kernels = SimpleNamespace(
-        triton=triton, grouped_gemm=_Launch("grouped_gemm", launches), masked_gemm=_Launch("masked_gemm", launches)
-    )
-    monkeypatch.setattr(experts_triton, "_kernels", lambda interpret: kernels)
-    from tandem.models import triton_decode_attention
 
-    attention = SimpleNamespace(
-        decode_split=_Launch("decode_split", launches), merge_splits=_Launch("merge_splits", launches)
-    )
+    def stand_in(real) -> SimpleNamespace:
+        return SimpleNamespace(**{
+            name: _Launch(name, launches, kernel, described) if hasattr(kernel, "run") else kernel
+            for name, kernel in vars(real).items()
+        })  # fmt: skip
+
+    experts = stand_in(experts_triton._kernels(False))
+    monkeypatch.setattr(experts_triton, "_kernels", lambda interpret: experts)
+    attention = stand_in(triton_decode_attention._kernels(False))
     monkeypatch.setattr(triton_decode_attention, "_kernels", lambda interpret: attention)
-
-    def stubbed(define):
-        real = triton_utils._defined(define, False)  # defining a kernel compiles nothing
-        return SimpleNamespace(
-            **{name: _Launch(name, launches) if hasattr(k, "run") else k for name, k in vars(real).items()}
-        )
-
-    monkeypatch.setattr(triton_utils, "kernels", stubbed)
+    monkeypatch.setattr(triton_utils, "kernels", lambda define: stand_in(triton_utils._defined(define, False)))
     return launches
 
 
@@ -225,3 +235,80 @@ def stub_deep_ep(monkeypatch) -> list:
     module.topk_idx_t = torch.int64
     monkeypatch.setitem(sys.modules, "deep_ep", module)
     return module.Buffer.calls
+
+
+# -- the GPU-sized model shapes and their step inputs on fake CUDA ------------------------------
+
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6,
+    max_position_embeddings=40960, tie_word_embeddings=False,
+)
+
+
+def _deepseek_v2_lite():
+    from tandem.models.deepseek import DeepseekV2ForCausalLM
+    from tandem.models.random_deepseek import DEEPSEEK_V2_LITE
+
+    return DeepseekV2ForCausalLM, dict(DEEPSEEK_V2_LITE, num_hidden_layers=3)  # 1 dense + 2 MoE layers
+
+
+def _qwen3_30b_a3b():
+    from tandem.models.qwen_moe import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM, dict(QWEN3_30B_A3B, num_hidden_layers=2)
+
+
+#: The DeepSeek-V2-Lite shape (MLA, 64 experts top-6, 2 shared) and the Qwen3-30B-A3B shape
+#: (GQA with q/k norms, 128 experts top-8), a few layers each.
+LAYER_SHAPES = {"deepseek-v2-lite": _deepseek_v2_lite, "qwen3-moe": _qwen3_30b_a3b}
+
+
+def layer_shape_model(name: str, dtype: torch.dtype):
+    """One of `LAYER_SHAPES` on fake CUDA (call inside `FakeTensorMode`), with Triton experts
+    and the `local` dispatch, as on one GPU."""
+    from tandem.modular_kernels import MoEConfig
+
+    cls, config = LAYER_SHAPES[name]()
+    with torch.device("cuda"):
+        model = cls(config, moe=MoEConfig(all2all_backend="local", moe_backend="triton"), dtype=dtype)
+    model.prepare_weights_after_loading()
+    return model.eval()
+
+
+def decode_chunks(requests: int, context: int) -> list[tuple[int, int]]:
+    """(new tokens, cached tokens) of `requests` decode rows after `context` cached tokens."""
+    return [(1, context)] * requests
+
+
+def step_inputs(model, chunks: list[tuple[int, int]], block: int):
+    """The model's KV cache bound and one step's inputs on fake CUDA for `chunks` of (new
+    tokens, cached tokens): built on the host (real tensors), then moved to the device."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from tandem.worker import BlockAllocator, ScheduledChunk, allocate_kv_caches, build_step_inputs
+
+    needs = [(new + cached) // block + 1 for new, cached in chunks]
+    allocator = BlockAllocator(sum(needs) + 1, reserve_null_block=True)
+    model.bind_kv_cache(allocate_kv_caches(model.kv_cache_specs(), sum(needs) + 1, block, device="cuda"))
+    scheduled = [
+        ScheduledChunk([5 + i % 100 for i in range(new)], cached, allocator.allocate(need))
+        for (new, cached), need in zip(chunks, needs)
+    ]
+    with unset_fake_temporarily():
+        inputs = build_step_inputs(scheduled, block)
+
+    def move(obj):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = value.to("cuda", non_blocking=True)
+            elif dataclasses.is_dataclass(value):
+                changes[f.name] = move(value)
+        return dataclasses.replace(obj, **changes)
+
+    return move(inputs)

@@ -49,12 +49,9 @@ def one_rank_group(tmp_path_factory):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """Stubs at the GPU libraries' boundary and the fake-capture platform for "cuda"."""
-    import tandem.platform as platform_module
     from tandem.modular_kernels.prepare_deepep import release_shared_buffers
 
-    platform = harness.FakeCudaPlatform()
-    real = platform_module._platform_for
-    monkeypatch.setattr(platform_module, "_platform_for", lambda t: platform if t == "cuda" else real(t))
+    harness.use_fake_cuda_platform(monkeypatch)
     stubs = {
         "triton": harness.stub_triton(monkeypatch),
         "deep_gemm": harness.stub_deep_gemm(monkeypatch),

@@ -22,7 +22,7 @@ from tests.fakecuda.harness import FAKECUDA_MARKS  # noqa: E402
 
 pytestmark = FAKECUDA_MARKS
 
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from tests.fakecuda import harness  # noqa: E402
 
@@ -31,79 +31,21 @@ GOAL = 40
 BOUND = {"deepseek-v2-lite": GOAL, "qwen3-moe": GOAL}
 REQUESTS, CONTEXT, BLOCK = 8, 20, 16
 
-QWEN3_30B_A3B = dict(
-    vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6,
-    max_position_embeddings=40960, tie_word_embeddings=False,
-)
-
-
-def _deepseek():
-    from tandem.models.deepseek import DeepseekV2ForCausalLM
-    from tandem.models.random_deepseek import DEEPSEEK_V2_LITE
-
-    return DeepseekV2ForCausalLM, dict(DEEPSEEK_V2_LITE, num_hidden_layers=3)  # 1 dense + 2 MoE layers
-
-
-def _qwen3():
-    from tandem.models.qwen_moe import Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM, dict(QWEN3_30B_A3B, num_hidden_layers=2)
-
-
-MODELS = {"deepseek-v2-lite": _deepseek, "qwen3-moe": _qwen3}
-
 
 @pytest.fixture
 def triton_launches(monkeypatch):
-    import tandem.platform as platform_module
-
-    platform = harness.FakeCudaPlatform()
-    real = platform_module._platform_for
-    monkeypatch.setattr(platform_module, "_platform_for", lambda t: platform if t == "cuda" else real(t))
+    harness.use_fake_cuda_platform(monkeypatch)
     return harness.stub_triton(monkeypatch)
-
-
-def _decode_inputs(model):
-    """REQUESTS decode tokens, each after CONTEXT cached ones, on fake CUDA."""
-    import dataclasses
-
-    from tandem.worker import BlockAllocator, ScheduledChunk, allocate_kv_caches, build_step_inputs
-
-    blocks_each = CONTEXT // BLOCK + 1
-    allocator = BlockAllocator(REQUESTS * blocks_each + 1, reserve_null_block=True)
-    model.bind_kv_cache(allocate_kv_caches(model.kv_cache_specs(), REQUESTS * blocks_each + 1, BLOCK, device="cuda"))
-    chunks = [ScheduledChunk([5 + i], CONTEXT, allocator.allocate(blocks_each)) for i in range(REQUESTS)]
-    with unset_fake_temporarily():
-        inputs = build_step_inputs(chunks, BLOCK)
-
-    def move(obj):
-        changes = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if isinstance(value, torch.Tensor):
-                changes[f.name] = value.to("cuda", non_blocking=True)
-            elif dataclasses.is_dataclass(value):
-                changes[f.name] = move(value)
-        return dataclasses.replace(obj, **changes)
-
-    return move(inputs)
 
 
 def count_decode_step(name: str, launches: list) -> dict:
     from tandem.bench.op_count import count_ops_per_layer
     from tandem.bench.step_cost import is_moe_block
     from tandem.contexts import ForwardContext, set_forward_context
-    from tandem.modular_kernels import MoEConfig
 
-    cls, config = MODELS[name]()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with torch.device("cuda"):
-            model = cls(config, moe=MoEConfig(all2all_backend="local", moe_backend="triton"), dtype=torch.bfloat16)
-        model.prepare_weights_after_loading()
-        model.eval()
-        inputs = _decode_inputs(model)
+        model = harness.layer_shape_model(name, torch.bfloat16)
+        inputs = harness.step_inputs(model, harness.decode_chunks(REQUESTS, CONTEXT), BLOCK)
         triton_per_layer: list[int] = []
         for layer in model.model.layers:
             layer.register_forward_pre_hook(lambda m, a: triton_per_layer.append(-len(launches)))
@@ -122,7 +64,7 @@ def count_decode_step(name: str, launches: list) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(harness.LAYER_SHAPES))
 def test_kernels_per_decoder_layer(name, triton_launches):
     report = count_decode_step(name, triton_launches)
     print(f"\n{name}: eager decode step, {REQUESTS} requests: kernels per layer {report['per_layer']} "
