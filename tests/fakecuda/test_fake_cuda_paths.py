@@ -205,6 +205,20 @@ def test_catches_a_host_sync_bincount_in_triton_alignment(fake_cuda, one_rank_gr
         _run_steps("local", "triton", one_rank_group, graph_mode="none", steps=1)
 
 
+@pytest.mark.parametrize("tokens, kernel", [(8, True), (682, True), (683, False), (1024, False)])
+def test_align_takes_the_one_program_kernel_only_up_to_its_pair_limit(tokens, kernel, fake_cuda):
+    """gpu-review-3 G4: the kernel is one CTA walking the pairs in order; a prefill's pairs
+    (6 per token here, 4,096 at most) go to the sort instead. Both give the same rows."""
+    from tandem.modular_kernels.moe_align import TRITON_ALIGN_MAX_PAIRS, align_pairs_by_expert
+
+    assert TRITON_ALIGN_MAX_PAIRS == 4096
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ids = torch.empty(tokens, 6, dtype=torch.int64, device="cuda")
+        sorted_ids, block_expert = align_pairs_by_expert(ids, 64, 16)
+    assert sorted_ids.device.type == "cuda" and block_expert.device.type == "cuda"
+    assert ("align" in fake_cuda["triton"]) == kernel
+
+
 @pytest.mark.parametrize("graph_mode", ["none", "full"])
 def test_catches_cpu_attention_metadata(graph_mode, fake_cuda, one_rank_group):
     """gpu-review B3: the attention metadata's `seq_lens` left on the CPU."""

@@ -278,3 +278,14 @@ def test_no_tokenizer_json(qwen2, tmp_path):
     (directory / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json"):
         load_model(str(directory))
+
+
+def test_a_context_past_the_rotary_table_is_refused():
+    """The RoPE kernels index the cos/sin table by position without a bound check (on a GPU
+    that check would be a host sync), so the longest context must fit the table."""
+    import dataclasses
+
+    info = load_model("tiny-moe")
+    assert dataclasses.replace(info, max_model_len=info.max_model_len).max_model_len == info.max_model_len
+    with pytest.raises(ValueError, match=f"past the rotary table's {info.max_model_len} positions"):
+        dataclasses.replace(info, max_model_len=info.max_model_len + 1)

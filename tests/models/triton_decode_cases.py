@@ -122,3 +122,19 @@ def test_refuses_heads_that_do_not_group():
         tda.triton_decode_attention(
             torch.zeros(1, 4, 8), cache, cache, torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1.0
         )
+
+
+@pytest.mark.parametrize(
+    "seq_lens, table, match",
+    [
+        (torch.ones(2, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int64), "block table must be int32"),
+        (torch.ones(2, dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int32).t(), "contiguous rows"),
+        (torch.ones(2, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int32), "seq_lens must be a contiguous int32"),
+        (torch.ones(4, dtype=torch.int32)[::2], torch.zeros(2, 3, dtype=torch.int32), "seq_lens must be"),
+        (torch.ones(1, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32), "1 seq_lens for 2"),
+    ],
+)
+def test_refuses_metadata_the_kernels_would_misread(seq_lens, table, match):
+    cache = torch.zeros(4, BLOCK, 1, 8)
+    with pytest.raises(ValueError, match=match):
+        tda.triton_decode_attention(torch.zeros(2, 2, 8), cache, cache, seq_lens, table, 1.0)

@@ -79,3 +79,15 @@ class ModelInfo:
     eos_token_ids: set[int] = field(default_factory=set)
     max_model_len: int = 4096
     name: str = ""
+
+    def __post_init__(self) -> None:
+        # RoPE kernels index the cos/sin table by position unchecked (a bound check on the
+        # device would be a host sync): every position a request may reach must be in it.
+        if not isinstance(self.model, nn.Module):
+            return
+        tables = [m.cos_sin_cache.shape[0] for m in self.model.modules() if isinstance(getattr(m, "cos_sin_cache", None), torch.Tensor)]
+        if tables and min(tables) < self.max_model_len:
+            raise ValueError(
+                f"{self.name or type(self.model).__name__}: a context of {self.max_model_len} tokens reaches past "
+                f"the rotary table's {min(tables)} positions"
+            )

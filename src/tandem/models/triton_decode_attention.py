@@ -191,7 +191,9 @@ def merge_kernel_meta(split_meta: dict) -> dict:
     return {key: split_meta[key] for key in keep} | {"num_warps": 4, "num_stages": 2}
 
 
-def _check_operands(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+def _check_operands(query, key_cache, value_cache, seq_lens, block_table) -> None:
+    """What the kernels assume and never check (metadata only, no device read): a wrong one
+    would be a silent wrong read, not an error."""
     if query.device.type == "cpu" and not interpreting():
         raise RuntimeError(
             "triton decode attention got CPU tensors: Triton runs on CPU only under the interpreter "
@@ -201,6 +203,15 @@ def _check_operands(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise ValueError("the KV cache's last dimension must be contiguous")
     if query.shape[1] % key_cache.shape[2]:
         raise ValueError(f"{query.shape[1]} query heads do not group over {key_cache.shape[2]} KV heads")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
+        raise ValueError(
+            f"the block table must be int32 [requests, blocks] with contiguous rows, got {block_table.dtype} "
+            f"{tuple(block_table.shape)} strides {block_table.stride()}"
+        )
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.stride(0) != 1:
+        raise ValueError(f"seq_lens must be a contiguous int32 vector, got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if seq_lens.shape[0] < block_table.shape[0]:
+        raise ValueError(f"{seq_lens.shape[0]} seq_lens for {block_table.shape[0]} block-table rows")
 
 
 def triton_decode_attention(
@@ -217,7 +228,7 @@ def triton_decode_attention(
     `[.., Hkv, Dv]`, each request reading its first `seq_lens[r]` tokens through
     `block_table[r]`. Returns `[T, Hq, Dv]` in the query's dtype, zero on padding rows and
     on requests of length 0."""
-    _check_operands(query, key_cache, value_cache)
+    _check_operands(query, key_cache, value_cache, seq_lens, block_table)
     num_tokens, num_heads, key_dim = query.shape
     requests = block_table.shape[0]
     _, page_size, kv_heads, _ = key_cache.shape

@@ -7,7 +7,8 @@ a stable sort) and `align_pairs_by_expert_triton`, one Triton program that count
 expert's pairs, lays out the padded runs and scatters every pair to its row, in pair order
 inside an expert (the stable sort's order) with no sort at all. Neither reads a device value
 on the host, and their shapes depend only on `N*K`, `num_experts` and `block_m`, so either
-can sit inside a captured graph. `align_pairs_by_expert` takes the kernel on CUDA.
+can sit inside a captured graph. `align_pairs_by_expert` takes the kernel on CUDA up to
+`TRITON_ALIGN_MAX_PAIRS` pairs, the sort above.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from types import SimpleNamespace
 import torch
 
 from tandem.platform import triton_utils
+
+
+#: The one-program kernel walks the pairs serially; above this many (a prefill) the torch
+#: path's sort, about ten kernels across the GPU, wins. gpu-review-3 G4's estimate (one CTA:
+#: 0.2-0.4 ms a layer at 12,288 pairs; the sort ~0.1 ms), not yet measured on a GPU.
+TRITON_ALIGN_MAX_PAIRS = 4096
 
 
 def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -137,7 +144,7 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     -1 for blocks past the last expert's run. Ids outside `[0, num_experts)` (-1: another
     rank) are dropped.
     """
-    if triton_utils.use_triton(topk_ids):
+    if triton_utils.use_triton(topk_ids) and topk_ids.numel() <= TRITON_ALIGN_MAX_PAIRS:
         return align_pairs_by_expert_triton(topk_ids, num_experts, block_m)
     return align_pairs_by_expert_torch(topk_ids, num_experts, block_m)
 
