@@ -30,3 +30,17 @@ def test_gpu_check_cpu_path_runs_every_step_it_can(tmp_path):
     assert "cuda_tests: skipped (no GPU)" in log and "| attention |" in log.replace("    ", "")
     # At most 8 files: what the device tool brings back from $OUT.
     assert len(list(tmp_path.iterdir())) <= 8
+
+
+def test_gpu_path_step_limits_add_up_to_the_budget_of_one_call():
+    """gpu-review-3 G14: the limits once summed to 520 s against a 460 s budget, so the last
+    steps were cut short. The GPU path's limits must fit the default budget, and the budget
+    must leave the 8-minute call room for the machine's start and the transfers."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    budget = int(re.search(r"BUDGET=\$\{TANDEM_GPU_CHECK_BUDGET_S:-(\d+)\}", script)[1])
+    gpu_path = script[script.index("\nelse\n"): script.index("\nfi\n")]
+    limits = {name: int(limit) for name, limit in re.findall(r"^\s*step (\w+) (\d+) ", gpu_path, re.M)}
+    assert set(limits) == {"wheels", "cuda_tests", "cuda_vs_cpu_tokens", "profile", "engine_tok_s", "gpu_sweep"}
+    assert sum(limits.values()) <= budget <= 6 * 60, (limits, budget)
