@@ -88,6 +88,12 @@ def test_roofline_is_measured_in_the_run(report):
     data, _ = report
     r = data["roofline"]
     assert r["device"] == "cpu" and r["bandwidth_bytes_per_s"] > 0 and r["matmul_flops_per_s"] > 0
+    # gpu-review-3 G7: weights are only read, so their floor uses the read-only rate; the
+    # copy's floor is printed beside it.
+    assert r["read_bandwidth_bytes_per_s"] > 0
+    decode = data["phases"]["decode"]
+    assert decode["weight_floor_ms"] == pytest.approx(1000 * decode["weight_bytes"] / r["read_bandwidth_bytes_per_s"])
+    assert decode["weight_floor_at_copy_rate_ms"] == pytest.approx(1000 * decode["weight_bytes"] / r["bandwidth_bytes_per_s"])
 
 
 def test_dbo_greenlet_steps_count_each_ubatch():

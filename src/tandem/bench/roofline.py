@@ -1,5 +1,6 @@
 """The device's roofline, measured in the run that uses it: memory bandwidth from a large
-copy and the matmul rate from a large square matmul in the model's dtype. The peaks a data
+copy (read + write) and from a large sum (read only: what streaming weights does, and faster
+than a copy on a GPU), and the matmul rate from a large square matmul in the model's dtype. The peaks a data
 sheet promises are not what kernels reach; a floor is only honest against what this device,
 under this load, actually did."""
 
@@ -18,6 +19,8 @@ class Roofline:
     dtype: str
     #: Bytes read + written per second by a large device-to-device copy.
     bandwidth_bytes_per_s: float
+    #: Bytes read per second by a large sum (no writes): the rate a weight stream can reach.
+    read_bandwidth_bytes_per_s: float
     #: Multiply-adds x 2 per second of a large square matmul in `dtype`.
     matmul_flops_per_s: float
     copy_bytes: int
@@ -29,6 +32,7 @@ class Roofline:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "bandwidth_gb_per_s": self.bandwidth_bytes_per_s / 1e9,
+                "read_bandwidth_gb_per_s": self.read_bandwidth_bytes_per_s / 1e9,
                 "matmul_tflops": self.matmul_flops_per_s / 1e12}
 
 
@@ -69,6 +73,11 @@ def measure_roofline(device: torch.device, dtype: torch.dtype, *, copy_mib: int 
     dst = torch.empty_like(src)
     copy_s = _best(timed, lambda: dst.copy_(src), repeat)
     del src, dst
+    # Floats of 1.0, not the copy's bytes: bytes viewed as floats would be denormals, slow on a CPU.
+    stream = torch.ones(copy_mib * 2**18, dtype=torch.float32, device=device)
+    total = torch.empty((), dtype=torch.float32, device=device)
+    read_s = _best(timed, lambda: torch.sum(stream, dim=0, out=total), repeat)
+    del stream
     a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
     b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
     out = torch.empty_like(a)
@@ -76,6 +85,7 @@ def measure_roofline(device: torch.device, dtype: torch.dtype, *, copy_mib: int 
     return Roofline(
         device=str(device), dtype=str(dtype).removeprefix("torch."),
         bandwidth_bytes_per_s=2 * copy_mib * 2**20 / copy_s,
+        read_bandwidth_bytes_per_s=copy_mib * 2**20 / read_s,
         matmul_flops_per_s=2 * matmul_size**3 / matmul_s,
         copy_bytes=copy_mib * 2**20, matmul_size=matmul_size,
     )
