@@ -67,7 +67,7 @@ class Engine:
         info = runner.info
         max_model_len = settings.context_length(info.max_model_len)
         if runner.compiles_on_first_use:
-            runner.warm_up()  # every rank builds its engine at the same point
+            runner.warm_up(settings.max_num_seqs)  # every rank builds its engine at the same point
         self.future_map = FutureMap(settings.max_num_seqs, device=runner.device)
         runner.future_map = self.future_map
         self.scheduler = Scheduler(

@@ -30,7 +30,7 @@ from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
 from tandem.worker.sampling import SampleOutput, SamplingParams, sample_step, token_logprobs
 from tandem.worker.step_plan import StepPlan, decide_overlap
-from tandem.worker.ubatch_wrapper import UBatchWrapper
+from tandem.worker.ubatch_wrapper import UBatchWrapper, graph_size, graph_sizes
 from tandem.ubatch import attention_work, balanced_split, split_by_cost, split_by_tokens
 from tandem.ubatch.cost_split import DEFAULT_ATTENTION_WEIGHT
 from tandem.ubatch.planner import OverlapPlanner, StepShape
@@ -161,6 +161,9 @@ class ModelRunner:
         if num_ubatches > 1 or o.graph_mode == "full":
             # Same shape on every rank: one graph per size, and ubatches cut at the same points.
             padded = decision.num_tokens_padded
+            if o.graph_mode == "full" and padded and not decision.any_rank_prefills:
+                # Every rank decodes (or idles): all pad to the same captured size.
+                padded = graph_size(padded, self.wrapper.max_graph_tokens) or padded
         elif decision.num_tokens_padded == 0:
             padded = 0  # every rank is idle
         else:
@@ -214,20 +217,28 @@ class ModelRunner:
 
     @property
     def compiles_on_first_use(self) -> bool:
-        """Whether the compiled step or a MoE kernel's backend compiles on its first call."""
-        return self.compiled is not None or any(
+        """Whether the compiled step or a MoE kernel's backend compiles on its first call, or
+        decode graphs are captured (`warm_up` captures them before the first request)."""
+        return self.compiled is not None or self.overlap.graph_mode == "full" or any(
             k.experts.compiles_on_first_use or k.prepare_finalize.compiles_on_first_use for k in self._kernels
         )
 
     @torch.no_grad()
-    def warm_up(self) -> None:
+    def warm_up(self, max_decode_rows: int | None = None) -> None:
         """One unsplit step of one padding token, the dummy an idle rank runs, uncounted.
         Collective: every DP rank calls it at the same point. Library init and kernel JIT
         (Triton, DeepGEMM, DeepEP) happen here, outside DBO, rather than inside a ubatch, where
         they would hold the other ubatches at a yield for minutes. The compiled step also runs
         a decode of two rows into the null cache block: the graph every step of more than one
-        token shares."""
-        steps = [[]] if self.compiled is None else [[], [ScheduledChunk([0], 0, [NULL_BLOCK])] * 2]
+        token shares. Under `--graph-mode full`, a decode of each graph size up to
+        `max_decode_rows` (the wrapper's largest by default) into the null block captures its
+        graph, largest first (as vLLM does: smaller graphs reuse the larger ones' memory pool)."""
+        decode = lambda rows: [ScheduledChunk([0], 0, [NULL_BLOCK])] * rows  # noqa: E731
+        steps = [[]] if self.compiled is None else [[], decode(2)]
+        if self.overlap.graph_mode == "full":
+            most = self.wrapper.max_graph_tokens
+            top = graph_size(min(max_decode_rows or most, most), most)
+            steps += [decode(size) for size in reversed(graph_sizes(most)) if size <= top]
         with contextlib.nullcontext() if self.compiled is None else self.compiled.compiling():
             for chunks in steps:
                 plan = StepPlan(num_tokens=0, num_tokens_padded=max(len(chunks), 1), sbo=self.sbo)
