@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 EXECUTORS = ("thread", "greenlet", "stages")
-GRAPH_MODES = ("none", "full")
+GRAPH_MODES = ("auto", "none", "full")
 #: `--compile`: `auto` decides per device and dtype (tandem.models.compiled.compile_default).
 COMPILE_MODES = ("auto", "on", "off")
 #: `static`: the two token thresholds decide; `auto`: the overlap planner (tandem.ubatch.planner).
@@ -98,7 +98,8 @@ class OverlapConfig:
     ubatch_split: str = option(
         "tokens", "tokens (cut at the token midpoint) | balanced-cost (equal predicted work: attention + MoE tokens)."
     )
-    graph_mode: str = option("none", "none | full (decode steps replayed from captured graphs)")
+    graph_mode: str = option("auto", "auto | none | full (decode replayed from graphs captured at start-up; "
+                             "auto: full on CUDA when the MoE backends can be captured and the step is not compiled)")
     comm_sms: int | None = option(
         None, "GPU SMs reserved for DeepEP while ubatches overlap (even); DeepGEMM gets the rest."
     )

@@ -35,8 +35,13 @@ def profile_config(config, batch: int, prompt_len: int, decode_steps: int):
         raise ValueError("tandem profile runs one rank: leave --data-parallel-size and --pipeline-parallel-size at 1")
     block = config.cache.block_size
     per_request = -(-(prompt_len + decode_steps + 1) // block) * block
+    # Module hooks do not fire inside a graph replay: the rows need eager steps unless asked.
+    overlap = config.overlap
+    if overlap.graph_mode == "auto":
+        overlap = dataclasses.replace(overlap, graph_mode="none")
     return dataclasses.replace(
         config,
+        overlap=overlap,
         max_num_batched_tokens=max(config.max_num_batched_tokens, batch * prompt_len),
         scheduler=dataclasses.replace(config.scheduler, overlap_schedule=False, max_num_seqs=batch),
         cache=dataclasses.replace(config.cache, num_kv_blocks=None,
@@ -226,7 +231,7 @@ def run_profile(config, *, batch: int, prompt_len: int, decode_steps: int = 4, r
     return {
         "model": config.model, "device": str(runner.device), "device_name": _device_name(runner.device),
         "dtype": str(dtype).removeprefix("torch."), "batch": batch, "prompt_len": prompt_len,
-        "decode_steps": decode_steps, "repeat": repeat, "graph_mode": config.overlap.graph_mode,
+        "decode_steps": decode_steps, "repeat": repeat, "graph_mode": runner.wrapper.graph_mode,
         "dbo": config.overlap.enable_dbo, "compiled": runner.compiled is not None, "moe_backend": config.parallel.moe_backend,
         "all2all_backend": config.parallel.all2all_backend, "torch": torch.__version__,
         "roofline": roofline.as_dict(),

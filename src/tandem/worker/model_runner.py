@@ -30,7 +30,7 @@ from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
 from tandem.worker.sampling import SampleOutput, SamplingParams, sample_step, token_logprobs
 from tandem.worker.step_plan import StepPlan, decide_overlap
-from tandem.worker.ubatch_wrapper import UBatchWrapper, graph_size, graph_sizes
+from tandem.worker.ubatch_wrapper import UBatchWrapper, resolve_graph_mode
 from tandem.ubatch import attention_work, balanced_split, split_by_cost, split_by_tokens
 from tandem.ubatch.cost_split import DEFAULT_ATTENTION_WEIGHT
 from tandem.ubatch.planner import OverlapPlanner, StepShape
@@ -98,7 +98,7 @@ class ModelRunner:
             self.model,
             num_ubatches=self.overlap.num_ubatches,
             executor=self.overlap.executor,
-            graph_mode=self.overlap.graph_mode,
+            graph_mode=resolve_graph_mode(self.overlap.graph_mode, self.device, self.model, compiled=self.compiled is not None),
             max_blocks_per_seq=-(-model_info.max_model_len // block_size),
             platform=self.platform,
             comm_sms=self.overlap.comm_sms,
@@ -158,12 +158,10 @@ class ModelRunner:
         decision, planned, num_ubatches = decide_overlap(
             o, planner, shape, group=self.dp_group, prefills=any(n != 1 for n in counts)
         )
-        if num_ubatches > 1 or o.graph_mode == "full":
-            # Same shape on every rank: one graph per size, and ubatches cut at the same points.
+        if num_ubatches > 1 or self.wrapper.graph_mode == "full":
+            # Same shape on every rank (one captured size when all decode), ubatches cut alike.
             padded = decision.num_tokens_padded
-            if o.graph_mode == "full" and padded and not decision.any_rank_prefills:
-                # Every rank decodes (or idles): all pad to the same captured size.
-                padded = graph_size(padded, self.wrapper.max_graph_tokens) or padded
+            padded = padded if decision.any_rank_prefills else self.wrapper.graph_padded(padded)
         elif decision.num_tokens_padded == 0:
             padded = 0  # every rank is idle
         else:
@@ -217,9 +215,8 @@ class ModelRunner:
 
     @property
     def compiles_on_first_use(self) -> bool:
-        """Whether the compiled step or a MoE kernel's backend compiles on its first call, or
-        decode graphs are captured (`warm_up` captures them before the first request)."""
-        return self.compiled is not None or self.overlap.graph_mode == "full" or any(
+        """Whether the compiled step, decode graphs or a MoE kernel's backend compile on first use."""
+        return self.compiled is not None or self.wrapper.graph_mode == "full" or any(
             k.experts.compiles_on_first_use or k.prepare_finalize.compiles_on_first_use for k in self._kernels
         )
 
@@ -230,15 +227,9 @@ class ModelRunner:
         (Triton, DeepGEMM, DeepEP) happen here, outside DBO, rather than inside a ubatch, where
         they would hold the other ubatches at a yield for minutes. The compiled step also runs
         a decode of two rows into the null cache block: the graph every step of more than one
-        token shares. Under `--graph-mode full`, a decode of each graph size up to
-        `max_decode_rows` (the wrapper's largest by default) into the null block captures its
-        graph, largest first (as vLLM does: smaller graphs reuse the larger ones' memory pool)."""
-        decode = lambda rows: [ScheduledChunk([0], 0, [NULL_BLOCK])] * rows  # noqa: E731
-        steps = [[]] if self.compiled is None else [[], decode(2)]
-        if self.overlap.graph_mode == "full":
-            most = self.wrapper.max_graph_tokens
-            top = graph_size(min(max_decode_rows or most, most), most)
-            steps += [decode(size) for size in reversed(graph_sizes(most)) if size <= top]
+        token shares; full graphs capture each size (`UBatchWrapper.capture_sizes`) the same way."""
+        decodes = ([2] if self.compiled is not None else []) + self.wrapper.capture_sizes(max_decode_rows)
+        steps = [[]] + [[ScheduledChunk([0], 0, [NULL_BLOCK])] * rows for rows in decodes]
         with contextlib.nullcontext() if self.compiled is None else self.compiled.compiling():
             for chunks in steps:
                 plan = StepPlan(num_tokens=0, num_tokens_padded=max(len(chunks), 1), sbo=self.sbo)

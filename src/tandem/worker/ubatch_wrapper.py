@@ -49,7 +49,6 @@ from tandem.contexts import (
     make_ubatch_contexts,
     set_forward_context,
 )
-from tandem.config import GRAPH_MODES
 from tandem.contexts.ubatch_context import current_ubatch_context
 from tandem.models.paged_attention import AttentionMetadata
 from tandem.modular_kernels.capturable import check_graph_capturable
@@ -108,6 +107,22 @@ def graph_size(num_tokens: int, max_graph_tokens: int) -> int | None:
     return next((s for s in graph_sizes(max_graph_tokens) if s >= num_tokens), None)
 
 
+def resolve_graph_mode(mode: str, device: torch.device, model: Any, *, compiled: bool) -> str:
+    """`--graph-mode auto`: full on CUDA, where an eager decode step is bound by the host
+    launching its kernels (~735 a step at DeepSeek-V2-Lite's shape, gpu-review-3 G1), when
+    the model's MoE backends can be captured and the step is not compiled; none on the CPU,
+    where a replay measured slower than eager (`CpuGraph`, docs/compiled-step.md)."""
+    if mode != "auto":
+        return mode
+    if device.type != "cuda" or compiled:
+        return "none"
+    try:
+        check_graph_capturable(model)
+    except ValueError:
+        return "none"
+    return "full"
+
+
 class UBatchWrapper:
     def __init__(
         self,
@@ -124,8 +139,8 @@ class UBatchWrapper:
     ):
         if num_ubatches < 2:
             raise ValueError(f"num_ubatches must be at least 2, got {num_ubatches}")
-        if graph_mode not in GRAPH_MODES:
-            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+        if graph_mode not in ("none", "full"):
+            raise ValueError(f"graph_mode must be none or full (resolve auto with resolve_graph_mode), got {graph_mode!r}")
         if graph_mode == "full":
             check_graph_capturable(model)
         self.model = model
@@ -246,6 +261,22 @@ class UBatchWrapper:
 
     # -- graphs --------------------------------------------------------------------------
 
+    def graph_padded(self, num_tokens: int) -> int:
+        """The size a decode step of `num_tokens` rows runs at: the next captured size under
+        full graphs (unchanged past the largest, or without graphs)."""
+        if self.graph_mode != "full" or not num_tokens:
+            return num_tokens
+        return graph_size(num_tokens, self.max_graph_tokens) or num_tokens
+
+    def capture_sizes(self, max_decode_rows: int | None = None) -> list[int]:
+        """The decode sizes to capture at start-up, largest first (as vLLM does: the smaller
+        graphs reuse the larger ones' memory pool): each a step of up to `max_decode_rows`
+        rows (default: the largest graph) may pad to; none without full graphs."""
+        if self.graph_mode != "full":
+            return []
+        top = self.graph_padded(min(max_decode_rows or self.max_graph_tokens, self.max_graph_tokens))
+        return [size for size in reversed(graph_sizes(self.max_graph_tokens)) if size <= top]
+
     def _graphable(self, ctx: ForwardContext | None, inputs: Sequence[torch.Tensor]) -> bool:
         if ctx is None or not isinstance(ctx.attn_metadata, AttentionMetadata) or not inputs:
             return False
@@ -333,4 +364,4 @@ class UBatchWrapper:
         static.slot_mapping.copy_(metadata.slot_mapping)
 
 
-__all__ = ["GRAPH_MODES", "GRAPH_SIZES", "UBatchWrapper", "graph_size", "graph_sizes", "merge_outputs"]
+__all__ = ["GRAPH_SIZES", "UBatchWrapper", "graph_size", "graph_sizes", "merge_outputs", "resolve_graph_mode"]

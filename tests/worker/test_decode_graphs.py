@@ -1,13 +1,14 @@
-"""Decode graphs by size (gpu-review-3 G2): a decode step pads to the next captured size, and
-an engine under `--graph-mode full` captures every size up to `--max-num-seqs` at start-up,
-largest first, so serving batches of any size captures nothing."""
+"""Decode graphs (gpu-review-3 G1, G2): `--graph-mode auto` is full graphs on CUDA when the
+MoE backends can be captured; a decode step pads to the next captured size, and an engine
+under full graphs captures every size up to `--max-num-seqs` at start-up, largest first, so
+serving batches of any size captures nothing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.worker.ubatch_wrapper import GRAPH_SIZES, graph_size, graph_sizes
+from tandem.worker.ubatch_wrapper import GRAPH_SIZES, graph_size, graph_sizes, resolve_graph_mode
 
 
 def test_a_decode_step_pads_to_the_next_captured_size():
@@ -67,3 +68,26 @@ def test_graphs_are_captured_at_start_up_and_serving_captures_none(one_rank_grou
             engine.close()
     assert tokens["full"] == tokens["none"]
     assert [len(t) for t in tokens["full"]] == [3, 5, 7, 9, 11]
+
+
+def test_auto_is_full_graphs_on_cuda_only_where_the_moe_backends_can_be_captured(one_rank_group):
+    from tandem.modular_kernels import MoEConfig
+    from tandem.models.tiny_moe import build_tiny_moe
+
+    standard = build_tiny_moe(MoEConfig()).model  # local dispatch, standard torch experts (nonzero)
+    masked = build_tiny_moe(MoEConfig(all2all_backend="torch_a2a_ll", group=one_rank_group, dispatch_max_tokens_per_rank=16)).model
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_graph_mode("auto", cuda, masked, compiled=False) == "full"
+    assert resolve_graph_mode("auto", cuda, standard, compiled=False) == "none"
+    assert resolve_graph_mode("auto", cuda, masked, compiled=True) == "none"
+    assert resolve_graph_mode("auto", cpu, masked, compiled=False) == "none"
+    assert resolve_graph_mode("none", cuda, masked, compiled=False) == "none"
+    assert resolve_graph_mode("full", cpu, masked, compiled=False) == "full"
+
+
+def test_the_runner_holds_the_resolved_mode():
+    from tandem.config import EngineConfig
+    from tandem.worker.build import build_runner
+
+    runner = build_runner(EngineConfig(device="cpu"))
+    assert EngineConfig().overlap.graph_mode == "auto" and runner.wrapper.graph_mode == "none"
