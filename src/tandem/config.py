@@ -412,20 +412,20 @@ class EngineConfig:
     #: rank by `resolve_device` / `resolve_dtype` (auto: CUDA + bf16 when available, else CPU + fp32).
     device: str = option("auto", "auto | cpu | cuda (auto: CUDA when available; rank i of a host takes cuda:{i % GPUs}).")
     dtype: str = option("auto", "auto | bfloat16 | float16 | float32 (auto: bfloat16 on CUDA, float32 on CPU).")
-    compile: str = option(
-        "auto",
-        "auto | on | off: run the model step compiled by torch.compile (inductor), attention and MoE layers as "
-        "opaque ops (auto: on for bfloat16 on the CPU, else off; see docs/compiled-step.md). The first start "
-        "compiles (cached on disk for the next).",
-    )
+    compile: str = option("auto", "auto | on | off: run the model step compiled by torch.compile (inductor), attention and "
+                          "MoE layers as opaque ops (auto: on for bfloat16 on the CPU, else off; see docs/compiled-step.md). "
+                          "The first start compiles (cached on disk for the next).")
+    cpu_threads: str = option("auto", "auto | fixed: on a CPU, time each kind of step with 1 thread and with all the rank's "
+                              "and keep the faster, re-checked as load changes (fixed: always OMP_NUM_THREADS).")
 
     def __post_init__(self) -> None:
         from tandem.platform.device import check_device_flag, check_dtype_flag
 
         check_device_flag(self.device)
         check_dtype_flag(self.dtype)
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        for flag, value, allowed in (("--compile", self.compile, COMPILE_MODES), ("--cpu-threads", self.cpu_threads, ("auto", "fixed"))):
+            if value not in allowed:
+                raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
         if self.compile == "on" and self.overlap.greenlet_ubatches:
             raise ValueError(
                 "--compile on cannot run with --ubatch-executor greenlet: a greenlet switch at a ubatch yield inside "

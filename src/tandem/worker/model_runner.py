@@ -30,6 +30,7 @@ from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
 from tandem.worker.sampling import SampleOutput, SamplingParams, sample_step, token_logprobs
 from tandem.worker.step_plan import StepPlan, decide_overlap
+from tandem.worker.step_threads import step_threads_for
 from tandem.worker.ubatch_wrapper import UBatchWrapper, resolve_graph_mode
 from tandem.ubatch import attention_work, balanced_split, split_by_cost, split_by_tokens
 from tandem.ubatch.cost_split import DEFAULT_ATTENTION_WEIGHT
@@ -112,6 +113,8 @@ class ModelRunner:
         self.idle_steps = 0
         #: Wall time spent in the model's forward, over the runner's life.
         self.step_time_s = 0.0
+        #: The thread count each step runs on (`--cpu-threads`), or None where nothing is chosen.
+        self.threads = step_threads_for(getattr(config, "cpu_threads", "fixed"), self.device, compiled=self.compiled is not None)
         #: The time model: the last step's and the running totals.
         self.last_step_times = StepTimes()
         self.total_step_times = StepTimes()
@@ -206,8 +209,9 @@ class ModelRunner:
         if count:
             self.steps += 1
             self.ubatched_steps += plan.ubatched
+        threads = self.threads.running(inputs.attn_metadata.decode_only, x.shape[0]) if count and self.threads else None
         try:
-            with set_forward_context(plan.forward_context(inputs.attn_metadata)):
+            with set_forward_context(plan.forward_context(inputs.attn_metadata)), threads or contextlib.nullcontext():
                 return self.wrapper(x, inputs.positions)
         finally:
             if count:
@@ -286,7 +290,7 @@ class ModelRunner:
         wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
         rows = [r for r, w in enumerate(wanted) if w]
         sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
-        prompt = self._prompt_logprobs(hidden, inputs, chunks, sampling)
+        prompt = prompt_logprob_rows(self.model, hidden, inputs, chunks, sampling)
         if self.future_map is not None and future_slots is not None:
             published = [(i, future_slots[r]) for i, r in enumerate(rows) if future_slots[r] is not None]
             if published:
@@ -313,24 +317,6 @@ class ModelRunner:
         ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
         return sample_step(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
-
-    def _prompt_logprobs(self, hidden, inputs: StepInputs, chunks, sampling) -> PromptLogprobRows | None:
-        """The log-probabilities of the prompt tokens the chunks ask for (`ScheduledChunk.
-        prompt_targets`), from the hidden states of the rows that prefill them, on the device."""
-        owners = [r for r, c in enumerate(chunks) if c.prompt_targets]
-        if not owners:
-            return None
-        starts = [0, *itertools.accumulate(inputs.num_scheduled_tokens)]
-        rows: list[int] = []
-        targets: list[int] = []
-        for r in owners:
-            first = starts[r] + chunks[r].prompt_targets_row
-            rows += range(first, first + len(chunks[r].prompt_targets))
-            targets += chunks[r].prompt_targets
-        logits = self.model.compute_logits(hidden[to_device_async(torch.tensor(rows), self.device)])
-        top = max(sampling[r].prompt_logprobs or 0 for r in owners)
-        values, ids = token_logprobs(logits, to_device_async(torch.tensor(targets), self.device), top)
-        return PromptLogprobRows(owners, [len(chunks[r].prompt_targets) for r in owners], values, ids)
 
     def _read_samples(self, sampled: SampleOutput, params: Sequence[SamplingParams],
                       prompt: PromptLogprobRows | None = None, sampling: Sequence[SamplingParams] = ()):
@@ -375,6 +361,25 @@ def tbo_split_point(counts: list[int], num_ubatches: int, overlap: OverlapConfig
         return None
     split = balanced_split(counts, overlap.tbo_token_distribution_threshold)
     return split.token_index if 0 < split.token_index < num_tokens else None
+
+
+def prompt_logprob_rows(model, hidden, inputs: StepInputs, chunks, sampling) -> PromptLogprobRows | None:
+    """The log-probabilities of the prompt tokens the chunks ask for (`ScheduledChunk.
+    prompt_targets`), from the hidden states of the rows that prefill them, on the device."""
+    owners = [r for r, c in enumerate(chunks) if c.prompt_targets]
+    if not owners:
+        return None
+    starts = [0, *itertools.accumulate(inputs.num_scheduled_tokens)]
+    rows: list[int] = []
+    targets: list[int] = []
+    for r in owners:
+        first = starts[r] + chunks[r].prompt_targets_row
+        rows += range(first, first + len(chunks[r].prompt_targets))
+        targets += chunks[r].prompt_targets
+    logits = model.compute_logits(hidden[to_device_async(torch.tensor(rows), hidden.device)])
+    top = max(sampling[r].prompt_logprobs or 0 for r in owners)
+    values, ids = token_logprobs(logits, to_device_async(torch.tensor(targets), hidden.device), top)
+    return PromptLogprobRows(owners, [len(chunks[r].prompt_targets) for r in owners], values, ids)
 
 
 def _scatter_rows(num_requests: int, rows: list[int], values: list[int]) -> list[int | None]:
