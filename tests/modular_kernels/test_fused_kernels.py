@@ -1,5 +1,5 @@
-"""The small fused kernels of a MoE layer (SiLU-and-mul, routing top-k), run under the
-Triton interpreter against their torch paths, in float32 and bfloat16."""
+"""The small fused kernels of a MoE layer (SiLU-and-mul, routing top-k, the pair sum), run
+under the Triton interpreter against their torch paths, in float32 and bfloat16."""
 
 import os
 
@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from tandem.modular_kernels import select_experts  # noqa: E402
 from tandem.modular_kernels.activation import silu_and_mul, silu_and_mul_torch, silu_and_mul_triton  # noqa: E402
+from tandem.modular_kernels.pair_sum import sum_pairs  # noqa: E402
 from tandem.modular_kernels.topk_kernel import fused_topk_triton  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -69,3 +70,22 @@ def test_fused_topk_matches_select_experts(case, dtype):
 def test_fused_topk_of_no_tokens():
     weights, ids = fused_topk_triton(torch.randn(0, 8), 2, renormalize=True)
     assert weights.shape == (0, 2) and ids.shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pair_sum_adds_each_tokens_held_pairs_and_never_reads_the_others(dtype):
+    """gpu-review-3 G8: the GEMM's output is not zero-filled, so the rows of pairs no block
+    held (another rank's experts, id -1, or past the local experts) hold garbage: NaN here."""
+    g = torch.Generator().manual_seed(1)
+    tokens, top_k, hidden, experts = 5, 3, 1100, 4  # hidden over one 1024 block: a masked tail
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    ids[0, 1], ids[2, 0], ids[4] = -1, experts, torch.tensor([-1, -1, 2])
+    y = torch.randn(tokens * top_k, hidden, generator=g)
+    held = ((ids >= 0) & (ids < experts)).reshape(-1)
+    y[~held] = float("nan")
+    out = sum_pairs(y, ids, experts, dtype)
+    expected = torch.where(held[:, None], y, 0.0).view(tokens, top_k, hidden).sum(1)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    with pytest.raises(ValueError, match="float32 contiguous"):
+        sum_pairs(y.to(dtype=torch.float64), ids, experts, dtype)

@@ -5,7 +5,9 @@ that every block of `block_m` sorted rows belongs to one expert (the align step,
 `moe_align.py`: one Triton program on CUDA, no sort, no host sync). One grouped-GEMM kernel
 then computes `silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T)` per block, the same kernel
 computes `act @ w2[e]^T` scaled by the routing weight, and a fixed-order sum over each
-token's k rows folds the pairs back into tokens. Tile sizes come from `tile_tables.py`.
+token's k rows folds the pairs back into tokens (`pair_sum.py`: one kernel that skips the
+pairs of other ranks' experts, so the GEMM's output is never zero-filled). Tile sizes come
+from `tile_tables.py`.
 
 MASKED (`TritonBatchedExperts`): one batched kernel over `experts x M-blocks x N-blocks`
 that skips every block past `expert_num_tokens[e]` and masks the rows past the count in
@@ -26,6 +28,7 @@ import torch
 from tandem.modular_kernels.activation import silu_and_mul
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
 from tandem.modular_kernels.moe_align import align_pairs_by_expert
+from tandem.modular_kernels.pair_sum import sum_pairs
 from tandem.modular_kernels.tile_tables import TileConfig, tile_config
 from tandem.platform.triton_utils import import_triton, interpreting
 
@@ -259,8 +262,9 @@ class TritonExperts(Experts):
             A_ROW_DIV=top_k, MUL_WEIGHT=False, GATED=True, BLOCK_N=bn, **launch,
         )  # fmt: skip
 
-        # GEMM 2: y[pair] = weight[pair] * act[pair] @ w2^T  ->  [N*K, H]; skipped pairs stay 0.
-        y = torch.zeros((num_pairs, hidden), dtype=torch.float32, device=device)
+        # GEMM 2: y[pair] = weight[pair] * act[pair] @ w2^T  ->  [N*K, H]; rows of pairs no
+        # block holds are left unwritten, and the sum below never reads them.
+        y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
         bn = _block_n(hidden, tile.block_n)
         kern.grouped_gemm[(num_blocks, cdiv(hidden, bn))](
             act, w2c, y, flat_weights, sorted_ids, block_expert,
@@ -271,7 +275,7 @@ class TritonExperts(Experts):
             A_ROW_DIV=1, MUL_WEIGHT=True, GATED=False, BLOCK_N=bn, **launch,
         )  # fmt: skip
         # A token's pairs are consecutive rows: a fixed-order sum (no atomics, no index_add).
-        return y.view(num_tokens, top_k, hidden).sum(dim=1).to(tokens.dtype)
+        return sum_pairs(y, ids.to(device), num_experts, tokens.dtype)
 
 
 class TritonBatchedExperts(Experts):
