@@ -123,7 +123,10 @@ class MLAttention(nn.Module):
             q_latent = torch.einsum("thn,hnl->thl", q_nope, w_kv[:, : c.qk_nope_head_dim])
             query = torch.cat((q_latent, q_rope), dim=-1)
             out_latent = paged_attention(query, cache, cache[..., :rank], metadata, self.scale)
-            out = torch.einsum("thl,hvl->thv", out_latent, w_kv[:, c.qk_nope_head_dim :])
+            # Each head's latent through its value slice of kv_b_proj, written straight into
+            # [T, heads, v] order (an einsum leaves [heads, T, v] for a copy to reorder).
+            out = out_latent.new_empty((T, nh, c.v_head_dim))
+            torch.bmm(out_latent.transpose(0, 1), w_kv[:, c.qk_nope_head_dim :].transpose(1, 2), out=out.transpose(0, 1))
         else:
             q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
             kv = linear(latent, self.kv_b_proj.weight).view(T, nh, -1)
