@@ -4,7 +4,8 @@ sm_90 under each Triton the project supports (the main suite's `test_triton_sm90
 
 The runs cover each kernel in every tile and dtype a GPU run takes: decode and prefill steps
 of the DeepSeek-V2-Lite and Qwen3-30B-A3B shapes in bfloat16 (prefills of 256 and 1,024
-tokens reach the grouped GEMM's wider tiles), float32 decode steps, and the masked experts
+tokens reach the grouped GEMM's wider tiles; decode batches of 8 to 256 requests each KV
+split count), float32 decode steps, and the masked experts
 DeepEP's low-latency dispatch feeds. When the code launches something the committed manifest
 lacks (or no longer launches an entry), the test rewrites the file and fails: commit it."""
 
@@ -30,6 +31,11 @@ BLOCK = 16
 #: (shape, dtype, chunks of (new tokens, cached tokens)) run as one step each.
 STEPS = [
     ("deepseek-v2-lite", torch.bfloat16, harness.decode_chunks(8, 20)),
+    # Larger decode batches take fewer KV splits (`kv_splits_for`): 4, 2 and 1 here.
+    ("deepseek-v2-lite", torch.bfloat16, harness.decode_chunks(64, 20)),
+    ("deepseek-v2-lite", torch.bfloat16, harness.decode_chunks(100, 20)),
+    ("deepseek-v2-lite", torch.bfloat16, harness.decode_chunks(256, 20)),
+    ("qwen3-moe", torch.bfloat16, harness.decode_chunks(64, 20)),
     ("deepseek-v2-lite", torch.bfloat16, [(256, 0)]),
     ("deepseek-v2-lite", torch.bfloat16, [(1024, 0)]),
     ("deepseek-v2-lite", torch.float32, harness.decode_chunks(8, 20)),

@@ -28,3 +28,19 @@ def test_interpreted_kernel_cases(selection):
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
+
+
+def test_kv_splits_fill_the_gpu_about_twice_over(monkeypatch):
+    """gpu-review-3 G5: 2 x SMs programs, rounded down to a power of 2 in [1, 8], instead of
+    a fixed 8 whose float32 partials outweigh the KV at large batches."""
+    import torch
+
+    from tandem.models import triton_decode_attention as tda
+
+    monkeypatch.setattr(tda, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    # DeepSeek-V2-Lite's MLA: one KV head of 16 query heads, one head program per request.
+    assert [tda.kv_splits_for(r, 1, cuda) for r in (1, 8, 33, 64, 100, 256, 512)] == [8, 8, 8, 4, 2, 1, 1]
+    # Qwen3-30B-A3B: 4 KV heads of 8, one program each.
+    assert [tda.kv_splits_for(r, 4, cuda) for r in (8, 16, 32, 64)] == [8, 4, 2, 1]
+    assert tda.kv_splits_for(512, 1, torch.device("cpu")) == tda.DEFAULT_KV_SPLITS

@@ -42,6 +42,28 @@ DEFAULT_KV_SPLITS = 8
 #: Query heads per program (`tl.dot` needs at least 16 rows); a KV head whose group is
 #: larger takes several programs.
 HEADS_PER_PROGRAM = 16
+#: SMs of an H100 / H200, where the device cannot be asked (no driver: fake CUDA).
+_DEFAULT_SMS = 132
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    try:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    except (RuntimeError, AssertionError, AttributeError):
+        return _DEFAULT_SMS
+
+
+def kv_splits_for(requests: int, head_programs: int, device: torch.device) -> int:
+    """The KV splits that fill the GPU about twice over: `2 x SMs / (requests x head
+    programs)` rounded down to a power of 2 in [1, DEFAULT_KV_SPLITS] (gpu-review-3 G5). A
+    fixed 8 gave a 256-request batch float32 partials (requests x heads x splits x (Dv + 1))
+    as large as the KV they summarise. A host value of the batch's shape only: one per graph
+    size, and at most four compiled variants. CPU tensors (the interpreter) keep the default."""
+    if device.type != "cuda":
+        return DEFAULT_KV_SPLITS
+    fill = 2 * _sm_count(device) // max(requests * head_programs, 1)
+    return min(DEFAULT_KV_SPLITS, 1 << max(fill.bit_length() - 1, 0))
 
 
 def _decode_split(
@@ -221,7 +243,7 @@ def triton_decode_attention(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
-    num_kv_splits: int = DEFAULT_KV_SPLITS,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of `query [T, Hq, Dk]` (row r is request r's one query; rows past
     `block_table.shape[0]` are padding) over K `[blocks, block_size, Hkv, Dk]` and V
@@ -245,6 +267,8 @@ def triton_decode_attention(
     q = query.to(key_cache.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if num_kv_splits is None:
+        num_kv_splits = kv_splits_for(requests, kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM), query.device)
     partial = torch.empty((requests, num_heads, num_kv_splits, value_dim + 1), dtype=torch.float32, device=query.device)
     # CUDA tensors take the compiled kernels even where TRITON_INTERPRET=1 is set (a test
     # process that also runs interpreted kernels): the interpreter would copy them to the host.
@@ -266,4 +290,7 @@ def triton_decode_attention(
     return out
 
 
-__all__ = ["DEFAULT_KV_SPLITS", "HEADS_PER_PROGRAM", "merge_kernel_meta", "split_kernel_meta", "triton_decode_attention"]
+__all__ = [
+    "DEFAULT_KV_SPLITS", "HEADS_PER_PROGRAM", "kv_splits_for", "merge_kernel_meta", "split_kernel_meta",
+    "triton_decode_attention",
+]  # fmt: skip
