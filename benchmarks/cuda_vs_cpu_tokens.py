@@ -17,7 +17,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The quick brown fox", "Mixture of experts", "One two three four five six", "GPU", "tandem overlaps"]
 DBO = {"enable_dbo": True, "dbo_decode_token_threshold": 0, "dbo_prefill_token_threshold": 0}
-CUDA_MODES = {"eager": {}, "dbo": DBO, "graphs": {"graph_mode": "full"}, "dbo+graphs": {**DBO, "graph_mode": "full"}}
+CUDA_MODES = {  # eager says so: `--graph-mode auto`, the default, is graphs on CUDA
+    "eager": {"graph_mode": "none"}, "dbo": {**DBO, "graph_mode": "none"},
+    "graphs": {"graph_mode": "full"}, "dbo+graphs": {**DBO, "graph_mode": "full"},
+}
 
 
 def tokens(model: str, device: str, moe_backend: str, overlap: dict, max_tokens: int) -> list[list[int]]:

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Mode -> the OverlapConfig fields it sets (DBO on every step: thresholds 0).
+#: Mode -> the OverlapConfig fields it sets (DBO on every step: thresholds 0). Eager says so:
+#: `--graph-mode auto`, the default, is graphs on CUDA.
 MODES = {
-    "eager": {},
+    "eager": {"graph_mode": "none"},
     "graphs": {"graph_mode": "full"},
-    "dbo": {"enable_dbo": True, "dbo_decode_token_threshold": 0, "dbo_prefill_token_threshold": 0},
+    "dbo": {"enable_dbo": True, "dbo_decode_token_threshold": 0, "dbo_prefill_token_threshold": 0, "graph_mode": "none"},
     "dbo+graphs": {"enable_dbo": True, "dbo_decode_token_threshold": 0, "dbo_prefill_token_threshold": 0,
                    "graph_mode": "full"},
 }

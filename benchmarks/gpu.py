@@ -36,7 +36,7 @@ def _engine(args, **overrides):
 
     return EngineConfig(
         model=args.model,
-        overlap=OverlapConfig(dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0),
+        overlap=OverlapConfig(dbo_decode_token_threshold=0, dbo_prefill_token_threshold=0, graph_mode="none"),
         parallel=ParallelConfig(all2all_backend="local", moe_backend=args.moe_backend),
         device=args.device,
         dtype=args.dtype,

@@ -148,6 +148,8 @@ class ModelStepWorkload:
             config,
             cache=replace(config.cache, num_kv_blocks=max(blocks, config.cache.num_kv_blocks)),
             max_num_batched_tokens=max(config.max_num_batched_tokens, max_tokens),
+            # Steps of the modes compared run eagerly unless graphs are asked for by name.
+            overlap=replace(config.overlap, graph_mode="none") if config.overlap.graph_mode == "auto" else config.overlap,
         )
         self.runner = build_runner(config, group=dist.group.WORLD if distributed else None)
         self.base_overlap = config.overlap
