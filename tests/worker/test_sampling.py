@@ -60,3 +60,28 @@ def test_extreme_temperature_and_top_p_never_break_a_step():
     logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
     for params in (SamplingParams(temperature=1e-300, seed=1), SamplingParams(top_p=5e-324, seed=1)):
         assert sample_one(logits, params, params.make_generator()) == 1
+
+
+def test_logit_bias_is_added_to_its_rows_before_sampling_and_not_to_raw_logprobs():
+    from tandem.worker.sampling import SamplingParams, sample_step
+
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0, logit_bias={2: 10.0, 1: -100.0}, logprobs=1),
+        SamplingParams(temperature=0, logprobs=1),
+    ]
+    out = sample_step(logits, params, [None, None])
+    assert out.tokens.tolist() == [2, 0]  # row 0 biased to token 2; row 1 untouched
+    # Log-probabilities are the model's raw ones (as vLLM's default): the bias is not in them.
+    torch.testing.assert_close(out.logprobs[0, 0], torch.log_softmax(logits[0], -1)[2])
+    # A token past the logits' width (a tokenizer larger than the model) is ignored, not an error.
+    wide = sample_step(logits[:1], [SamplingParams(temperature=0, logit_bias={9: 100.0, 3: 100.0})], [None])
+    assert wide.tokens.tolist() == [3]
+
+
+@pytest.mark.parametrize("bias, match", [({-1: 1.0}, "token ids"), ({3: 100.5}, r"\[-100, 100\]"), ({3: float("nan")}, "lie in")])
+def test_logit_bias_values_are_checked(bias, match):
+    from tandem.worker.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)

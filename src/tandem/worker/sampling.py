@@ -55,6 +55,9 @@ class SamplingParams:
     #: it, and of this many most likely ones at its place (None: none). Raw model
     #: log-probabilities, from the forward that prefills the prompt.
     prompt_logprobs: int | None = None
+    #: OpenAI's `logit_bias`: token id -> a value in [-100, 100] added to its logit before
+    #: penalties, constraints and sampling (raw log-probabilities do not see it).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -78,6 +81,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must lie in [0, {MAX_LOGPROBS}], got {value}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not -100 <= bias <= 100:  # also false for NaN
+                raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias} for token {token}")
         if self.json_schema is not None and self.min_tokens:
             # Holding the end token back could leave a finished document no token to take.
             raise ValueError("min_tokens cannot be combined with a JSON schema constraint")
@@ -183,6 +191,19 @@ def _mask_end_tokens(logits: torch.Tensor, params, samplers: list[RequestSampler
                           torch.tensor(float("-inf"), device=device))
 
 
+def _add_logit_bias(logits: torch.Tensor, params) -> None:
+    """Each request's `logit_bias` added to its row: one indexed add for the whole step, its
+    indices built on the host from the parameters (nothing kept across steps)."""
+    vocab = logits.shape[-1]  # the front end checks ids against the tokenizer's vocabulary
+    entries = [(r, t, bias) for r, p in enumerate(params) for t, bias in (p.logit_bias or {}).items() if t < vocab]
+    if not entries:
+        return
+    rows, tokens, biases = zip(*entries)
+    device = logits.device
+    index = (_to_device(list(rows), torch.int64, device), _to_device(list(tokens), torch.int64, device))
+    logits.index_put_(index, _to_device(list(biases), torch.float32, device), accumulate=True)
+
+
 def _apply_penalties(logits: torch.Tensor, params, samplers: list[RequestSampler]) -> None:
     rows = [r for r, p in enumerate(params) if p.penalized]
     if not rows:
@@ -260,8 +281,9 @@ def sample_step(
     wants_logprobs = any(p.logprobs is not None for p in params)
     raw = logits
     constrained = [r for r, s in enumerate(states) if s.constraint is not None]
-    if constrained or any(p.min_tokens or p.penalized for p in params):
+    if constrained or any(p.min_tokens or p.penalized or p.logit_bias for p in params):
         logits = logits.to(torch.float32, copy=True)  # the processing below writes in place
+        _add_logit_bias(logits, params)
         _mask_end_tokens(logits, params, states)
         _apply_penalties(logits, params, states)
         if constrained:

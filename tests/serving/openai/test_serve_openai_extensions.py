@@ -158,6 +158,26 @@ def test_penalties_and_min_tokens_change_what_is_generated(oai):
     assert r.usage.completion_tokens == 12
 
 
+def test_logit_bias_forces_and_bans_tokens_as_openai_defines_it(oai):
+    """tiny-moe's tokens are bytes: token 65 is "A"."""
+    base = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    forced = oai.completions.create(**base, logit_bias={"65": 100})
+    assert forced.choices[0].text == "A" * 8
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       temperature=0, logit_bias={"65": 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == "A" * 5
+    # -100 on the token greedy decoding takes first: another one comes first instead, and a
+    # request without a bias in the same server still gets the unbiased text.
+    plain = oai.completions.create(**base).choices[0].text
+    first = str(plain.encode()[0])
+    banned = oai.completions.create(**base, logit_bias={first: -100}).choices[0].text
+    assert banned.encode()[0] != plain.encode()[0]
+    assert oai.completions.create(**base).choices[0].text == plain
+    # Sampled (not greedy) rows take the bias too.
+    sampled = oai.completions.create(**{**base, "temperature": 1.0}, seed=3, logit_bias={"66": 100})
+    assert sampled.choices[0].text == "B" * 8
+
+
 def test_vllm_extras_endpoints(server):
     tokens = httpx.post(f"{server.base}/tokenize", json={"prompt": "hello"}, timeout=10).json()["tokens"]
     assert httpx.post(f"{server.base}/detokenize", json={"tokens": tokens}, timeout=10).json()["prompt"].endswith("hello")

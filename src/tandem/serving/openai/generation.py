@@ -125,6 +125,8 @@ class GenerationEndpoint:
     def new_job(self, req: P._SamplingRequest, prompts: list[list[int]], params: list[SamplingParams],
                 start: float, prompt_text: str | list[str | None] | None) -> Job:
         """`prompts`: one or more (a batch), each to be answered with `params` (its n choices)."""
+        if params and params[0].logit_bias:
+            self.ctx.check_token_ids(sorted(params[0].logit_bias), "logit_bias", "logit_bias token id")
         n = len(params)
         params = [p for _ in prompts for p in params]
         options = req.stream_options

@@ -43,7 +43,10 @@ _DOCUMENTED_LIMITS: dict[str, dict[str, Any]] = {
     "min_p": {"minimum": 0, "maximum": 1},
     "min_tokens": {"minimum": 0},
     "best_of": {"minimum": 1, "maximum": P.MAX_N},
-    "logit_bias": {"maxProperties": 0},
+    "logit_bias": {
+        "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": P.MAX_LOGIT_BIAS,
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    },
     "stop_token_ids": {"items": {"type": "integer", "minimum": 0}},
     "messages": {"minItems": 1},
 }

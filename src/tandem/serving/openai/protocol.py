@@ -3,9 +3,9 @@
 Requests are pydantic v2 models in strict mode with unknown fields forbidden: a field this
 server does not know is a 400 naming it, never silently ignored. A few fields the OpenAI SDK
 and common tools send are accepted as long as they ask for the default behaviour
-(`user`, `presence_penalty`/`frequency_penalty` of 0, an empty `logit_bias`, `echo` false,
-`suffix` null, `best_of` 1); asking for anything else from them is a 400 saying it is not
-supported.
+(`user`, `echo` false, `suffix` null, `best_of` 1); asking for anything else from them is a
+400 saying it is not supported. `logit_bias` is OpenAI's: token ids (as strings) mapped to
+values in [-100, 100], at most `MAX_LOGIT_BIAS` of them; ids past the vocabulary are refused.
 
 Extensions beyond the OpenAI API: `top_k` (0 or -1: no cut), `stop_token_ids`, `ignore_eos`.
 
@@ -32,6 +32,8 @@ from tandem.worker.sampling import SamplingParams
 MAX_N = 16
 #: Most choices of one request over a batch of prompts (prompts x n).
 MAX_CHOICES = 256
+#: Most `logit_bias` entries one request may carry (OpenAI's limit).
+MAX_LOGIT_BIAS = 300
 #: `max_tokens` default of `/v1/completions` (as in the OpenAI API).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Seeds are 64-bit signed integers (room left for the `seed + i` of `n > 1`).
@@ -299,8 +301,26 @@ class _SamplingRequest(_Lenient):
         if best_of is not None and best_of != n:
             # best_of > n ranks candidates by cumulative log-probability; vLLM's V1 engine refuses it too.
             raise invalid_request(f"'best_of' must equal 'n' ({n}) on this server, got {best_of}", param="best_of")
-        if self.logit_bias:
-            raise invalid_request("'logit_bias' is not supported by this server", param="logit_bias")
+        self._logit_bias()
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys as token ids, checked (the vocabulary bound is the
+        endpoint's: `GenerationEndpoint.new_job`)."""
+        if not self.logit_bias:
+            return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise invalid_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+                                  param="logit_bias")
+        parsed = {}
+        for key, bias in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise invalid_request(f"'logit_bias' keys must be token ids (decimal integers), got {key!r}",
+                                      param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise invalid_request(f"'logit_bias' values must lie in [-100, 100], got {bias} for token {key}",
+                                      param="logit_bias")
+            parsed[int(key)] = float(bias)
+        return parsed
 
     def _stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -325,6 +345,7 @@ class _SamplingRequest(_Lenient):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 json_schema=json_schema,
+                logit_bias=self._logit_bias(),
             )
         except ValueError as exc:
             name = str(exc).split()[0] if str(exc) else None
