@@ -7,7 +7,8 @@
 #   3. the `tandem profile` table, deepseek-v2-lite-random -> profile.json (table in the log)
 #   4. Engine output tok/s: eager / full graphs / DBO      -> engine_tok_s.json
 #   5. the benchmarks/gpu.py sweep (none / dbo / sbo)     -> gpu.json
-#   and summary.json: each step's status, exit code and seconds, the device, torch.
+#   and summary.json: each step's status, exit code and seconds, and issue 30's goals, each
+#   with its figure and met / missed / not measured (also printed as the last table).
 # Each step has a time limit, the GPU path's limits add up to the budget
 # (TANDEM_GPU_CHECK_BUDGET_S, default 360 s: 6 minutes of an 8-minute call, the rest for the
 # machine's start and the transfers; tests/bench/test_gpu_check.py keeps the sum), and a step
@@ -94,9 +95,9 @@ else
     --repeat 3 --warmup 1 --requests 64 --max-tokens 32 --json "$DIR/gpu.json"
 fi
 
-"$PY" - "$STEPS" "$DIR/summary.json" "$CPU" "$BUDGET" $(($(date +%s) - START)) <<'PYEOF'
-import json, sys
-steps_file, out, cpu, budget, elapsed = sys.argv[1:]
+"$PY" - "$STEPS" "$DIR/summary.json" "$CPU" "$BUDGET" $(($(date +%s) - START)) "$DIR" <<'PYEOF'
+import json, os, sys
+steps_file, out, cpu, budget, elapsed, folder = sys.argv[1:]
 steps = []
 for line in open(steps_file):
     name, status, rc, seconds, detail = line.rstrip("\n").split("\t")
@@ -104,11 +105,23 @@ for line in open(steps_file):
                   "seconds": int(seconds), "detail": detail})
 # The device and torch version are in each step's JSON and the log (nvidia-smi): importing
 # torch here only for them would cost seconds.
-info = {"cpu_smoke": cpu == "1", "budget_s": int(budget), "elapsed_s": int(elapsed), "steps": steps}
+def load(name):
+    try:
+        with open(os.path.join(folder, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+from tandem.testing.gpu_goals import gpu_goals, goals_table
+
+goals = gpu_goals(load("profile.json"), load("engine_tok_s.json"), int(elapsed), on_gpu=cpu != "1")
+info = {"cpu_smoke": cpu == "1", "budget_s": int(budget), "elapsed_s": int(elapsed), "steps": steps, "goals": goals}
 json.dump(info, open(out, "w"), indent=2)
 print("\n| step | status | seconds |\n|---|---|---|")
 for s in steps:
     print(f"| {s['step']} | {s['status']}{'' if s['exit_code'] in (0, None) else ' (exit %d)' % s['exit_code']} | {s['seconds']} |")
+print("\n" + goals_table(goals))
 PYEOF
 rm -f "$STEPS"
 say "done in $(($(date +%s) - START))s; results in $DIR"

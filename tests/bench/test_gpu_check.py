@@ -4,6 +4,7 @@ with its CUDA steps skipped, so it cannot rot between the rare sessions that hav
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ def test_gpu_check_cpu_path_runs_every_step_it_can(tmp_path):
     assert status == {"wheels": "skipped", "cuda_tests": "skipped", "cuda_vs_cpu_tokens": "skipped",
                       "profile": "ok", "engine_tok_s": "ok", "gpu_sweep": "skipped"}
     assert summary["cpu_smoke"] is True
+    # The GPU goals at a glance: on the CPU each is "not measured", never met or missed.
+    assert len(summary["goals"]) == 5 and {g["verdict"] for g in summary["goals"]} == {"not measured"}
+    assert "| goal (issue 30) | figure | verdict |" in result.stdout
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["phases"]["decode"]["tokens"] == 2 and profile["phases"]["decode"]["weight_floor_ms"] > 0
     rates = json.loads((tmp_path / "engine_tok_s.json").read_text())["output_tok_s"]
@@ -44,3 +48,32 @@ def test_gpu_path_step_limits_add_up_to_the_budget_of_one_call():
     limits = {name: int(limit) for name, limit in re.findall(r"^\s*step (\w+) (\d+) ", gpu_path, re.M)}
     assert set(limits) == {"wheels", "cuda_tests", "cuda_vs_cpu_tokens", "profile", "engine_tok_s", "gpu_sweep"}
     assert sum(limits.values()) <= budget <= 6 * 60, (limits, budget)
+
+
+@pytest.mark.slow  # a subprocess run
+def test_the_gpu_goals_read_the_results_as_a_gpu_run_writes_them(tmp_path):
+    """The verdicts a GPU run would print, from results shaped as its steps write them (here a
+    CPU profile standing in for the GPU's, and made-up engine rates)."""
+    import subprocess as sp
+
+    from tandem.testing.gpu_goals import gpu_goals, goals_table
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    sp.run([sys.executable, "-m", "tandem", "profile", "--model", "tiny-moe", "--device", "cpu", "--batch", "2",
+            "--prompt-len", "8", "--decode-steps", "1", "--repeat", "1", "--json", str(tmp_path / "p.json")],
+           env=env, check=True, capture_output=True, timeout=240)
+    profile = json.loads((tmp_path / "p.json").read_text())
+    rates = {"output_tok_s": {"eager": 100.0, "graphs": 140.0}, "settings": {"requests": 64}}
+    goals = gpu_goals(profile, rates, 300, on_gpu=True)
+    verdicts = {g["goal"].split(" (")[0]: (g["figure"], g["verdict"]) for g in goals}
+    decode_ratio = profile["phases"]["decode"]["step_over_weight_floor"]
+    assert verdicts["decode step <= 2x its weight floor"] == (f"{decode_ratio:.2f}x", "met" if decode_ratio <= 2 else "missed")
+    assert verdicts["graphs >= 1.3x eager"] == ("1.40x", "met")
+    assert verdicts["the whole check in <= 6 minutes"] == ("300 s", "met")
+    assert verdicts["no graph captured while serving after start-up"] == ("-", "not measured")
+    assert gpu_goals(profile, {"output_tok_s": {"eager": 100.0, "graphs": 120.0}, "settings": {"requests": 8}}, 400,
+                     on_gpu=True)[2:5:2] == [
+        {"goal": "graphs >= 1.3x eager (8 requests)", "figure": "1.20x", "verdict": "missed"},
+        {"goal": "the whole check in <= 6 minutes", "figure": "400 s", "verdict": "missed"},
+    ]
+    assert goals_table(goals).splitlines()[0] == "| goal (issue 30) | figure | verdict |"
