@@ -135,7 +135,10 @@ def main() -> int:
         rows, fabric = _sweep(args, phase, tokens)
         out["phases"][phase] = rows
         out["fabric_model"] = fabric
-        where = f"1 GPU, on-device fabric {args.fabric} ({fabric})" if args.device == "cuda" else "no fabric"
+        # gpu-review-3 G13: one GPU moves no token between ranks; its DBO/SBO rows hide a
+        # modelled transfer (a spin on the GPU), an upper bound, never a measured overlap.
+        where = (f"1 GPU, modelled fabric {args.fabric} ({fabric}): DBO/SBO rows are an upper bound"
+                 if args.device == "cuda" else "no fabric")
         print(f"\n{args.model} on {device}, {phase}, {where}, moe={args.moe_backend}")
         print(format_table(rows))
     runner = _loop_runner(args)
