@@ -37,7 +37,7 @@ def test_kv_splits_fill_the_gpu_about_twice_over(monkeypatch):
 
     from tandem.models import triton_decode_attention as tda
 
-    monkeypatch.setattr(tda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tda, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     # DeepSeek-V2-Lite's MLA: one KV head of 16 query heads, one head program per request.
     assert [tda.kv_splits_for(r, 1, cuda) for r in (1, 8, 33, 64, 100, 256, 512)] == [8, 8, 8, 4, 2, 1, 1]

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.platform.device import sm_count
 from tandem.platform.triton_utils import interpreting
 
 #: KV splits per request: the most programs one request's tokens are spread over. A short
@@ -46,14 +47,6 @@ HEADS_PER_PROGRAM = 16
 _DEFAULT_SMS = 132
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    try:
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    except (RuntimeError, AssertionError, AttributeError):
-        return _DEFAULT_SMS
-
-
 def kv_splits_for(requests: int, head_programs: int, device: torch.device) -> int:
     """The KV splits that fill the GPU about twice over: `2 x SMs / (requests x head
     programs)` rounded down to a power of 2 in [1, DEFAULT_KV_SPLITS] (gpu-review-3 G5). A
@@ -62,7 +55,7 @@ def kv_splits_for(requests: int, head_programs: int, device: torch.device) -> in
     size, and at most four compiled variants. CPU tensors (the interpreter) keep the default."""
     if device.type != "cuda":
         return DEFAULT_KV_SPLITS
-    fill = 2 * _sm_count(device) // max(requests * head_programs, 1)
+    fill = 2 * (sm_count(device) or _DEFAULT_SMS) // max(requests * head_programs, 1)
     return min(DEFAULT_KV_SPLITS, 1 << max(fill.bit_length() - 1, 0))
 
 
@@ -267,14 +260,15 @@ def triton_decode_attention(
     q = query.to(key_cache.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    head_programs = kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM)
     if num_kv_splits is None:
-        num_kv_splits = kv_splits_for(requests, kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM), query.device)
+        num_kv_splits = kv_splits_for(requests, head_programs, query.device)
     partial = torch.empty((requests, num_heads, num_kv_splits, value_dim + 1), dtype=torch.float32, device=query.device)
     # CUDA tensors take the compiled kernels even where TRITON_INTERPRET=1 is set (a test
     # process that also runs interpreted kernels): the interpreter would copy them to the host.
     interpret = query.device.type == "cpu"
     split_meta = split_kernel_meta(page_size, main_dim, rope_dim, value_dim, key_cache.dtype, num_kv_splits, interpret)
-    grid = (requests, kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM), num_kv_splits)
+    grid = (requests, head_programs, num_kv_splits)
     kernels = _kernels(interpret)
     kernels.decode_split[grid](
         q, key_cache, value_cache, block_table, seq_lens, partial, scale,

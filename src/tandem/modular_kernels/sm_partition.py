@@ -8,7 +8,7 @@ import contextlib
 import sys
 from typing import Iterator
 
-import torch
+from tandem.platform.device import sm_count
 
 
 def _loaded(name: str):
@@ -17,12 +17,6 @@ def _loaded(name: str):
     DeepEP or DeepGEMM initialises NCCL checks and JIT state, and a failing import would be
     retried at every step)."""
     return sys.modules.get(name)
-
-
-def device_sm_count() -> int | None:
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def _deep_ep_sms(comm_sms: int) -> int:
@@ -43,7 +37,7 @@ def comm_sm_partition(comm_sms: int | None, *, total_sms: int | None = None) -> 
     its buffers were sized for; DeepGEMM gets the rest, rounded down to an even count
     (every GEMM asserts one).
     """
-    total = total_sms if total_sms is not None else device_sm_count()
+    total = total_sms if total_sms is not None else sm_count()
     if not comm_sms or total is None:
         yield
         return

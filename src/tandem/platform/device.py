@@ -60,6 +60,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def sm_count(device: torch.device | None = None) -> int | None:
+    """The SMs of a CUDA device (the current one by default); None without CUDA, or without a
+    driver to ask (fake CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        index = device if device is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    except (RuntimeError, AssertionError):
+        return None
+
+
 def device_group_backend(device: torch.device | str) -> str:
     """The process-group backend for tensor collectives on `device`: NCCL for CUDA tensors,
     gloo for CPU ones."""
@@ -107,4 +119,5 @@ __all__ = [
     "to_device_async",
     "resolve_device",
     "resolve_dtype",
+    "sm_count",
 ]

@@ -56,6 +56,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from tandem.platform.device import sm_count
+
 __version__ = "0.0.0+tandem.fake"
 #: lets callers tell the emulation from the real library.
 IS_FAKE = True
@@ -555,9 +557,7 @@ m_grouped_fp8_fp4_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
 
 
 def _device_sm_count() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return EMULATED_NUM_SMS
+    return sm_count() or EMULATED_NUM_SMS
 
 
 def install(*, arch_major: int = 9, device_num_sms: int | None = None) -> types.ModuleType:
