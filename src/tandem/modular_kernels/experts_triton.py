@@ -246,7 +246,8 @@ class TritonExperts(Experts):
         tile = self.tiles.pick(num_experts, inter, hidden, num_tokens, top_k, device)
         launch = dict(PRECISION=precision, BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
                       num_warps=tile.num_warps, num_stages=tile.num_stages)  # fmt: skip
-        sorted_ids, block_expert = align_pairs_by_expert(ids.to(device), num_experts, tile.block_m)
+        ids = ids.to(device)
+        sorted_ids, block_expert = align_pairs_by_expert(ids, num_experts, tile.block_m)
         num_blocks = block_expert.numel()
 
         # GEMM 1 with SiLU-and-mul: act[pair] = silu(x @ gate^T) * (x @ up^T)  ->  [N*K, I].
@@ -275,7 +276,7 @@ class TritonExperts(Experts):
             A_ROW_DIV=1, MUL_WEIGHT=True, GATED=False, BLOCK_N=bn, **launch,
         )  # fmt: skip
         # A token's pairs are consecutive rows: a fixed-order sum (no atomics, no index_add).
-        return sum_pairs(y, ids.to(device), num_experts, tokens.dtype)
+        return sum_pairs(y, ids, num_experts, tokens.dtype)
 
 
 class TritonBatchedExperts(Experts):
