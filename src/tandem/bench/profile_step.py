@@ -24,6 +24,7 @@ from tandem.bench.op_count import OpCounter
 from tandem.bench.profile_regions import Instrument, StepRecord
 from tandem.bench.roofline import Roofline, measure_roofline
 from tandem.bench.step_cost import Cost, distinct_experts, experts_cost, logits_cost, module_cost
+from tandem.worker.ubatch_wrapper import eager_unless_asked
 
 PHASES = ("prefill", "decode")
 
@@ -35,13 +36,9 @@ def profile_config(config, batch: int, prompt_len: int, decode_steps: int):
         raise ValueError("tandem profile runs one rank: leave --data-parallel-size and --pipeline-parallel-size at 1")
     block = config.cache.block_size
     per_request = -(-(prompt_len + decode_steps + 1) // block) * block
-    # Module hooks do not fire inside a graph replay: the rows need eager steps unless asked.
-    overlap = config.overlap
-    if overlap.graph_mode == "auto":
-        overlap = dataclasses.replace(overlap, graph_mode="none")
     return dataclasses.replace(
         config,
-        overlap=overlap,
+        overlap=eager_unless_asked(config.overlap),  # module hooks do not fire inside a graph replay
         max_num_batched_tokens=max(config.max_num_batched_tokens, batch * prompt_len),
         scheduler=dataclasses.replace(config.scheduler, overlap_schedule=False, max_num_seqs=batch),
         cache=dataclasses.replace(config.cache, num_kv_blocks=None,

@@ -43,6 +43,7 @@ from tandem.modular_kernels.factory import DISPATCH_OPTIONS
 from tandem.worker.step_plan import decide_overlap
 from tandem.ubatch.planner import StepShape
 from tandem.worker.planner_cache import PlannerCache, observe_step
+from tandem.worker.ubatch_wrapper import eager_unless_asked
 
 #: SGLang's SBO modes, each as its own bench mode (`sbo` and `dbo+sbo` run `auto`).
 SBO_MODE_NAMES = {f"sbo-{m}": m for m in ("combine-down-gemm", "combine-shared", "dispatch-shared")}
@@ -148,8 +149,7 @@ class ModelStepWorkload:
             config,
             cache=replace(config.cache, num_kv_blocks=max(blocks, config.cache.num_kv_blocks)),
             max_num_batched_tokens=max(config.max_num_batched_tokens, max_tokens),
-            # Steps of the modes compared run eagerly unless graphs are asked for by name.
-            overlap=replace(config.overlap, graph_mode="none") if config.overlap.graph_mode == "auto" else config.overlap,
+            overlap=eager_unless_asked(config.overlap),  # the modes compared, step by step
         )
         self.runner = build_runner(config, group=dist.group.WORLD if distributed else None)
         self.base_overlap = config.overlap

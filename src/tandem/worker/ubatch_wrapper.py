@@ -123,6 +123,12 @@ def resolve_graph_mode(mode: str, device: torch.device, model: Any, *, compiled:
     return "full"
 
 
+def eager_unless_asked(overlap):
+    """`overlap` with `--graph-mode auto` as none: for tools whose steps must run eagerly
+    (module hooks, per-step mode switches) unless graphs are asked for by name."""
+    return replace(overlap, graph_mode="none") if overlap.graph_mode == "auto" else overlap
+
+
 class UBatchWrapper:
     def __init__(
         self,
@@ -364,4 +370,7 @@ class UBatchWrapper:
         static.slot_mapping.copy_(metadata.slot_mapping)
 
 
-__all__ = ["GRAPH_SIZES", "UBatchWrapper", "graph_size", "graph_sizes", "merge_outputs", "resolve_graph_mode"]
+__all__ = [
+    "GRAPH_SIZES", "UBatchWrapper", "eager_unless_asked", "graph_size", "graph_sizes", "merge_outputs",
+    "resolve_graph_mode",
+]  # fmt: skip
