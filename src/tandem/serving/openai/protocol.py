@@ -276,13 +276,14 @@ class _SamplingRequest(_Lenient):
                                   param=max_tokens_param)
         n = self._checked_n()
         self._check_sampling_fields(n)
+        logit_bias = self._logit_bias()
         if len(prompt_lens) * n > MAX_CHOICES:
             raise invalid_request(f"{len(prompt_lens)} prompts x n={n} is more than {MAX_CHOICES} choices "
                                   "in one request", param="prompt")
         for i, num_prompt in enumerate(prompt_lens):
             check_context(num_prompt, max_tokens, max_model_len, self.prompt_param(i, len(prompt_lens)),
                           max_tokens_param)
-        return [self._choice_params(i, max_tokens, json_schema) for i in range(n)]
+        return [self._choice_params(i, max_tokens, json_schema, logit_bias) for i in range(n)]
 
     def _checked_n(self) -> int:
         n = 1 if self.n is None else self.n
@@ -301,31 +302,26 @@ class _SamplingRequest(_Lenient):
         if best_of is not None and best_of != n:
             # best_of > n ranks candidates by cumulative log-probability; vLLM's V1 engine refuses it too.
             raise invalid_request(f"'best_of' must equal 'n' ({n}) on this server, got {best_of}", param="best_of")
-        self._logit_bias()
 
     def _logit_bias(self) -> dict[int, float] | None:
-        """`logit_bias` with its keys as token ids, checked (the vocabulary bound is the
-        endpoint's: `GenerationEndpoint.new_job`)."""
+        """`logit_bias` with its keys as token ids (the values' range is `SamplingParams`'s
+        check, the vocabulary bound the endpoint's: `GenerationEndpoint.new_job`)."""
         if not self.logit_bias:
             return None
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise invalid_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
                                   param="logit_bias")
-        parsed = {}
-        for key, bias in self.logit_bias.items():
-            if not (key.isascii() and key.isdigit()):
-                raise invalid_request(f"'logit_bias' keys must be token ids (decimal integers), got {key!r}",
-                                      param="logit_bias")
-            if not -100 <= bias <= 100:
-                raise invalid_request(f"'logit_bias' values must lie in [-100, 100], got {bias} for token {key}",
-                                      param="logit_bias")
-            parsed[int(key)] = float(bias)
-        return parsed
+        bad = next((key for key in self.logit_bias if not (key.isascii() and key.isdigit())), None)
+        if bad is not None:
+            raise invalid_request(f"'logit_bias' keys must be token ids (decimal integers), got {bad!r}",
+                                  param="logit_bias")
+        return {int(key): float(bias) for key, bias in self.logit_bias.items()}
 
     def _stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def _choice_params(self, choice: int, max_tokens: int, json_schema: str | None) -> SamplingParams:
+    def _choice_params(self, choice: int, max_tokens: int, json_schema: str | None,
+                       logit_bias: dict[int, float] | None) -> SamplingParams:
         logprobs, prompt_logprobs = self.logprob_counts()
         try:
             return SamplingParams(
@@ -345,7 +341,7 @@ class _SamplingRequest(_Lenient):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 json_schema=json_schema,
-                logit_bias=self._logit_bias(),
+                logit_bias=logit_bias,
             )
         except ValueError as exc:
             name = str(exc).split()[0] if str(exc) else None
