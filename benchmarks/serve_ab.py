@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_vllm  # noqa: E402
+from tandem.testing.load import metric  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "serve_ab.json"
 STEP_METRICS = ("tandem_engine_steps_total", "tandem_engine_step_time_seconds_total")
@@ -44,12 +43,7 @@ def parse_variants(text: str) -> list[tuple[str, dict, tuple[str, ...]]]:
 
 
 def step_counters(base: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-    found = {}
-    for name in STEP_METRICS:
-        match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-        found[name] = float(match[1]) if match else float("nan")
-    return found
+    return {name: metric(base, name) for name in STEP_METRICS}
 
 
 def main() -> int:
