@@ -43,8 +43,9 @@ def test_model_runner_time_model_with_a_modelled_fabric():
         # tiny-moe has 2 MoE layers: 4 modelled transfers of >= 2 ms each, all exposed without DBO.
         assert plain.recv_wait_s >= 4 * 2e-3
         assert plain.switch_s == 0
-        assert plain.overlap_efficiency < 0.2
-        # DBO switches ubatches, and hides part of its (twice as many) transfers.
+        # DBO switches ubatches, and hides part of its (twice as many) transfers. Only the
+        # ordering is asserted: both efficiencies are ratios of wall-clock times of two ranks
+        # sharing two cores (a bound on the plain one failed once under CI's load).
         assert dbo.switch_s > 0
         assert dbo.comm_s >= 8 * 2e-3
         assert dbo.overlap_efficiency > plain.overlap_efficiency
