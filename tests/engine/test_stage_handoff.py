@@ -45,7 +45,7 @@ def test_an_empty_step_carries_no_inputs():
 
 
 def test_sampling_parameters_travel_once_per_request_and_again_after_a_drop():
-    announcer, keeper = SamplingAnnouncer(), SamplingKeeper("cpu")
+    announcer, keeper = SamplingAnnouncer(), SamplingKeeper()
     first = MicroBatchPlan(request_ids=["a", "b"], new_sampling=announcer.new(["a", "b"], [GREEDY, SEEDED]))
     second = MicroBatchPlan(request_ids=["a", "b"], new_sampling=announcer.new(["a", "b"], [GREEDY, SEEDED]))
     assert list(first.new_sampling) == ["a", "b"] and second.new_sampling == {}
@@ -80,11 +80,11 @@ def test_the_last_stage_samples_as_the_first_stage_would_with_penalties_and_min_
     # Row 0: a prompt token leads narrowly; row 1: the end token leads.
     logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 1.5, 0.0, 0.0],
                            [0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
-    one_process = [p.make_sampler("cpu", prompt, [eos]) for p in (penalized, held)]
+    one_process = [p.make_sampler(prompt, [eos]) for p in (penalized, held)]
     expected = sample_step(logits, [penalized, held], one_process).tokens.tolist()
     assert expected == [1, 1]
 
-    announcer, keeper = SamplingAnnouncer(), SamplingKeeper("cpu", eos_token_ids=[eos])
+    announcer, keeper = SamplingAnnouncer(), SamplingKeeper(eos_token_ids=[eos])
     new_sampling = announcer.new(["p", "h"], [penalized, held])
     plan = MicroBatchPlan(request_ids=["p", "h"], new_sampling=new_sampling,
                           new_prompts=prompts_to_announce(new_sampling, ["p", "h"], [prompt, prompt]))

@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ def test_same_seed_same_tokens_whatever_the_batch():
 
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([5.0, 4.0, 0.0, -1.0, -2.0])
-    g = torch.Generator().manual_seed(0)
+    g = random.Random(0)
     picks = {sample_one(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
     assert picks <= {0, 1} and len(picks) == 2
     # exp(5) / (exp(5) + exp(4) + ...) ≈ 0.71: top_p 0.5 keeps only the first token.
@@ -37,6 +39,35 @@ def test_top_k_and_top_p_restrict_the_support():
     assert picks == {0}
     picks = {sample_one(logits, SamplingParams(temperature=1.0, top_p=0.9), g) for _ in range(300)}
     assert picks == {0, 1}
+
+
+def test_draws_follow_the_distribution_and_never_take_a_token_without_mass():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.log()  # -inf for the last token
+    params = SamplingParams(temperature=1.0)
+    rows = 4000
+    tokens = sample(logits.expand(rows, -1), [params] * rows, [random.Random(7)] * rows)
+    counts = torch.bincount(torch.tensor(tokens), minlength=4) / rows
+    assert torch.allclose(counts[:3], probs[:3], atol=0.03)
+    assert counts[3] == 0
+
+
+class _StreamAt:
+    """A request's random stream that always answers `value`."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def test_the_end_of_the_unit_interval_lands_on_the_last_token_with_mass():
+    # 1 - 2**-53 rounds to 1.0 in float32: the draw must still be a token the row can take.
+    logits = torch.tensor([[2.0, 1.0, float("-inf"), float("-inf")], [float("-inf"), 0.0, float("-inf"), 1.0]])
+    params = [SamplingParams(temperature=1.0)] * 2
+    assert sample(logits, params, [_StreamAt(1 - 2**-53)] * 2) == [1, 3]
+    assert sample(logits, params, [_StreamAt(0.0)] * 2) == [0, 1]
 
 
 def test_batch_sampling_uses_each_requests_params():

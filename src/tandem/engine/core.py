@@ -79,7 +79,6 @@ class Engine:
             # The ranks enforce --max-model-len too, not only the front end that admits requests.
             max_model_len=max_model_len,
             eos_token_ids=info.eos_token_ids,
-            generator_device=runner.device,
             grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids), cache_mb=settings.grammar_cache_mb),
             vocab_size=_vocab_size(runner.model),
         )

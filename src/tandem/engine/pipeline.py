@@ -342,7 +342,7 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
     worker = StageWorker(runner, groups, timeout_s=step_timeout_s)
     if worker.is_first:
         raise ValueError("run_stage runs the stages after the first; the first runs a PipelineEngine")
-    keeper = SamplingKeeper(runner.device, runner.info.eos_token_ids) if worker.is_last else None
+    keeper = SamplingKeeper(runner.info.eos_token_ids) if worker.is_last else None
     pending: deque = deque()
     counters = worker.counters
     previous_was_step = False

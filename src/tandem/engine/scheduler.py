@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-import torch
-
 from tandem.config import EngineConfig, SchedulerConfig
 from tandem.worker.step_inputs import ScheduledChunk
 from tandem.worker.future_map import FutureMap, placeholder
@@ -116,7 +114,6 @@ class Scheduler:
         max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         max_model_len: int = 4096,
         eos_token_ids: set[int] | None = None,
-        generator_device: torch.device | str = "cpu",
         grammars: GrammarCompiler | None = None,
         vocab_size: int | None = None,
     ):
@@ -131,8 +128,6 @@ class Scheduler:
         #: Token ids a prompt may hold are [0, vocab_size): one outside would fail the whole step.
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids or set()
-        #: Where requests' sampling generators live: the device their logits are on.
-        self.generator_device = generator_device
         #: Compiles the JSON schemas of constrained requests (None: such requests are refused).
         self.grammars = grammars
         self.waiting: list[Request] = []
@@ -168,7 +163,7 @@ class Scheduler:
                 f"({self.allocator.num_blocks * self.block_size} tokens)"
             )
         if request.sampler is None:
-            request.sampler = request.params.make_sampler(self.generator_device, request.prompt_ids, sorted(self.eos_token_ids))
+            request.sampler = request.params.make_sampler(request.prompt_ids, sorted(self.eos_token_ids))
         request.queued_at = time.monotonic()
         if request.params.json_schema is not None and request.sampler.constraint is None:
             if self.grammars is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.models.paged_attention import AttentionMetadata
-from tandem.worker.sampling import SamplingParams
+from tandem.worker.sampling import RequestSampler, SamplingParams
 from tandem.worker.step_inputs import StepInputs
 from tandem.worker.step_plan import StepPlan
 
@@ -137,11 +137,10 @@ class SamplingKeeper:
     """The last stage's parameters and sampling state of every live request, made as the
     first stage's scheduler makes them in one process (prompt and end tokens included)."""
 
-    def __init__(self, device, eos_token_ids=()) -> None:
-        self.device = device
+    def __init__(self, eos_token_ids=()) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
         self.params: dict[str, SamplingParams] = {}
-        self.generators: dict[str, torch.Generator | None] = {}
+        self.generators: dict[str, RequestSampler] = {}
 
     def update(self, plan: MicroBatchPlan) -> None:
         """Drop the finished requests, then learn the new ones (in this order: an id used
@@ -152,7 +151,7 @@ class SamplingKeeper:
         for request_id, params in plan.new_sampling.items():
             self.params[request_id] = params
             prompt = plan.new_prompts.get(request_id, ())
-            self.generators[request_id] = params.make_sampler(self.device, prompt, self.eos_token_ids)
+            self.generators[request_id] = params.make_sampler(prompt, self.eos_token_ids)
 
     def for_requests(self, request_ids: list[str]) -> tuple[list[SamplingParams], list]:
         try:

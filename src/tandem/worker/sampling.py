@@ -4,19 +4,23 @@ Per step, in vLLM's order: raw log-probabilities for the requests that asked for
 any of the processing below, vLLM's default `raw_logprobs`), then `min_tokens` (end tokens
 masked until that many tokens were sampled), the repetition / frequency / presence penalties,
 the grammar mask of requests constrained to a JSON schema (`tandem.worker.grammar`), then
-greedy argmax, or temperature, `min_p`, `top_k`, `top_p` and a draw from each request's own
-seeded generator. Every choice that depends on values is made on the device: nothing here
-reads a device value on the host.
+greedy argmax, or temperature, `min_p`, `top_k`, `top_p` and a draw by inverse CDF: one
+uniform number per row from the request's own seeded stream on the host (`random.Random`, so
+a seeded request's tokens do not depend on the batch), then one cumulative sum and one search
+for the whole step. Every choice that depends on values is made on the device: nothing here
+reads a device value on the host. (`torch.multinomial` with a generator per request cost one
+call per row: 2 ms of a 3 ms decode step at 32 requests on the CPU; the batched draw 0.05 ms.)
 
-A request's state across steps (its generator, how many tokens it sampled, its output token
+A request's state across steps (its random stream, how many tokens it sampled, its output token
 counts for the penalties) is a `RequestSampler`, made once per request by
 `SamplingParams.make_sampler` and passed to every `sample_tokens` call that samples for it.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -24,6 +28,12 @@ from tandem.worker.grammar import GrammarConstraint, mask_logits
 
 #: Most top log-probabilities one token may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
+
+
+class RandomStream(Protocol):
+    """Where a request's uniform draws come from (`random.Random`)."""
+
+    def random(self) -> float: ...
 
 
 @dataclass
@@ -103,23 +113,19 @@ class SamplingParams:
         """True when sampling reads the prompt: the repetition penalty counts its tokens."""
         return self.repetition_penalty != 1.0
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """A request's own random stream on `device` (where its logits are sampled): the same
-        seed gives the same tokens whatever else is in the batch."""
+    def make_generator(self) -> random.Random | None:
+        """A request's own random stream: the same seed gives the same tokens whatever else is
+        in the batch, on any device (the draws are made on the host and sent with the step)."""
         if self.greedy:
             return None
-        generator = torch.Generator(device=device)
-        generator.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        return generator
+        return random.Random(self.seed if self.seed is not None else random.getrandbits(62))
 
-    def make_sampler(
-        self, device: torch.device | str = "cpu", prompt_ids: Sequence[int] = (), eos_token_ids: Sequence[int] = ()
-    ) -> RequestSampler:
+    def make_sampler(self, prompt_ids: Sequence[int] = (), eos_token_ids: Sequence[int] = ()) -> RequestSampler:
         """The request's sampling state; `prompt_ids` feed the repetition penalty and
         `eos_token_ids` the `min_tokens` mask."""
         end_ids = list(self.stop_token_ids) + ([] if self.ignore_eos else list(eos_token_ids))
         return RequestSampler(
-            generator=self.make_generator(device),
+            generator=self.make_generator(),
             prompt_ids=list(prompt_ids) if self.penalizes_prompt else [],
             end_token_ids=sorted(set(end_ids)) if self.min_tokens else [],
         )
@@ -129,7 +135,7 @@ class SamplingParams:
 class RequestSampler:
     """One request's sampling state across steps (see the module docstring)."""
 
-    generator: torch.Generator | None = None
+    generator: RandomStream | None = None
     prompt_ids: list[int] = field(default_factory=list)
     end_token_ids: list[int] = field(default_factory=list)
     #: Tokens sampled so far (counted on the host as they are drawn: no device read).
@@ -141,10 +147,6 @@ class RequestSampler:
     #: The request's grammar state (`SamplingParams.json_schema` only), advanced on the host by
     #: `structured.advance_constraints` after each step.
     constraint: GrammarConstraint | None = None
-
-    @property
-    def device(self) -> torch.device | None:
-        return self.generator.device if self.generator is not None else None
 
     def _ensure_counts(self, vocab_size: int, device: torch.device) -> None:
         if self.output_counts is not None:
@@ -167,10 +169,10 @@ class SampleOutput:
     logprob_ids: torch.Tensor | None = None
 
 
-def _as_sampler(state: RequestSampler | torch.Generator | None) -> RequestSampler:
+def _as_sampler(state: RequestSampler | RandomStream | None) -> RequestSampler:
     if isinstance(state, RequestSampler):
         return state
-    return RequestSampler(generator=state)  # a bare generator: a request with no state to keep
+    return RequestSampler(generator=state)  # a bare stream: a request with no state to keep
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -238,10 +240,6 @@ def _sample_rows(logits: torch.Tensor, greedy_ids: torch.Tensor, params, sampler
         kth = scores.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = scores.softmax(-1)
-    # A temperature so small that logits / temperature overflows: the limit is greedy.
-    finite = torch.isfinite(probs).all(-1)
-    one_hot = torch.zeros_like(probs).scatter_(1, greedy_ids[:, None], 1.0)
-    probs = torch.where(finite[:, None], probs, one_hot)
     if any(p.top_p < 1.0 for p in params):
         top_p = _to_device([p.top_p for p in params], torch.float32, device)[:, None]
         sorted_probs, order = probs.sort(-1, descending=True)
@@ -250,12 +248,32 @@ def _sample_rows(logits: torch.Tensor, greedy_ids: torch.Tensor, params, sampler
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         outside[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(outside, 0.0))
-    # Each request draws from its own generator, so its tokens do not depend on the batch.
-    drawn = torch.stack([
-        greedy_ids[r] if g else torch.multinomial(probs[r], 1, generator=s.generator)[0]
-        for r, (g, s) in enumerate(zip(greedy, samplers))
-    ])
-    return torch.where(finite, drawn, greedy_ids)
+    return _draw(probs, greedy_ids, greedy, samplers)
+
+
+def _draw(probs: torch.Tensor, greedy_ids: torch.Tensor, greedy: list[bool], samplers) -> torch.Tensor:
+    """Each row's token by inverse CDF: the first whose cumulative mass passes the row's uniform
+    draw (scaled by the row's total, which top-p leaves below 1)."""
+    streams = [random if s.generator is None else s.generator for s in samplers]
+    uniforms = _to_device([0.0 if g else st.random() for g, st in zip(greedy, streams)], torch.float32, probs.device)
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    # A uniform near 1 times the total may round to the total: stay strictly below it, so the
+    # search lands on a token with mass.
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    # A temperature so small that logits / temperature overflows leaves NaN mass: the limit
+    # is greedy.
+    take_greedy = ~torch.isfinite(total[:, 0])
+    if any(greedy):
+        take_greedy |= _to_device(greedy, torch.bool, probs.device)
+    return torch.where(take_greedy, greedy_ids, drawn)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)`, the first maximum of each row, as `max`'s indices: on the CPU
+    `argmax` over a row is 2-4x slower (60 against 25 us for [32, 2048] here)."""
+    return logits.max(-1).indices
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,10 +287,10 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top: int) -> t
 
 
 def sample_step(
-    logits: torch.Tensor, params: Sequence[SamplingParams], samplers: Sequence[RequestSampler | torch.Generator | None]
+    logits: torch.Tensor, params: Sequence[SamplingParams], samplers: Sequence[RequestSampler | RandomStream | None]
 ) -> SampleOutput:
     """`logits [R, V]`, one row per request, → the step's `SampleOutput` on the logits' device.
-    `samplers[r]` is request r's `RequestSampler` (a bare generator, or None for a greedy
+    `samplers[r]` is request r's `RequestSampler` (a bare random stream, or None for a greedy
     request, when it keeps no state across steps)."""
     device = logits.device
     if not params:
@@ -288,7 +306,7 @@ def sample_step(
         _apply_penalties(logits, params, states)
         if constrained:
             mask_logits(logits, constrained, [states[r].constraint for r in constrained])
-    greedy_ids = logits.argmax(-1)
+    greedy_ids = _argmax(logits)
     tokens = greedy_ids if all(p.greedy for p in params) else _sample_rows(logits.float(), greedy_ids, params, states)
     for r, (p, s) in enumerate(zip(params, states)):
         s.num_sampled += 1
@@ -301,7 +319,7 @@ def sample_step(
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], samplers: Sequence[RequestSampler | torch.Generator | None]
+    logits: torch.Tensor, params: Sequence[SamplingParams], samplers: Sequence[RequestSampler | RandomStream | None]
 ) -> torch.Tensor:
     """`sample_step(...)`'s token ids `[R]` int64 on the logits' device."""
     return sample_step(logits, params, samplers).tokens
