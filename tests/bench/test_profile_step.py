@@ -96,6 +96,29 @@ def test_roofline_is_measured_in_the_run(report):
     assert decode["weight_floor_at_copy_rate_ms"] == pytest.approx(1000 * decode["weight_bytes"] / r["bandwidth_bytes_per_s"])
 
 
+def test_a_mixtral_checkpoint_has_its_feed_forward_rows(tmp_path):
+    """Mixtral's layers hold their MoE block as `block_sparse_moe`: the table still times it
+    as the feed-forward, with its router and experts rows."""
+    pytest.importorskip("transformers")
+    from tandem.bench.profile_step import run_profile
+    from tandem.config import EngineConfig
+    from tests.support.hf_checkpoints import COMMON, build_hf_model, save_checkpoint
+
+    directory = save_checkpoint(build_hf_model("mixtral"), tmp_path / "mixtral")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = run_profile(EngineConfig(model=str(directory), device="cpu"), batch=2, prompt_len=8,
+                             decode_steps=1, repeat=1, roofline_sizes={"copy_mib": 8, "matmul_size": 256})
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["row"]: r for r in report["phases"]["decode"]["rows"]}
+    layers = COMMON["num_hidden_layers"]
+    for key in ("layers.*.mlp", "layers.*.mlp.router_logits", "layers.*.mlp.experts"):
+        assert rows[key]["calls"] == layers, key
+    assert 0 < rows["layers.*.mlp.experts"]["ms"] <= rows["layers.*.mlp"]["ms"] * SLACK
+
+
 def test_dbo_greenlet_steps_count_each_ubatch():
     """Under DBO each module runs once per ubatch, the two interleaving at their yields: every
     call is timed and counted on its own (the greenlets share the thread the counter watches)."""

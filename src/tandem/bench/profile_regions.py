@@ -40,6 +40,14 @@ LAYER_PARTS = {
 }
 
 
+def _as_mlp(part: str, mlp_name: str) -> str:
+    """`part` (a module path under a decoder layer) with the layer's feed-forward attribute
+    spelled `mlp`."""
+    if mlp_name != "mlp" and (part == mlp_name or part.startswith(mlp_name + ".")):
+        return "mlp" + part[len(mlp_name):]
+    return part
+
+
 @dataclass
 class Region:
     key: str
@@ -105,10 +113,13 @@ class Instrument:
             self._add(key, label, None, "host", "host")
         self._add("forward", "forward", None, "device", "children")
         self._add("embed", "embedding", "forward", "device", "module", model.model.embed_tokens)
+        # A family may name the feed-forward block otherwise (Mixtral: block_sparse_moe): its rows
+        # are the feed-forward's all the same.
+        mlp_name = getattr(model, "mlp_name", "mlp")
         for name, module in model.named_modules():
             if not LAYER_INDEX.match(name):
                 continue
-            part = LAYER_INDEX.sub("", name)
+            part = _as_mlp(LAYER_INDEX.sub("", name), mlp_name)
             if part in LAYER_PARTS:
                 label, parent = LAYER_PARTS[part]
                 key = "layers.*" + (f".{part}" if part else "")
