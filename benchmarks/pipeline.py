@@ -25,6 +25,7 @@ Writes benchmarks/results/pipeline.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -70,15 +71,18 @@ def _decode_run(engine, tokenizer, args, tag: str, stage_stats=None) -> dict:
     result = {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed}
     if stage_stats:
         after = stage_stats()
+        from tandem.engine.pipeline import StageCounters
+
         result["idle_fraction"] = [
-            _window_idle(before.get(s, {}), after.get(s, {})) for s in range(2)
+            _window_idle(before.get(s, StageCounters()), after.get(s, StageCounters())) for s in range(2)
         ]
     return result
 
 
-def _window_idle(before: dict, after: dict) -> float:
-    busy = after.get("busy_s", 0.0) - before.get("busy_s", 0.0)
-    idle = after.get("idle_s", 0.0) - before.get("idle_s", 0.0)
+def _window_idle(before, after) -> float:
+    """The idle fraction of one stage between two `StageCounters` snapshots."""
+    busy = after.busy_s - before.busy_s
+    idle = after.idle_s - before.idle_s
     return idle / (busy + idle) if busy + idle > 0 else 0.0
 
 
@@ -173,7 +177,7 @@ def bench_rank(rank: int, world: int, args) -> dict:
                 engine.close()
             else:
                 engine = pipeline(micro_batches)
-                stats = lambda e=engine: {**e.stage_stats, 0: e.worker.counters.as_dict()}  # noqa: E731
+                stats = lambda e=engine: {**e.stage_stats, 0: dataclasses.replace(e.worker.counters)}  # noqa: E731
                 decode[name].append(_decode_run(engine, tokenizer, args, tag, stats))
                 engine.heartbeat()
             print(f"[pipeline bench] run {r + 1} {name}: {decode[name][-1]['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)

@@ -71,10 +71,11 @@ class _Client:
 
 
 def test_metrics_export_the_time_model():
+    from tandem.engine.counters import RankCounters
     from tandem.serving.engine_client import EngineStats
     from tandem.serving.metrics import ServingMetrics
 
-    stats = EngineStats(times=StepTimes(compute_s=3.0, recv_wait_s=1.0, comm_s=4.0, switch_s=0.5))
+    stats = EngineStats(total=RankCounters(times=StepTimes(compute_s=3.0, recv_wait_s=1.0, comm_s=4.0, switch_s=0.5)))
     text = ServingMetrics(_Client(stats)).render()[0].decode()
     assert "tandem_engine_compute_seconds_total 3.0" in text
     assert "tandem_engine_recv_wait_seconds_total 1.0" in text
@@ -88,12 +89,11 @@ def test_metrics_export_the_planner_counters_summed_over_ranks():
     from tandem.serving.metrics import ServingMetrics
 
     from tandem.engine.counters import RankCounters
-    from tandem.serving.ranks.process_client import merged_stats
     from tandem.ubatch.planner import PlannerStats
 
     planner = PlannerStats(choices={"none": 3, "dbo-2": 5}, explored_steps=1, predicted_steps=6,
                            predicted_s=0.5, measured_s=0.6, abs_error_s=0.125)
-    stats = merged_stats(3, [RankCounters(planner=planner), RankCounters(planner=planner), RankCounters()])
+    stats = EngineStats.of(3, [RankCounters(planner=planner), RankCounters(planner=planner), RankCounters()])
     text = ServingMetrics(_Client(stats)).render()[0].decode()
     assert 'tandem_planner_steps_total{choice="dbo-2"} 10.0' in text
     assert 'tandem_planner_steps_total{choice="none"} 6.0' in text

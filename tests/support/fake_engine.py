@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+from tandem.engine.counters import RankCounters
 from tandem.engine.outputs import RequestOutput
 from tandem.models.tiny_moe import EOS_ID, build_tokenizer
 from tandem.serving.engine_client import EngineClient, EngineStats
@@ -96,8 +97,9 @@ class FakeEngine(EngineClient):
 
     def stats(self) -> EngineStats:
         running = len(set(self.started) - set(self.finished) - set(self.aborted))
-        return EngineStats(waiting=0, running=running, kv_usage=0.25, steps=self.steps, ubatched_steps=self.steps // 2,
-                           ubatch_yields=self.steps, step_time_s=0.001 * self.steps)
+        return EngineStats(total=RankCounters(waiting=0, running=running, kv_usage=0.25, steps=self.steps,
+                                              ubatched_steps=self.steps // 2, ubatch_yields=self.steps,
+                                              step_time_s=0.001 * self.steps))
 
     async def shutdown(self) -> None:
         pass

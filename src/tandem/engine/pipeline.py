@@ -41,7 +41,6 @@ import dataclasses
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
@@ -54,32 +53,12 @@ from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import SchedulerStep
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.stage_handoff import (
-    HEARTBEAT, STEP, STOP, MicroBatchPlan, MicroBatchResult, SamplingAnnouncer, SamplingKeeper, input_tensors, prompts_to_announce,
-    pack_inputs, unpack_inputs,
+    HEARTBEAT, STEP, STOP, MicroBatchPlan, MicroBatchResult, SamplingAnnouncer, SamplingKeeper, StageCounters, input_tensors,
+    prompts_to_announce, pack_inputs, unpack_inputs,
 )
 
 #: How often an idle first stage tells the others it is alive.
 HEARTBEAT_INTERVAL_S = 1.0
-
-
-@dataclass
-class StageCounters:
-    """Where one stage's time went while the pipeline had work: `busy_s` running its layers
-    (and sampling), `idle_s` waiting for its next micro-batch (for the first stage: for the
-    results of its oldest one). Waits that follow an idle pipeline are not bubbles."""
-
-    busy_s: float = 0.0
-    idle_s: float = 0.0
-    micro_batches: int = 0
-
-    @property
-    def idle_fraction(self) -> float:
-        total = self.busy_s + self.idle_s
-        return self.idle_s / total if total > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {"busy_s": self.busy_s, "idle_s": self.idle_s, "micro_batches": self.micro_batches,
-                "idle_fraction": self.idle_fraction}
 
 
 class StageWorker:
@@ -176,7 +155,7 @@ class PipelineEngine(Engine):
         self._announcer = SamplingAnnouncer()
         self._last_send = time.monotonic()
         #: stage -> that stage's latest counters (this stage's own under index 0).
-        self.stage_stats: dict[int, dict] = {}
+        self.stage_stats: dict[int, StageCounters] = {}
         self._closed = False
         #: Set while `choose_micro_batches` measures: its micro-batches are marked as probes.
         self.probing = False
@@ -281,7 +260,7 @@ class PipelineEngine(Engine):
         send.wait(self.step_timeout_s)  # the micro-batch came back: every stage has read its inputs
         result: MicroBatchResult = message["result"]
         self.stage_stats.update(result.stage_stats)
-        self.stage_stats[0] = worker.counters.as_dict()
+        self.stage_stats[0] = dataclasses.replace(worker.counters)
         if result.error is not None:
             return self._fail(planned, RuntimeError(result.error))
         tokens = [int(t) if t >= 0 else None for t in message["tokens"].tolist()]
@@ -320,7 +299,7 @@ class PipelineEngine(Engine):
     def stats(self) -> RankCounters:
         stats = super().stats()
         stats.pipeline_stage_idle_fraction = [
-            self.stage_stats.get(s, {}).get("idle_fraction", 0.0) for s in range(self.worker.topology.pipeline_parallel_size)
+            self.stage_stats.get(s, StageCounters()).idle_fraction for s in range(self.worker.topology.pipeline_parallel_size)
         ]
         return stats
 
@@ -369,7 +348,7 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
         out = _run_micro_batch(worker, plan, message, keeper)
         counters.busy_s += time.perf_counter() - start
         counters.micro_batches += 1
-        plan.stage_stats[worker.stage] = counters.as_dict()
+        plan.stage_stats[worker.stage] = dataclasses.replace(counters)
         if worker.is_last:  # the first stage kept the plan: send back only the outcome
             out = {"result": MicroBatchResult(plan.error, plan.stage_stats), "tokens": out["tokens"]}
         pending.append(worker.send(out, worker.next_rank))

@@ -35,6 +35,22 @@ _ATTENTION = _INPUTS + "attn."
 
 
 @dataclass
+class StageCounters:
+    """Where one stage's time went while the pipeline had work: `busy_s` running its layers
+    (and sampling), `idle_s` waiting for its next micro-batch (for the first stage: for the
+    results of its oldest one). Waits that follow an idle pipeline are not bubbles."""
+
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    micro_batches: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
+@dataclass
 class MicroBatchPlan:
     """What every stage needs to run one micro-batch, beside the tensors (hidden states and
     built inputs) of its message."""
@@ -58,8 +74,8 @@ class MicroBatchPlan:
     #: among its runner's steps (fault injection and the step counters see serving steps only).
     probe: bool = False
     error: str | None = None
-    #: stage -> its counters, filled in on the way (the first stage reads them at the end).
-    stage_stats: dict[int, dict] = field(default_factory=dict)
+    #: stage -> a copy of its counters, filled in on the way (the first stage reads them at the end).
+    stage_stats: dict[int, StageCounters] = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:
@@ -72,7 +88,7 @@ class MicroBatchResult:
     kept the plan, so only the outcome and the stages' counters travel back."""
 
     error: str | None
-    stage_stats: dict[int, dict]
+    stage_stats: dict[int, StageCounters]
 
 
 def pack_inputs(plan: MicroBatchPlan, inputs: StepInputs | None) -> dict[str, torch.Tensor]:

@@ -11,9 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from tandem.contexts import StepTimes
 from tandem.engine.counters import RankCounters
-from tandem.ubatch.planner import PlannerStats
 from tandem.worker.sampling import SamplingParams
 from tandem.engine.outputs import RequestOutput
 
@@ -28,27 +26,18 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclass
 class EngineStats:
-    """A snapshot for `/metrics` and `/health`."""
+    """A snapshot for `/metrics`: each engine's (data-parallel rank's) counters as it sent
+    them, and all of them as one."""
 
     num_ranks: int = 1
-    waiting: int = 0  # requests queued, not yet running (all ranks)
-    running: int = 0  # requests with a running sequence (all ranks)
-    kv_usage: float = 0.0  # fraction of KV blocks in use, max over ranks
-    steps: int = 0  # model steps run (summed over ranks)
-    ubatched_steps: int = 0  # of which split into ubatches
-    ubatch_yields: int = 0  # ubatch switches made
-    step_time_s: float = 0.0  # total wall time inside model steps (summed over ranks)
-    forward_busy_s: float = 0.0  # time the forward worker spent running steps (summed over ranks)
-    failed_steps: int = 0  # steps whose forward raised; their requests failed, serving went on
-    times: StepTimes = field(default_factory=StepTimes)  # the time model of every step (summed over ranks)
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    #: Pipeline parallelism: each stage's idle (bubble) fraction, mean over the DP ranks.
-    pipeline_stage_idle_fraction: list[float] = field(default_factory=list)
-    #: The overlap planners' counters, summed over the ranks that run one.
-    planner: PlannerStats | None = None
-    #: Each engine's (data-parallel rank's) own counters.
+    #: `RankCounters.merge` of `per_rank`: sums over the ranks, the fullest rank's KV usage,
+    #: each pipeline stage's mean idle fraction.
+    total: RankCounters = field(default_factory=RankCounters)
     per_rank: list[RankCounters] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, num_ranks: int, per_rank: list[RankCounters]) -> "EngineStats":
+        return cls(num_ranks, RankCounters.merge(per_rank), list(per_rank))
 
 
 class EngineClient(ABC):

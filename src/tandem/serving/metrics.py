@@ -112,50 +112,51 @@ class EngineStatsCollector(Collector):
         except Exception as exc:
             logger.warning("engine stats unavailable for /metrics: %s", type(exc).__name__)
             return
+        total = stats.total
         gauges = [
             ("tandem_engine_ranks", "Engine rank processes", stats.num_ranks),
-            ("tandem_engine_requests_waiting", "Requests queued, not yet running (all ranks)", stats.waiting),
-            ("tandem_engine_requests_running", "Requests with a running sequence (all ranks)", stats.running),
-            ("tandem_engine_kv_usage_ratio", "Fraction of KV blocks in use, max over ranks", stats.kv_usage),
+            ("tandem_engine_requests_waiting", "Requests queued, not yet running (all ranks)", total.waiting),
+            ("tandem_engine_requests_running", "Requests with a running sequence (all ranks)", total.running),
+            ("tandem_engine_kv_usage_ratio", "Fraction of KV blocks in use, max over ranks", total.kv_usage),
             (
                 "tandem_engine_overlap_efficiency",
                 "Hidden communication / total communication of all steps so far (time model)",
-                stats.times.overlap_efficiency,
+                total.times.overlap_efficiency,
             ),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
-        if stats.pipeline_stage_idle_fraction:
+        if total.pipeline_stage_idle_fraction:
             idle = GaugeMetricFamily(
                 "tandem_engine_pipeline_stage_idle_ratio",
                 "Pipeline stage idle (bubble) share of its time while the pipeline had work",
                 labels=["stage"],
             )
-            for stage, value in enumerate(stats.pipeline_stage_idle_fraction):
+            for stage, value in enumerate(total.pipeline_stage_idle_fraction):
                 idle.add_metric([str(stage)], float(value))
             yield idle
         counters = [
-            ("tandem_engine_steps", "Model steps run (summed over ranks)", stats.steps),
-            ("tandem_engine_ubatched_steps", "Model steps split into ubatches", stats.ubatched_steps),
-            ("tandem_engine_ubatch_yields", "Micro-batch switches made", stats.ubatch_yields),
-            ("tandem_engine_step_time_seconds", "Wall time inside model steps (summed over ranks)", stats.step_time_s),
+            ("tandem_engine_steps", "Model steps run (summed over ranks)", total.steps),
+            ("tandem_engine_ubatched_steps", "Model steps split into ubatches", total.ubatched_steps),
+            ("tandem_engine_ubatch_yields", "Micro-batch switches made", total.ubatch_yields),
+            ("tandem_engine_step_time_seconds", "Wall time inside model steps (summed over ranks)", total.step_time_s),
             (
                 "tandem_engine_forward_busy_seconds",
                 "Time the forward worker spent running steps, scheduling included (summed over ranks)",
-                stats.forward_busy_s,
+                total.forward_busy_s,
             ),
-            ("tandem_engine_generated_tokens", "Tokens generated, as counted by the engine", stats.generated_tokens),
-            ("tandem_engine_prompt_tokens", "Prompt tokens processed, as counted by the engine", stats.prompt_tokens),
-            ("tandem_engine_failed_steps", "Model steps that raised (their requests got an error)", stats.failed_steps),
-            ("tandem_engine_compute_seconds", "Time model: step time less receive waits and ubatch switches", stats.times.compute_s),
-            ("tandem_engine_recv_wait_seconds", "Time model: blocked on receives (exposed communication)", stats.times.recv_wait_s),
-            ("tandem_engine_comm_seconds", "Time model: transfer durations, hidden or not", stats.times.comm_s),
-            ("tandem_engine_ubatch_switch_seconds", "Time model: ubatch hand-over latency", stats.times.switch_s),
+            ("tandem_engine_generated_tokens", "Tokens generated, as counted by the engine", total.generated_tokens),
+            ("tandem_engine_prompt_tokens", "Prompt tokens processed, as counted by the engine", total.prompt_tokens),
+            ("tandem_engine_failed_steps", "Model steps that raised (their requests got an error)", total.failed_steps),
+            ("tandem_engine_compute_seconds", "Time model: step time less receive waits and ubatch switches", total.times.compute_s),
+            ("tandem_engine_recv_wait_seconds", "Time model: blocked on receives (exposed communication)", total.times.recv_wait_s),
+            ("tandem_engine_comm_seconds", "Time model: transfer durations, hidden or not", total.times.comm_s),
+            ("tandem_engine_ubatch_switch_seconds", "Time model: ubatch hand-over latency", total.times.switch_s),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))
-        if stats.planner is not None:
-            yield from _planner_metrics(stats.planner)
+        if total.planner is not None:
+            yield from _planner_metrics(total.planner)
 
 
 def _planner_metrics(planner: PlannerStats) -> Iterable[Metric]:

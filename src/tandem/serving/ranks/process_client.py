@@ -344,34 +344,11 @@ class ProcessEngineClient(EngineClient):
         return True, "ok"
 
     def stats(self) -> EngineStats:
-        return merged_stats(self.world_size, [s for s in self._rank_stats if s is not None])
+        return EngineStats.of(self.world_size, [s for s in self._rank_stats if s is not None])
 
     @property
     def in_flight(self) -> list[int]:
         return list(self._in_flight)
-
-
-def merged_stats(num_ranks: int, per_rank: list[RankCounters]) -> EngineStats:
-    """The engine's figures from every rank's latest counters, merged typed."""
-    total = RankCounters.merge(per_rank)
-    return EngineStats(
-        num_ranks=num_ranks,
-        waiting=total.waiting,
-        running=total.running,
-        kv_usage=total.kv_usage,
-        steps=total.steps,
-        ubatched_steps=total.ubatched_steps,
-        ubatch_yields=total.ubatch_yields,
-        step_time_s=total.step_time_s,
-        forward_busy_s=total.forward_busy_s,
-        failed_steps=total.failed_steps,
-        times=total.times,
-        generated_tokens=total.generated_tokens,
-        prompt_tokens=total.prompt_tokens,
-        planner=total.planner,
-        per_rank=list(per_rank),
-        pipeline_stage_idle_fraction=total.pipeline_stage_idle_fraction or [],
-    )
 
 
 __all__ = ["ProcessEngineClient"]
