@@ -79,6 +79,31 @@ def test_abort_frees_blocks_at_once_and_others_continue():
     engine.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlapped"])
+def test_no_request_leaves_state_behind_however_it_ends(overlap):
+    """Distinct per-request inputs (stop strings, logit-bias maps, seeds, penalties), ended by
+    finishing, a stop string, an abort mid-decode and preemption: afterwards the engine holds
+    no entry for any of them (scheduler, output states, samplers, KV blocks)."""
+    engine = tiny_moe_engine(overlap, num_kv_blocks=40)
+    tokenizer = engine.runner.info.tokenizer
+    for i, prompt in enumerate(PROMPTS * 3):
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=i, stop=[f"stop-{i}"], logit_bias={i + 5: 2.0},
+                                repetition_penalty=1.0 + i / 100, ignore_eos=True)
+        assert engine.add_request(f"r{i}", tokenizer.encode(prompt).ids, params) is None
+    for _ in range(8):
+        engine.step()
+    engine.abort("r1")
+    engine.abort("r4")
+    while engine.has_work:
+        engine.step()
+    engine.step()  # an idle step after the last: nothing left to apply
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.requests == {} and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.outputs.states == {}
+    assert engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
+    engine.close()
+
+
 def test_requests_that_cannot_fit_are_rejected_with_a_reason():
     engine = tiny_moe_engine(False, num_kv_blocks=8)
     too_long = engine.add_request("big", list(range(40)), SamplingParams(max_tokens=10))
