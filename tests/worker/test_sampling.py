@@ -16,11 +16,11 @@ def test_same_seed_same_tokens_whatever_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(10, 50)
     params = SamplingParams(temperature=0.8, seed=1234)
-    g = params.make_generator()
+    g = params.make_stream()
     again = [sample_one(row, params, g) for row in logits]
-    g2 = params.make_generator()
+    g2 = params.make_stream()
     other = SamplingParams(temperature=0.8, seed=99)
-    g_other = other.make_generator()
+    g_other = other.make_stream()
     interleaved = []
     for row in logits:  # another request sampling between our draws does not disturb them
         sample_one(row, other, g_other)
@@ -90,7 +90,7 @@ def test_extreme_temperature_and_top_p_never_break_a_step():
     # still give a token (the greedy one), not raise and fail every request of the step.
     logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
     for params in (SamplingParams(temperature=1e-300, seed=1), SamplingParams(top_p=5e-324, seed=1)):
-        assert sample_one(logits, params, params.make_generator()) == 1
+        assert sample_one(logits, params, params.make_stream()) == 1
 
 
 def test_logit_bias_is_added_to_its_rows_before_sampling_and_not_to_raw_logprobs():

@@ -19,7 +19,7 @@ chose. Micro-batches flow in order through every stage, so a block freed and reu
 later micro-batch is always written after the earlier one read it, and successive chunks of
 one prompt can ride back-to-back micro-batches (chunked pipeline prefill).
 
-The last stage samples with per-request parameters and generators it keeps (announced with
+The last stage samples with per-request parameters and samplers it keeps (announced with
 the request's first micro-batch, dropped when the first stage reports it finished) and sends
 the ids back to the first stage, with only the outcome and the stages' counters (the first
 stage kept the plan). Every transfer is one message into a receive posted in advance
@@ -378,8 +378,8 @@ def _run_micro_batch(worker: StageWorker, plan: MicroBatchPlan, message: dict, k
 def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, keeper: SamplingKeeper) -> torch.Tensor:
     if plan.num_requests == 0:
         return torch.empty(0, dtype=torch.int64)
-    params, generators = keeper.for_requests(plan.request_ids)
-    tokens = worker.runner.sample_tokens(hidden, inputs, params, generators, plan.samples)
+    params, samplers = keeper.for_requests(plan.request_ids)
+    tokens = worker.runner.sample_tokens(hidden, inputs, params, samplers, plan.samples)
     return torch.tensor([-1 if t is None else t for t in tokens], dtype=torch.int64)
 
 

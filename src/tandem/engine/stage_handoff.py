@@ -156,22 +156,22 @@ class SamplingKeeper:
     def __init__(self, eos_token_ids=()) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
         self.params: dict[str, SamplingParams] = {}
-        self.generators: dict[str, RequestSampler] = {}
+        self.samplers: dict[str, RequestSampler] = {}
 
     def update(self, plan: MicroBatchPlan) -> None:
         """Drop the finished requests, then learn the new ones (in this order: an id used
         again is announced again after its drop)."""
         for request_id in plan.finished_ids:
             self.params.pop(request_id, None)
-            self.generators.pop(request_id, None)
+            self.samplers.pop(request_id, None)
         for request_id, params in plan.new_sampling.items():
             self.params[request_id] = params
             prompt = plan.new_prompts.get(request_id, ())
-            self.generators[request_id] = params.make_sampler(prompt, self.eos_token_ids)
+            self.samplers[request_id] = params.make_sampler(prompt, self.eos_token_ids)
 
     def for_requests(self, request_ids: list[str]) -> tuple[list[SamplingParams], list]:
         try:
-            return [self.params[r] for r in request_ids], [self.generators[r] for r in request_ids]
+            return [self.params[r] for r in request_ids], [self.samplers[r] for r in request_ids]
         except KeyError as exc:
             raise RuntimeError(f"the last stage has no sampling parameters for request {exc}: it was never "
                                "announced, or dropped while still scheduled") from None

@@ -4,7 +4,7 @@ The grammar library is xgrammar (vLLM's default backend; `pip install 'tandem[st
 imported on first use so that a server without it runs every other request.
 
 Per request, a `GrammarConstraint` (an xgrammar matcher) lives in the request's
-`RequestSampler`, beside its generator: it is made when the scheduler admits the request and
+`RequestSampler`, beside its random stream: it is made when the scheduler admits the request and
 survives preemption untouched (recompute replays the prompt and the output so far, which the
 matcher has already accepted). Per step:
 

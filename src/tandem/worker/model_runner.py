@@ -28,7 +28,7 @@ from tandem.worker.future_map import FutureMap
 from tandem.worker.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.platform import get_platform
 from tandem.platform.device import host_buffer, to_device_async
-from tandem.worker.sampling import SampleOutput, SamplingParams, sample_step, token_logprobs
+from tandem.worker.sampling import RequestSampler, SampleOutput, SamplingParams, sample_step, token_logprobs
 from tandem.worker.step_plan import StepPlan, decide_overlap
 from tandem.worker.step_threads import step_threads_for
 from tandem.worker.ubatch_wrapper import UBatchWrapper, resolve_graph_mode
@@ -250,7 +250,7 @@ class ModelRunner:
         self,
         chunks: Sequence[ScheduledChunk],
         sampling: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        samplers: Sequence[RequestSampler | None],
         finishes_prompt: Sequence[bool] | None = None,
         future_slots: Sequence[int | None] | None = None,
     ) -> StepResult:
@@ -268,7 +268,7 @@ class ModelRunner:
             with measure_step(self.wrapper.executor, self.tracer, tokens=tokens) as measured:
                 with self.platform.use_device(self.device):
                     plan = self.plan_step(chunks)
-                    result = self._run(plan, chunks, sampling, generators, finishes_prompt, future_slots)
+                    result = self._run(plan, chunks, sampling, samplers, finishes_prompt, future_slots)
         finally:
             if measured is not None:
                 self.last_step_times = measured.times
@@ -276,7 +276,7 @@ class ModelRunner:
         self.observe(plan, measured.times)
         return result
 
-    def _run(self, plan: StepPlan, chunks, sampling, generators, finishes_prompt, future_slots) -> StepResult:
+    def _run(self, plan: StepPlan, chunks, sampling, samplers, finishes_prompt, future_slots) -> StepResult:
         inputs = self.step_inputs(chunks, plan)
         if self.future_map is not None and any(c.token_ids and min(c.token_ids) < 0 for c in chunks):
             inputs.input_ids = self.future_map.resolve(inputs.input_ids)  # 5 tensor ops: only with placeholders
@@ -289,7 +289,7 @@ class ModelRunner:
             return StepResult([], 0, plan.num_tokens_padded, plan.ubatched)
         wanted = list(finishes_prompt) if finishes_prompt is not None else [True] * len(chunks)
         rows = [r for r, w in enumerate(wanted) if w]
-        sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
+        sampled = self._sample_rows(hidden, inputs, sampling, samplers, rows)
         prompt = prompt_logprob_rows(self.model, hidden, inputs, chunks, sampling)
         if self.future_map is not None and future_slots is not None:
             published = [(i, future_slots[r]) for i, r in enumerate(rows) if future_slots[r] is not None]
@@ -304,19 +304,19 @@ class ModelRunner:
             tokens, inputs.num_tokens, plan.num_tokens_padded, plan.ubatched, step_logprobs, prompt_logprobs
         )
 
-    def sample_tokens(self, hidden, inputs: StepInputs, sampling, generators, wanted: Sequence[bool]) -> list[int | None]:
+    def sample_tokens(self, hidden, inputs: StepInputs, sampling, samplers, wanted: Sequence[bool]) -> list[int | None]:
         """The next token of every request whose `wanted` is set (None elsewhere), from the
         final hidden state of its last scheduled token."""
         rows = [r for r, w in enumerate(wanted) if w]
-        sampled = self._sample_rows(hidden, inputs, sampling, generators, rows)
+        sampled = self._sample_rows(hidden, inputs, sampling, samplers, rows)
         return _scatter_rows(len(wanted), rows, self._read_samples(sampled, [sampling[r] for r in rows])[0])
 
-    def _sample_rows(self, hidden, inputs: StepInputs, sampling, generators, rows: list[int]) -> SampleOutput:
+    def _sample_rows(self, hidden, inputs: StepInputs, sampling, samplers, rows: list[int]) -> SampleOutput:
         """The samples of requests `rows`, on the device."""
         # The last row of each sampling request, found on the host: no device read.
         ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
-        return sample_step(logits, [sampling[r] for r in rows], [generators[r] for r in rows])
+        return sample_step(logits, [sampling[r] for r in rows], [samplers[r] for r in rows])
 
     def _read_samples(self, sampled: SampleOutput, params: Sequence[SamplingParams],
                       prompt: PromptLogprobRows | None = None, sampling: Sequence[SamplingParams] = ()):

@@ -114,7 +114,7 @@ class SamplingParams:
         """True when sampling reads the prompt: the repetition penalty counts its tokens."""
         return self.repetition_penalty != 1.0
 
-    def make_generator(self) -> random.Random | None:
+    def make_stream(self) -> random.Random | None:
         """A request's own random stream: the same seed gives the same tokens whatever else is
         in the batch, on any device (the draws are made on the host and sent with the step)."""
         if self.greedy:
@@ -126,7 +126,7 @@ class SamplingParams:
         `eos_token_ids` the `min_tokens` mask."""
         end_ids = list(self.stop_token_ids) + ([] if self.ignore_eos else list(eos_token_ids))
         return RequestSampler(
-            generator=self.make_generator(),
+            stream=self.make_stream(),
             prompt_ids=list(prompt_ids) if self.penalizes_prompt else [],
             end_token_ids=sorted(set(end_ids)) if self.min_tokens else [],
         )
@@ -136,7 +136,7 @@ class SamplingParams:
 class RequestSampler:
     """One request's sampling state across steps (see the module docstring)."""
 
-    generator: RandomStream | None = None
+    stream: RandomStream | None = None
     prompt_ids: list[int] = field(default_factory=list)
     end_token_ids: list[int] = field(default_factory=list)
     #: Tokens sampled so far (counted on the host as they are drawn: no device read).
@@ -173,7 +173,7 @@ class SampleOutput:
 def _as_sampler(state: RequestSampler | RandomStream | None) -> RequestSampler:
     if isinstance(state, RequestSampler):
         return state
-    return RequestSampler(generator=state)  # a bare stream: a request with no state to keep
+    return RequestSampler(stream=state)  # a bare stream: a request with no state to keep
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -255,7 +255,7 @@ def _sample_rows(logits: torch.Tensor, greedy_ids: torch.Tensor, params, sampler
 def _draw(probs: torch.Tensor, greedy_ids: torch.Tensor, greedy: list[bool], samplers) -> torch.Tensor:
     """Each row's token by inverse CDF: the first whose cumulative mass passes the row's uniform
     draw (scaled by the row's total, which top-p leaves below 1)."""
-    streams = [random if s.generator is None else s.generator for s in samplers]
+    streams = [random if s.stream is None else s.stream for s in samplers]
     uniforms = _to_device([0.0 if g else st.random() for g, st in zip(greedy, streams)], torch.float32, probs.device)
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
