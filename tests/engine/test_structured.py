@@ -145,3 +145,30 @@ def test_the_compiled_grammar_cache_stays_within_its_bound():
         sizes.append(compiler.cache_bytes)
     assert max(sizes) <= 1 << 20
     assert sizes[-1] > 0 and compiler.cache_limit_bytes == 1 << 20
+
+
+def test_ids_past_the_tokenizer_are_masked_even_inside_the_bitmask_s_last_word():
+    """tiny-moe's tokenizer has 258 ids and its head 320: the bitmask's 9 words cover ids up
+    to 287. Inside a JSON string (most tokens allowed) xgrammar sets every bit but the
+    rejected ones, the 30 past its vocabulary included; a constrained request then sampled
+    id 281, which the grammar refused (a 500 in the soak's adversarial waves)."""
+    import json
+
+    import torch
+
+    from tandem.models.tiny_moe import EOS_ID, build_tokenizer
+    from tandem.worker.grammar import GrammarCompiler, mask_logits
+
+    tokenizer = build_tokenizer()
+    compiler = GrammarCompiler(tokenizer, [EOS_ID], cache_mb=1)
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    constraint = compiler.constraint(json.dumps(schema))
+    assert constraint.vocab_size == 258
+    for token in tokenizer.encode('{"s": "').ids:
+        constraint.advance(token)
+    logits = torch.zeros(2, 320)
+    logits[:, 258:] = 50.0  # a padded head that favours the ids no tokenizer has
+    mask_logits(logits, [1], [constraint])
+    assert (logits[1, 258:] == float("-inf")).all()
+    assert logits[1].argmax() < 258 and int((logits[1] == 0).sum()) > 100  # the string's characters stay
+    assert (logits[0, 258:] == 50).all()  # the unconstrained row is left alone

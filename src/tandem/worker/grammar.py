@@ -205,7 +205,8 @@ def mask_logits(logits: torch.Tensor, rows: Sequence[int], constraints: Sequence
     if not live:
         return
     vocab, device = logits.shape[-1], logits.device
-    words = -(-max(c.vocab_size for _, c in live) // 32)
+    known = min(c.vocab_size for _, c in live)
+    words = -(-known // 32)
     bitmask = torch.full((len(live), words), -1, dtype=torch.int32)
     if device.type != "cpu":
         bitmask = bitmask.pin_memory()  # so the copy below does not block
@@ -213,10 +214,11 @@ def mask_logits(logits: torch.Tensor, rows: Sequence[int], constraints: Sequence
         c.fill(bitmask, i)
     bits = bitmask.to(device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1).bool()
-    if allowed.shape[1] >= vocab:
-        allowed = allowed[:, :vocab]
-    else:
+    # Past the tokenizer's last id the bits are not the grammar's: where it allows most tokens
+    # xgrammar sets a whole word and clears the rejected ids, so the last word's padding reads
+    # as allowed. Only the first `known` bits count.
+    allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1).bool()[:, : min(known, vocab)]
+    if allowed.shape[1] < vocab:
         allowed = torch.cat([allowed, allowed.new_zeros(len(live), vocab - allowed.shape[1])], dim=1)
     index = torch.tensor([r for r, _ in live], dtype=torch.int64).to(device, non_blocking=True)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
