@@ -128,23 +128,35 @@ def test_length_bounded_strings_never_hold_raw_control_characters():
         assert isinstance(json.loads(tokenizer.decode(out[:-1]))["s"], str)
 
 
-def test_the_compiled_grammar_cache_stays_within_its_bound():
+def test_the_compiled_grammar_cache_stays_within_its_bound_in_real_memory():
     """Distinct schemas, one after another (an agent's per-call tool schemas): the compiled
-    grammars the rank keeps stay under `--grammar-cache-mb`, oldest out first; without the
-    bound the cache grew by every schema for good."""
+    grammars the rank keeps stay under `--grammar-cache-mb` as the allocator counts them, oldest
+    out first, and a repeated schema is served from the cache. xgrammar's own cache counted
+    about 1 KB for a grammar that holds 24 KB, so its '1 MB' kept 10 MB here and its default
+    512 MB would have kept gigabytes."""
     import json
 
     from tandem.models.tiny_moe import EOS_ID, build_tokenizer
+    from tandem.platform.memory_probe import malloc_in_use_bytes
     from tandem.worker.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(build_tokenizer(), [EOS_ID], cache_mb=1)
+    compiler.constraint(json.dumps({"type": "object"}))  # build the compiler before measuring
+    before = malloc_in_use_bytes()
     sizes = []
-    for i in range(60):
-        schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "string"} for j in range(20)}}
+    for i in range(400):
+        schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "string"} for j in range(3)}}
         compiler.constraint(json.dumps(schema))
         sizes.append(compiler.cache_bytes)
-    assert max(sizes) <= 1 << 20
-    assert sizes[-1] > 0 and compiler.cache_limit_bytes == 1 << 20
+    grown = malloc_in_use_bytes() - before
+    assert max(sizes) <= 1 << 20 and sizes[-1] > (1 << 20) // 2
+    assert grown < 2.5 * (1 << 20), f"{grown / 2**20:.1f} MB held for a 1 MB cache"
+    compiles = compiler.compiles
+    compiler.constraint(json.dumps(schema))  # the newest is still cached
+    assert compiler.compiles == compiles and compiler.cache_limit_bytes == 1 << 20
+    first = {"type": "object", "properties": {f"field_0_{j}": {"type": "string"} for j in range(3)}}
+    compiler.constraint(json.dumps(first))  # long evicted: compiled again
+    assert compiler.compiles == compiles + 1
 
 
 def test_ids_past_the_tokenizer_are_masked_even_inside_the_bitmask_s_last_word():

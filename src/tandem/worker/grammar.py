@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -155,15 +156,21 @@ class GrammarConstraint:
 
 
 class GrammarCompiler:
-    """Compiles JSON schemas for one tokenizer (one per rank; xgrammar caches compiled
-    grammars by schema, least recently used first out once the cache holds `cache_mb`: a
-    client that sends a new schema per call would otherwise grow the rank for good). Nothing
-    is imported or built until the first constrained request."""
+    """Compiles JSON schemas for one tokenizer (one per rank) and keeps the compiled grammars,
+    keyed by schema text, until they hold `cache_mb`, least recently used out first: a client
+    that sends a new schema per call would otherwise grow the rank for good. The bound counts
+    each grammar's own `memory_size_bytes`; xgrammar's built-in cache is off because its count
+    missed most of a grammar (about 1 KB of 24 KB for a small schema). Nothing is imported or
+    built until the first constrained request."""
 
     def __init__(self, tokenizer, eos_token_ids: Sequence[int], *, cache_mb: int = SchedulerConfig.grammar_cache_mb):
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_limit_bytes = cache_mb << 20
+        self.cache_bytes = 0
+        #: Schemas compiled so far (a cache hit compiles nothing).
+        self.compiles = 0
+        self._cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()
         self._compiler = None
         self._vocab_size = 0
 
@@ -178,24 +185,34 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             wrapped, vocab_size=self._vocab_size, stop_token_ids=self.eos_token_ids or None
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_limit_bytes)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
-    @property
-    def cache_bytes(self) -> int:
-        """What the compiled-grammar cache holds now (0 before the first constrained request)."""
-        return 0 if self._compiler is None else self._compiler.get_cache_size_bytes()
+    def _compiled(self, json_schema: str):
+        hit = self._cache.get(json_schema)
+        if hit is not None:
+            self._cache.move_to_end(json_schema)
+            return hit[0]
+        xgr = import_xgrammar()
+        try:
+            compiled = self._compiler.compile_grammar(_json_schema_grammar(xgr, json_schema))
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"invalid JSON schema: {_clean_error(exc)}") from None
+        self.compiles += 1
+        size = compiled.memory_size_bytes + len(json_schema)
+        if size <= self.cache_limit_bytes:
+            self._cache[json_schema] = (compiled, size)
+            self.cache_bytes += size
+            while self.cache_bytes > self.cache_limit_bytes:
+                _, (_, evicted) = self._cache.popitem(last=False)
+                self.cache_bytes -= evicted
+        return compiled
 
     def constraint(self, json_schema: str) -> GrammarConstraint:
         """A fresh matcher for `json_schema` (JSON text); `ValueError` for a schema xgrammar
         cannot compile."""
         if self._compiler is None:
             self._build()
-        xgr = import_xgrammar()
-        try:
-            compiled = self._compiler.compile_grammar(_json_schema_grammar(xgr, json_schema))
-        except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"invalid JSON schema: {_clean_error(exc)}") from None
-        return GrammarConstraint(xgr.GrammarMatcher(compiled), self._vocab_size)
+        return GrammarConstraint(import_xgrammar().GrammarMatcher(self._compiled(json_schema)), self._vocab_size)
 
 
 def mask_logits(logits: torch.Tensor, rows: Sequence[int], constraints: Sequence[GrammarConstraint]) -> None:
