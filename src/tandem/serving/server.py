@@ -73,8 +73,10 @@ def _stop_signals_interrupt() -> None:
 def run_server(config, options: ServeOptions, http: HttpOptions) -> None:
     """Local mode: start the ranks, serve until a stop signal has drained the requests in
     flight, stop the ranks (they write the trace). A stop signal during start-up stops too."""
+    from tandem.platform.memory_probe import start_from_env
     from tandem.serving.ranks.process_client import ProcessEngineClient
 
+    start_from_env("head")
     _stop_signals_interrupt()
     client = ProcessEngineClient(config, options, max_queue_len=http.max_queue_len, log=_log)
     _log(describe(config, options, http, client.world_size))

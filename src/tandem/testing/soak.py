@@ -14,12 +14,25 @@ A wave sends `wave_requests` requests, `clients` at a time, each of a kind drawn
   than running out of tokens) must validate against the schema;
 - logprobs: a streamed completion with `logprobs`: every token chunk carries them.
 
+Every `adversarial_every`-th wave is adversarial: each request carries input no other request
+sends, so whatever the server keeps per distinct input shows up as growth:
+
+- schema: a chat completion whose `json_schema` is new (an agent's per-call tool schema);
+- grammar_hangup: the same, streamed, and the client walks away mid-grammar;
+- stop: a streamed completion with new stop strings: it ends on one of them or at
+  `max_tokens`, and its text holds none of them;
+- bias: a streamed completion with a new `logit_bias` map (up to 300 ids);
+- and the long prompts that preempt and `n` > 1 of the ordinary mix.
+
 Each request ends as one outcome: finished, hung_up, aborted, `status_<code>` (the server
 answered an HTTP error), `error_event` (a stream that ended with an error event) or `lost`
 (anything else: a cut stream, a transport error, a timeout, a reply that breaks its
 contract). After each wave the engine must return to no running or waiting request and no
 KV in use (`/metrics`, vLLM's names), and the resident memory and open file descriptors of
-every server process are recorded: after a warm-up wave they must not grow.
+every server process are recorded: after the warm-up they must not grow. The warm-up is
+measured, not assumed (`warmup_waves`): the waves before the memory curve joins the straight
+line fitted to the second half of the run, as bounded caches (compiled grammars, the
+tokenizer's) fill and the allocators reach their working set.
 
 `run_wave` drives one wave; `benchmarks/soak.py` (minutes of waves) and
 `tests/serving/test_soak.py` (a short run) use it.
@@ -44,8 +57,13 @@ from tandem.testing.load import metric_values, rss_mb
 SERVE_FLAGS = (
     "--data-parallel-size", "2", "--enable-dbo", "--dbo-decode-token-threshold", "8",
     "--dbo-prefill-token-threshold", "64", "--kv-cache-tokens", "1024", "--max-num-batched-tokens", "256",
+    # Small enough that the adversarial waves' new schemas fill it within the warm-up.
+    "--grammar-cache-mb", "4",
 )
 KINDS = {"stream": 4, "hangup": 2, "abort": 1, "n": 1, "long": 1, "json": 1, "logprobs": 1}
+ADVERSARIAL_KINDS = {"schema": 2, "grammar_hangup": 1, "stop": 2, "bias": 2, "long": 1, "n": 1}
+#: Token ids a `logit_bias` map may name: tiny-moe's 256 byte tokens.
+BIAS_IDS = 256
 OUTCOMES = ("finished", "hung_up", "aborted", "error_event", "lost")
 JSON_SCHEMA = {
     "type": "object",
@@ -71,11 +89,17 @@ class SoakConfig:
     drain_timeout_s: float = 60.0
     model: str = "tiny-moe"
     seed: int = 0
+    #: Every this many waves one is adversarial (0: none).
+    adversarial_every: int = 3
+
+    def is_adversarial(self, index: int) -> bool:
+        return self.adversarial_every > 0 and index % self.adversarial_every == self.adversarial_every - 1
 
 
 @dataclass
 class WaveResult:
     wave: int
+    adversarial: bool
     duration_s: float
     requests: int
     outcomes: dict[str, int]
@@ -88,6 +112,8 @@ class WaveResult:
     preemptions_total: float
     rss_mb: dict[str, float] = field(default_factory=dict)
     open_fds: dict[str, int] = field(default_factory=dict)
+    #: Wall-clock time of the memory samples (after the drain).
+    sampled_at: float = 0.0
 
     @property
     def rss_total_mb(self) -> float:
@@ -141,7 +167,9 @@ class _Wave:
         self.base_url, self.config, self.index = base_url, config, index
         self.prompts = _prompt_pools(config)
         self.outcomes: dict[str, int] = {name: 0 for name in OUTCOMES}
-        self.kinds: dict[str, int] = {name: 0 for name in KINDS}
+        self.adversarial = config.is_adversarial(index)
+        self.mix = ADVERSARIAL_KINDS if self.adversarial else KINDS
+        self.kinds: dict[str, int] = {name: 0 for name in self.mix}
         self.problems: list[str] = []
 
     def _count(self, outcome: str, problem: str | None = None) -> None:
@@ -151,7 +179,7 @@ class _Wave:
 
     async def run(self) -> float:
         rng = random.Random(self.config.seed * 1_000_003 + self.index)
-        kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=self.config.wave_requests)
+        kinds = rng.choices(list(self.mix), weights=list(self.mix.values()), k=self.config.wave_requests)
         seeds = [rng.randrange(2**31) for _ in kinds]
         gate = asyncio.Semaphore(self.config.clients)
         # No keep-alive: an idle pooled connection the server closes as a request goes out on
@@ -185,8 +213,10 @@ class _Wave:
         self._count(outcome)
 
     async def _request(self, http: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
-        if kind == "json":
-            return await self._json(http, rng)
+        if kind in ("json", "schema"):
+            return await self._json(http, rng, JSON_SCHEMA if kind == "json" else new_schema(rng))
+        if kind == "grammar_hangup":
+            return await self._grammar_hangup(http, rng)
         cfg = self.config
         max_tokens = rng.randint(2, cfg.max_tokens)
         n = rng.randint(2, 3) if kind == "n" else 1
@@ -197,7 +227,13 @@ class _Wave:
         }
         if kind == "logprobs":
             body["logprobs"] = 2
+        if kind == "stop":
+            body["stop"] = new_stop_strings(rng)
+        if kind == "bias":
+            body["logit_bias"] = new_logit_bias(rng)
         finished: set[int] = set()
+        reasons: set[str] = set()
+        text = ""
         usage = None
         async with http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -213,34 +249,80 @@ class _Wave:
                 for choice in chunk.get("choices", []):
                     if kind == "logprobs" and choice.get("text") and not (choice.get("logprobs") or {}).get("tokens"):
                         raise _Lost("a token chunk without logprobs")
+                    text += choice.get("text") or ""
                     if choice.get("finish_reason"):
                         finished.add(choice["index"])
+                        reasons.add(choice["finish_reason"])
                     elif choice.get("text") and kind == "hangup":
                         return "hung_up"  # leaving the block closes the connection mid-stream
         if finished != set(range(n)) or usage is None:
             raise _Lost(f"stream ended with choices {sorted(finished)} of {n} finished, usage {usage}")
-        if usage["completion_tokens"] != n * max_tokens:
+        if kind == "stop":
+            held = [stop for stop in body["stop"] if stop in text]
+            if held or not reasons <= {"stop", "length"} or usage["completion_tokens"] > max_tokens:
+                raise _Lost(f"stop {body['stop']}: finish {reasons}, {usage['completion_tokens']} of {max_tokens} "
+                            f"tokens, text holds {held}")
+        elif usage["completion_tokens"] != n * max_tokens:
             raise _Lost(f"asked for {n} x {max_tokens} tokens, got {usage['completion_tokens']}")
         return "finished"
 
-    async def _json(self, http: httpx.AsyncClient, rng: random.Random) -> str:
-        import jsonschema
-
-        body = {
+    def _chat_body(self, rng: random.Random, schema: dict) -> dict:
+        return {
             "model": self.config.model, "max_tokens": 48, "temperature": 0.8, "seed": rng.randrange(2**31),
             "messages": [{"role": "user", "content": "Is it ok? Answer in JSON."}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": JSON_SCHEMA}},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
         }
-        response = await http.post("/v1/chat/completions", json=body)
+
+    async def _json(self, http: httpx.AsyncClient, rng: random.Random, schema: dict) -> str:
+        import jsonschema
+
+        response = await http.post("/v1/chat/completions", json=self._chat_body(rng, schema))
         if response.status_code != 200:
             return f"status_{response.status_code}"
         choice = response.json()["choices"][0]
         if choice["finish_reason"] == "stop":
             try:
-                jsonschema.validate(json.loads(choice["message"]["content"]), JSON_SCHEMA)
+                jsonschema.validate(json.loads(choice["message"]["content"]), schema)
             except (ValueError, jsonschema.ValidationError) as exc:
                 raise _Lost(f"structured output broke its schema: {exc}"[:200]) from None
         return "finished"
+
+    async def _grammar_hangup(self, http: httpx.AsyncClient, rng: random.Random) -> str:
+        body = self._chat_body(rng, new_schema(rng)) | {"stream": True}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return f"status_{response.status_code}"
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    return "error_event"
+                for choice in chunk.get("choices", []):
+                    if (choice.get("delta") or {}).get("content"):
+                        return "hung_up"  # mid-grammar: the constraint has advanced
+                    if choice.get("finish_reason"):
+                        return "finished"
+        raise _Lost("a streamed structured reply ended without a finish reason")
+
+
+def new_schema(rng: random.Random) -> dict:
+    """A json_schema no other request sends: 1-4 properties under fresh names."""
+    tag = rng.randrange(10**9)
+    properties = {f"k{tag}_{i}": {"type": rng.choice(("integer", "boolean", "string"))} for i in range(rng.randint(1, 4))}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+def new_stop_strings(rng: random.Random) -> list[str]:
+    """1-4 stop strings of 1-3 printable characters: short enough that some match."""
+    return ["".join(chr(rng.randint(0x21, 0x7E)) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 4))]
+
+
+def new_logit_bias(rng: random.Random) -> dict[str, float]:
+    """A map of up to 300 ids (the server's limit) with biases anywhere in [-100, 100]."""
+    ids = rng.sample(range(BIAS_IDS), rng.randint(1, min(300, BIAS_IDS)))
+    return {str(i): round(rng.uniform(-100, 100), 2) for i in ids}
 
 
 def _settle(base_url: str, timeout_s: float, stable_s: float = 0.6) -> tuple[float, float, float, float]:
@@ -276,24 +358,72 @@ def run_wave(base_url: str, config: SoakConfig, index: int, pids: Callable[[], d
         if rss is not None and count is not None:
             memory[name], fds[name] = rss, count
     return WaveResult(
-        wave=index + 1, duration_s=duration, requests=config.wave_requests,
+        wave=index + 1, adversarial=wave.adversarial, duration_s=duration, requests=config.wave_requests,
         outcomes={k: v for k, v in wave.outcomes.items() if v or k in OUTCOMES}, kinds=wave.kinds,
         problems=wave.problems, drained_s=drained, running_after=running, waiting_after=waiting,
         kv_usage_after=kv, preemptions_total=engine_metric(base_url, "vllm:num_preemptions_total"), rss_mb=memory,
-        open_fds=fds,
+        open_fds=fds, sampled_at=time.time(),
     )
 
 
-def growth(waves: list[WaveResult], warmup: int = 1) -> tuple[float, float]:
-    """(RSS, open fds) of the waves after the first `warmup`, as the largest fraction over
-    the first of them (0.01: 1 % more)."""
+def warmup_waves(waves: list[WaveResult], min_waves: int = 12) -> int:
+    """How many waves the warm-up took, measured: the waves before the total-RSS curve joins
+    the least-squares line through the second half of the run (and stays within three residual
+    deviations, at least 1 MB, of it). Runs shorter than `min_waves` take the first wave."""
+    totals = [w.rss_total_mb for w in waves]
+    if len(totals) < min_waves:
+        return 1
+    start = len(totals) // 2
+    xs = range(start, len(totals))
+    slope, intercept = _line(list(xs), totals[start:])
+    residuals = [totals[x] - (intercept + slope * x) for x in xs]
+    spread = max(3 * (sum(r * r for r in residuals) / len(residuals)) ** 0.5, 1.0)
+    joined = len(totals)
+    for x in range(len(totals) - 1, -1, -1):
+        if totals[x] < intercept + slope * x - spread:
+            break
+        joined = x
+    return max(joined, 1)
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    return slope, mean_y - slope * mean_x
+
+
+@dataclass
+class Growth:
+    """Memory and descriptors after the warm-up, as fractions over the first measured wave
+    (0.01: 1 % more), for the server as a whole and for its worst process."""
+    warmup: int
+    rss: float
+    fds: float
+    worst_process: str
+    worst_process_rss: float
+    #: The steady trend: the slope of total RSS over the measured waves, in MB an hour.
+    rss_mb_per_hour: float
+
+
+def growth(waves: list[WaveResult], warmup: int | None = None) -> Growth:
+    """Growth after `warmup` waves (measured by `warmup_waves` when None)."""
+    warmup = warmup_waves(waves) if warmup is None else warmup
     measured = waves[warmup:]
     if len(measured) < 2:
-        return 0.0, 0.0
-    base = measured[0]
-    rss = max(w.rss_total_mb for w in measured[1:]) / base.rss_total_mb - 1
-    fds = max(w.fds_total for w in measured[1:]) / base.fds_total - 1
-    return rss, fds
+        return Growth(warmup, 0.0, 0.0, "", 0.0, 0.0)
+    base, later = measured[0], measured[1:]
+    per_process = {name: max(w.rss_mb.get(name, 0.0) for w in later) / mb - 1 for name, mb in base.rss_mb.items()}
+    worst = max(per_process, key=per_process.get)
+    hours = [sum(w.duration_s + w.drained_s for w in waves[: i + 1]) / 3600 for i in range(len(waves))]
+    slope, _ = _line(hours[warmup:], [w.rss_total_mb for w in measured])
+    return Growth(
+        warmup=warmup,
+        rss=max(w.rss_total_mb for w in later) / base.rss_total_mb - 1,
+        fds=max(w.fds_total for w in later) / base.fds_total - 1,
+        worst_process=worst, worst_process_rss=per_process[worst], rss_mb_per_hour=slope,
+    )
 
 
 HEADER = (f"{'wave':>4} {'reqs':>5} {'time s':>7} {'finished':>8} {'hung_up':>7} {'aborted':>7} {'http err':>8} "
@@ -304,7 +434,7 @@ def format_wave(w: WaveResult) -> str:
     o = w.outcomes
     http_errors = sum(v for k, v in o.items() if k.startswith("status_")) + o.get("error_event", 0)
     after = f"{w.running_after:g}/{w.waiting_after:g}/{w.kv_usage_after:g}"
-    return (f"{w.wave:>4} {w.requests:>5} {w.duration_s:>7.1f} {o['finished']:>8} {o['hung_up']:>7} "
+    return (f"{w.wave:>3}{'A' if w.adversarial else ' '} {w.requests:>5} {w.duration_s:>7.1f} {o['finished']:>8} {o['hung_up']:>7} "
             f"{o['aborted']:>7} {http_errors:>8} {o['lost'] + w.unaccounted:>4} {after:>11} "
             f"{w.preemptions_total:>7g} {w.rss_total_mb:>7.0f} {w.fds_total:>4}")
 
@@ -313,4 +443,6 @@ def as_dict(w: WaveResult) -> dict:
     return {**asdict(w), "rss_total_mb": w.rss_total_mb, "fds_total": w.fds_total, "unaccounted": w.unaccounted}
 
 
-__all__ = ["HEADER", "KINDS", "SERVE_FLAGS", "SoakConfig", "WaveResult", "as_dict", "engine_metric", "format_wave", "growth", "open_fds", "run_wave"]
+__all__ = ["ADVERSARIAL_KINDS", "HEADER", "KINDS", "SERVE_FLAGS", "Growth", "SoakConfig", "WaveResult", "as_dict",
+           "engine_metric", "format_wave", "growth", "new_logit_bias", "new_schema", "new_stop_strings", "open_fds",
+           "run_wave", "warmup_waves"]

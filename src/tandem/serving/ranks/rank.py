@@ -314,8 +314,10 @@ def local_rank_main(rank: int, world_size: int, env: dict, config, options: Serv
     """Entry point of a rank process started by the local front end."""
     import multiprocessing
 
+    from tandem.platform.memory_probe import start_from_env
     from tandem.serving.ranks.lifetime import die_with_parent, ignore_stop_signals
 
+    start_from_env(f"rank{rank}")
     parent = multiprocessing.parent_process()
     die_with_parent(parent.pid if parent is not None else None)
     # A stop signal to the whole group: the front end drains, then shuts the ranks down in order.
