@@ -184,3 +184,38 @@ def test_ids_past_the_tokenizer_are_masked_even_inside_the_bitmask_s_last_word()
     assert (logits[1, 258:] == float("-inf")).all()
     assert logits[1].argmax() < 258 and int((logits[1] == 0).sum()) > 100  # the string's characters stay
     assert (logits[0, 258:] == 50).all()  # the unconstrained row is left alone
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlapped"])
+def test_a_grammar_that_refuses_its_token_fails_only_its_request(monkeypatch, overlap):
+    """Should a grammar refuse the token the step sampled under its own mask (the padded-head
+    bug above did), that request ends with an error and the step's other requests, constrained
+    or not, go on: before, the whole step's requests failed."""
+    from tandem.worker import grammar
+
+    real_advance = grammar.GrammarConstraint.advance
+    seen: dict[int, int] = {}
+
+    def refuse_third(self, token):
+        seen[id(self)] = seen.get(id(self), 0) + 1
+        if self is victim[0] and seen[id(self)] == 3:
+            token = 10_000  # no grammar accepts this id
+        real_advance(self, token)
+
+    victim = []
+    real_constraint = grammar.GrammarCompiler.constraint
+
+    def constraint(self, json_schema):
+        made = real_constraint(self, json_schema)
+        if not victim:
+            victim.append(made)
+        return made
+
+    monkeypatch.setattr(grammar.GrammarConstraint, "advance", refuse_third)
+    monkeypatch.setattr(grammar.GrammarCompiler, "constraint", constraint)
+    alone, _ = _run(overlap, 256, which=[1, 2, 3])
+    monkeypatch.setattr(grammar.GrammarConstraint, "advance", real_advance)
+    reference, _ = _run(overlap, 256, which=[1, 2, 3])
+    assert alone["r1"][1] == "error"
+    assert alone["r2"] == reference["r2"] and alone["r3"] == reference["r3"]
+    assert reference["r3"][1] == "stop"

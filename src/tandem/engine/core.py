@@ -205,7 +205,12 @@ class Engine:
         self.idle_everywhere = not isinstance(result, BaseException) and result.num_tokens_padded == 0
         if isinstance(result, BaseException):
             return self._fail(step, result)
-        outputs = []
+        outputs = [
+            self._fail_request(entry.request, f"structured output failed: {constraint.refusal}")
+            for entry in step.scheduled
+            if (constraint := entry.request.sampler.constraint) is not None and constraint.refusal
+            and not entry.request.finished
+        ]
         for update in self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs):
             output = self.outputs.process(update)
             if output is None:
