@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-from tandem.testing.soak import HEADER, SERVE_FLAGS, SoakConfig, as_dict, format_wave, growth, run_wave  # noqa: E402
+from tandem.testing.soak import HEADER, SERVE_FLAGS, SoakConfig, as_dict, format_wave, growth, run_wave, server_processes  # noqa: E402
 from tandem.testing.soak_report import plot_rss, probe_summary  # noqa: E402
-from tandem.testing.server_process import Server, rank_pids  # noqa: E402
+from tandem.testing.server_process import Server  # noqa: E402
 
 
 def _wave_problems(wave) -> list[str]:
@@ -73,13 +73,10 @@ def main() -> int:
     server = Server("tiny-moe", *SERVE_FLAGS, startup_timeout_s=300, env=env)
     waves, problems = [], []
     try:
-        def pids() -> dict[str, int]:
-            return {"head": server.proc.pid, **{f"pid {pid}": pid for pid in rank_pids([server.proc.pid])}}
-
         print(HEADER, file=sys.stderr, flush=True)
         deadline = time.monotonic() + 60 * args.minutes
         while time.monotonic() < deadline or len(waves) < 3:
-            waves.append(run_wave(server.base, config, len(waves), pids))
+            waves.append(run_wave(server.base, config, len(waves), lambda: server_processes(server.proc.pid)))
             print(format_wave(waves[-1]), file=sys.stderr, flush=True)
             problems += _wave_problems(waves[-1])
         code = server.stop(timeout_s=120, sig=signal.SIGTERM, group=True)

@@ -140,6 +140,22 @@ def engine_metric(base_url: str, name: str, combine: Callable[[list[float]], flo
     return combine(values) if values else float("nan")
 
 
+def server_processes(head_pid: int) -> dict[str, int]:
+    """The server's processes by role: the head, its rank processes, and multiprocessing's
+    resource tracker (which holds nothing of ours but is sampled like the rest)."""
+    from tandem.testing.server_process import rank_pids
+
+    named = {"head": head_pid}
+    for pid in rank_pids([head_pid]):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                tracker = b"resource_tracker" in cmdline.read()
+        except OSError:
+            continue
+        named[f"{'resource tracker' if tracker else 'rank'} (pid {pid})"] = pid
+    return named
+
+
 def open_fds(pid: int) -> int | None:
     try:
         return len(os.listdir(f"/proc/{pid}/fd"))
@@ -445,4 +461,4 @@ def as_dict(w: WaveResult) -> dict:
 
 __all__ = ["ADVERSARIAL_KINDS", "HEADER", "KINDS", "SERVE_FLAGS", "Growth", "SoakConfig", "WaveResult", "as_dict",
            "engine_metric", "format_wave", "growth", "new_logit_bias", "new_schema", "new_stop_strings", "open_fds",
-           "run_wave", "warmup_waves"]
+           "run_wave", "server_processes", "warmup_waves"]
