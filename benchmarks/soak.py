@@ -8,7 +8,8 @@ After every wave: every request ended (finished, hung up, aborted, or an HTTP st
 engine is back to no running or waiting request and no KV in use, and the resident memory and
 open file descriptors of every server process are sampled; after the warm-up (measured: the
 waves before the memory curve joins the line through the run's second half) neither the whole
-server nor any one process may grow by more than `--tolerance` (1 %). The server is then
+server nor any one process may grow by more than `--tolerance` (1 %; the mean of the last
+tenth of the waves over the first tenth's). The server is then
 stopped with SIGTERM to its whole process group: exit 0 and no process left.
 
     python benchmarks/soak.py --minutes 10

@@ -412,8 +412,10 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 @dataclass
 class Growth:
-    """Memory and descriptors after the warm-up, as fractions over the first measured wave
-    (0.01: 1 % more), for the server as a whole and for its worst process."""
+    """Memory and descriptors after the warm-up, as fractions (0.01: 1 % more): the mean of
+    the last tenth of the measured waves (at least 3) over the mean of the first tenth, for
+    the server as a whole and for its worst process. Means, because one wave's sample moves
+    by a few MB as an idle rank hands freed pages back (`platform.heap`) and takes them again."""
     warmup: int
     rss: float
     fds: float
@@ -429,15 +431,18 @@ def growth(waves: list[WaveResult], warmup: int | None = None) -> Growth:
     measured = waves[warmup:]
     if len(measured) < 2:
         return Growth(warmup, 0.0, 0.0, "", 0.0, 0.0)
-    base, later = measured[0], measured[1:]
-    per_process = {name: max(w.rss_mb.get(name, 0.0) for w in later) / mb - 1 for name, mb in base.rss_mb.items()}
+    window = max(min(3, len(measured) // 2), len(measured) // 10)
+    first, last = measured[:window], measured[-window:]
+
+    def rise(value: Callable[[WaveResult], float]) -> float:
+        return sum(map(value, last)) / sum(map(value, first)) - 1
+
+    per_process = {name: rise(lambda w, name=name: w.rss_mb.get(name, 0.0)) for name in measured[0].rss_mb}
     worst = max(per_process, key=per_process.get)
     hours = [sum(w.duration_s + w.drained_s for w in waves[: i + 1]) / 3600 for i in range(len(waves))]
     slope, _ = _line(hours[warmup:], [w.rss_total_mb for w in measured])
     return Growth(
-        warmup=warmup,
-        rss=max(w.rss_total_mb for w in later) / base.rss_total_mb - 1,
-        fds=max(w.fds_total for w in later) / base.fds_total - 1,
+        warmup=warmup, rss=rise(lambda w: w.rss_total_mb), fds=rise(lambda w: w.fds_total),
         worst_process=worst, worst_process_rss=per_process[worst], rss_mb_per_hour=slope,
     )
 

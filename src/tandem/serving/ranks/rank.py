@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from tandem.platform.heap import HeapTrimmer
 from tandem.serving.ranks.messages import (
     AbortRequest, AddRequest, Fatal, FromHead, Outputs, Progress, Ready, Shutdown, Stats, ToHead,
 )
@@ -237,6 +238,7 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
           watchdog: Watchdog | None = None) -> None:
     busy_anywhere = False
     last_stats = 0.0
+    heap = HeapTrimmer()
     while True:
         if watchdog is not None:
             watchdog.beat()
@@ -277,6 +279,7 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
         stepping = run_step if control is not None else engine.has_work
         if not stepping:
             engine.idle()
+            heap.idle()
         if stepping:
             failed_before = engine.failed_steps
             outputs += engine.step()
