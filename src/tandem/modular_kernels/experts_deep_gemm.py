@@ -25,13 +25,13 @@ PyPI; on a CPU box `tandem.testing.fake_deep_gemm.install()` provides an emulati
 from __future__ import annotations
 
 import types
-import weakref
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from tandem.modular_kernels.activation import silu_and_mul_torch
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
+from tandem.modular_kernels.per_tensor_cache import PerTensorCache
 from tandem.modular_kernels.quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -113,42 +113,6 @@ def _check_hidden_sizes(w1: torch.Tensor | BlockFP8Weight, w2: torch.Tensor | Bl
     return num_experts, hidden, inter
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return None
-
-
-class _PerTensorCache:
-    """Values derived from tensors, one entry per (live tensor, variant). An entry is reused
-    while the tensor is the same object with the same storage, shape and version counter,
-    and dropped when the tensor is freed."""
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple, tuple] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, t: torch.Tensor, variant, make: Callable[[], object]):
-        key = (id(t), variant)
-        stamp = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, _version(t))
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is t and entry[1] == stamp:
-            return entry[2]
-        value = make()
-        entries = self._entries
-
-        def forget(ref, key=key) -> None:
-            current = entries.get(key)
-            if current is not None and current[0] is ref:
-                del entries[key]
-
-        self._entries[key] = (weakref.ref(t, forget), stamp, value)
-        return value
-
-
 def _fp8_activations(
     tokens: ExpertTokens, power_of_two_scales: bool, sm100: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,11 +182,6 @@ def expected_rows_per_expert(rows: int, top_k: int | None, num_experts: int | No
     return max(1, min(estimate, rows))
 
 
-def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.float().chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class _DeepGemmBase(Experts):
     compiles_on_first_use = True
     name = "deep_gemm"
@@ -240,9 +199,9 @@ class _DeepGemmBase(Experts):
         self._dg = import_deep_gemm()
         self.top_k, self.num_experts = top_k, num_experts
         #: block-quantized copies of model-dtype weights, per (weight, UE8M0 or not).
-        self._weights = _PerTensorCache()
+        self._weights = PerTensorCache()
         #: SM100: weight scales packed into DeepGEMM's UE8M0 layout, per scale tensor.
-        self._packed_weight_scales = _PerTensorCache()
+        self._packed_weight_scales = PerTensorCache()
         self.power_of_two_scales = power_of_two_scales
         self._tma_align = _function(self._dg, "get_mn_major_tma_aligned_tensor")
 
@@ -348,7 +307,7 @@ class DeepGemmExperts(_DeepGemmBase):
 
         h = torch.empty((m_sum, 2 * inter), dtype=torch.bfloat16, device=device)
         self._gemm((lhs, self._lhs_scales(lhs_scales, sm100)), (w1q, w1s), h, m_indices)
-        act = _silu_and_mul(h)
+        act = silu_and_mul_torch(h.float())
         act = torch.where((m_indices >= 0).unsqueeze(1), act, torch.zeros_like(act))  # padding rows are unspecified
         aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=pow2)
         y = torch.empty((m_sum, hidden), dtype=torch.bfloat16, device=device)
@@ -400,7 +359,7 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         valid = (torch.arange(m_run, device=device).unsqueeze(0) < counts.unsqueeze(1)).unsqueeze(-1)
         h = torch.empty((num_experts, m_run, 2 * inter), dtype=torch.bfloat16, device=device)
         self._gemm((xq, self._lhs_scales(xs, sm100)), (w1q, w1s), h, counts, expected_m)
-        act = _silu_and_mul(h)
+        act = silu_and_mul_torch(h.float())
         act = torch.where(valid, act, torch.zeros_like(act))  # rows past the count are unspecified
         aq, a_scales = quantize_fp8_per_token_group(act, BLOCK, power_of_two_scales=pow2)
         y = torch.empty((num_experts, m_run, hidden), dtype=torch.bfloat16, device=device)
