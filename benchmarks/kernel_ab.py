@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.platform import cpu_kernels
+from tandem.platform import cpu_kernels, cpu_kernels_build
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernel_ab.json"
 SHAPES = "128x1024x512x16,32x1024x512x16,160x256x128x8"
@@ -28,16 +28,16 @@ SHAPES = "128x1024x512x16,32x1024x512x16,160x256x128x8"
 
 def libraries(before: Path) -> dict:
     """{"before": the other source's library, "after": this tree's}, both built (or read from
-    the kernel cache) by `cpu_kernels` itself."""
-    after = cpu_kernels._library()
-    cpu_kernels._library.cache_clear()
-    own = cpu_kernels._SOURCE
-    cpu_kernels._SOURCE = before
+    the kernel cache) by `cpu_kernels_build` itself."""
+    after = cpu_kernels_build.library()
+    cpu_kernels_build.library.cache_clear()
+    own = cpu_kernels_build.SOURCE
+    cpu_kernels_build.SOURCE = before
     try:
-        before_lib = cpu_kernels._library()
+        before_lib = cpu_kernels_build.library()
     finally:
-        cpu_kernels._SOURCE = own
-        cpu_kernels._library.cache_clear()
+        cpu_kernels_build.SOURCE = own
+        cpu_kernels_build.library.cache_clear()
     if after is None or before_lib is None:
         raise SystemExit("tandem's CPU kernels did not build here (no C compiler?)")
     return {"before": before_lib, "after": after}
