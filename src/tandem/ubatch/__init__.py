@@ -3,8 +3,8 @@
 What it holds: the thresholds (`thresholds.py`), the token-axis slices (`slices.py`:
 `UBatchSlice`, `split_by_tokens`), cost-aware cuts (`cost_split.py`), TBO's balanced and
 two-chunk splits (`balanced.py`), the per-ubatch attention metadata (`attention.py`), the DP
-ranks' agreement on ubatching and padding (`coordination.py`, one all-reduce) and the overlap
-planner's cost model (`planner.py`).
+ranks' agreement on ubatching and padding (`coordination.py`, one all-reduce), the overlap
+planner (`planner.py`) and its cost model (`cost_model.py`).
 
 What it never does: run a ubatch, switch threads, touch streams, or read a model. How the
 ubatches it cuts are run is `tandem.contexts`; the step that asks is `tandem.worker`

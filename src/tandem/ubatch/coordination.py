@@ -70,29 +70,7 @@ def coordinate_ubatching(
     predictions = [] if predicted_s is None else [
         _UNKNOWN_NS if not p < _UNKNOWN_NS / 1e9 else max(int(p * 1e9), 0) for p in predicted_s
     ]
-    # A one-rank group (a pipeline stage without DP) has nothing to agree on: skip the
-    # all-reduce, a gloo round trip on every micro-batch.
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        world = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        # Row 0: tokens per rank; row 1: 1 where the rank wants to ubatch; row 2: 1 where it
-        # prefills; rows 3..: the rank's predictions. Summing one-hot columns is an
-        # all-gather in one all-reduce.
-        table = torch.zeros(3 + len(predictions), world, dtype=torch.int64)
-        table[0, rank] = num_tokens
-        table[1, rank] = int(bool(wants_ubatch))
-        table[2, rank] = int(bool(prefills))
-        if predictions:
-            table[3:, rank] = torch.tensor(predictions, dtype=torch.int64)
-        dist.all_reduce(table, group=group)
-        per_rank = [int(n) for n in table[0].tolist()]
-        wants = [bool(w) for w in table[1].tolist()]
-        any_prefills = bool(table[2].any())
-        predicted_ns = table[3:].tolist()
-    else:
-        per_rank, wants, any_prefills = [int(num_tokens)], [bool(wants_ubatch)], bool(prefills)
-        predicted_ns = [[p] for p in predictions]
-
+    per_rank, wants, any_prefills, predicted_ns = _gather(num_tokens, wants_ubatch, prefills, predictions, group)
     padded = max(per_rank)
     busy = [r for r, n in enumerate(per_rank) if n > 0]
     decision = UBatchDecision(False, padded, per_rank)
@@ -105,3 +83,29 @@ def coordinate_ubatching(
             for row in predicted_ns
         ]
     return UBatchDecision(should, padded, per_rank, agreed, any_prefills)
+
+
+def _gather(
+    num_tokens: int, wants_ubatch: bool, prefills: bool, predictions: list[int], group: dist.ProcessGroup | None
+) -> tuple[list[int], list[bool], bool, list[list[int]]]:
+    """Every rank's token count and wish, whether any rank prefills, and every rank's
+    predictions (one row per entry, one column per rank), in one all-reduce."""
+    # A one-rank group (a pipeline stage without DP) has nothing to agree on: skip the
+    # all-reduce, a gloo round trip on every micro-batch.
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        return [int(num_tokens)], [bool(wants_ubatch)], bool(prefills), [[p] for p in predictions]
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    # Row 0: tokens per rank; row 1: 1 where the rank wants to ubatch; row 2: 1 where it
+    # prefills; rows 3..: the rank's predictions. Summing one-hot columns is an
+    # all-gather in one all-reduce.
+    table = torch.zeros(3 + len(predictions), world, dtype=torch.int64)
+    table[0, rank] = num_tokens
+    table[1, rank] = int(bool(wants_ubatch))
+    table[2, rank] = int(bool(prefills))
+    if predictions:
+        table[3:, rank] = torch.tensor(predictions, dtype=torch.int64)
+    dist.all_reduce(table, group=group)
+    per_rank = [int(n) for n in table[0].tolist()]
+    wants = [bool(w) for w in table[1].tolist()]
+    return per_rank, wants, bool(table[2].any()), table[3:].tolist()
