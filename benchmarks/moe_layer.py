@@ -6,7 +6,7 @@ one run at one size, and DBO over the floor max(compute, communication).
     python benchmarks/moe_layer.py --fabric-latency-us 2000 --fabric-gbps 5
     python benchmarks/moe_layer.py --calibrate-fabric               # modelled comm ≈ compute
 
-A thin wrapper over `tandem.bench` (the stack is `tandem.bench.workloads.MoEStack`, the
+A thin wrapper over `tandem.bench` (the stack is `tandem.bench.moe_stack.MoEStack`, the
 calibration `tandem.bench.sweep.calibrate_fabric`); `tandem bench --model moe-stack` sweeps
 the same stack over token counts. Each rank runs with one intra-op thread. Times are the
 slowest rank's, median of --repeat runs after --warmup runs.

@@ -2,7 +2,8 @@
 of a synthetic MoE layer stack) on N local ranks, over token counts and overlap modes, with
 the floor max(compute, communication) and the runtime's time model measured in the same run.
 
-- `workloads`: what one rank runs (`ModelStepWorkload`, `MoEStackWorkload`);
+- `workloads`: what one rank runs (`ModelStepWorkload`, `MoEStackWorkload`), over `moe_stack`
+  (the synthetic `MoEStack`) and `modes` (the overlap modes compared and their settings);
 - `sweep`: the measurement loop on every rank, fabric calibration, the launch;
 - `report`: rows, the table, JSON and the PNG plot;
 - `tune`: picking DBO token thresholds from a sweep.

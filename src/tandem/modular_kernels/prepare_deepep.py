@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tandem.contexts import dbo_enabled, dbo_switch_to_compute_sync, dbo_yield_and_switch_from_compute_to_comm
 from tandem.contexts.time_model import timed_receive
-from tandem.modular_kernels.deepep_buffers import (  # noqa: F401 - config, sm_partition and tests import the checks and Buffer helpers from here
+from tandem.modular_kernels.deepep_buffers import (
     DEEPEP_DTYPE,
     DEFAULT_LL_MAX_TOKENS_PER_RANK,
     check_low_latency_budget,
@@ -361,3 +361,12 @@ def _waiter(event) -> RecvHook:
     if event.event is None:
         return lambda: None
     return event.current_stream_wait
+
+
+# The budget checks and the shared-Buffer helpers are imported from here too (config,
+# sm_partition, tests), as before they moved to deepep_buffers.
+__all__ = [
+    "DeepEPHighThroughputPrepareAndFinalize", "DeepEPLowLatencyPrepareAndFinalize", "check_low_latency_budget",
+    "check_low_latency_hidden_size", "check_low_latency_step_budget", "ht_buffer_sms_limit", "import_deep_ep",
+    "release_shared_buffers",
+]  # fmt: skip
