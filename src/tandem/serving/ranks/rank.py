@@ -148,6 +148,21 @@ def _warm_up(engine) -> None:
         engine.step()
 
 
+def _exit_when_stuck(rank: int, config, report: Callable[[FromHead], None], outbox) -> Callable[[float], None]:
+    """The watchdog's action for a serving rank: say why, tell the front end, leave."""
+
+    def stuck(stalled_s: float) -> None:
+        message = (
+            f"rank {rank}: no progress for {stalled_s:.0f} s (step timeout {config.scheduler.step_timeout_s:g} s): a step "
+            "is stuck (a hung collective, or a dead or hung peer rank)"
+        )
+        print(f"[tandem] {message}; exiting", file=sys.stderr, flush=True)
+        report(Fatal(message))
+        hard_exit(3, outbox if rank == 0 else None)
+
+    return stuck
+
+
 def serve_rank(
     rank: int,
     world_size: int,
@@ -190,16 +205,7 @@ def serve_rank(
         info = runner.info
         report(Ready(info.name, info.max_model_len, world_size))
 
-        def stuck(stalled_s: float) -> None:
-            message = (
-                f"rank {rank}: no progress for {stalled_s:.0f} s (step timeout {config.scheduler.step_timeout_s:g} s): a step "
-                "is stuck (a hung collective, or a dead or hung peer rank)"
-            )
-            print(f"[tandem] {message}; exiting", file=sys.stderr, flush=True)
-            report(Fatal(message))
-            hard_exit(3, outbox if rank == 0 else None)
-
-        watchdog = Watchdog(config.scheduler.step_timeout_s, stuck).start()
+        watchdog = Watchdog(config.scheduler.step_timeout_s, _exit_when_stuck(rank, config, report, outbox)).start()
         try:
             inbox = _forwarded(inbox) if inbox is not None else None
             _loop(rank, world_size, engine, options, control, inbox, outbox, frontend_alive, watchdog)
@@ -234,6 +240,44 @@ def _run_later_stage(rank: int, stage, config) -> None:
         watchdog.stop()
 
 
+def _take_messages(rank: int, engine, messages: list[ToHead]) -> tuple[list, bool]:
+    """Apply this rank's share of the front end's messages: (immediate outputs, stop?)."""
+    outputs, stop = [], False
+    for message in messages:
+        if isinstance(message, AddRequest):
+            if message.rank == rank:
+                rejected = engine.add_request(message.request_id, message.prompt_ids, message.params)
+                if rejected is not None:
+                    outputs.append(rejected)
+        elif isinstance(message, AbortRequest):
+            if message.rank == rank:
+                aborted = engine.abort(message.request_id)
+                if aborted is not None:
+                    outputs.append(aborted)
+        elif isinstance(message, Shutdown):
+            stop = True
+        else:
+            raise TypeError(f"rank {rank}: unknown control message {message!r}")
+    return outputs, stop
+
+
+def _step(rank: int, engine, outbox, pending: list) -> list:
+    """One engine step; its outputs. When the step failed, rank 0 answers its failed requests
+    (and `pending`, emptied) at once: if the failure left the other ranks stuck, the gather
+    after the step waits for the step timeout."""
+    failed_before = engine.failed_steps
+    outputs = engine.step()
+    if engine.failed_steps != failed_before:
+        # The error names no request content; the requests got it as their error.
+        print(f"[tandem] rank {rank}: {engine.last_failure}; its requests failed, serving goes on",
+              file=sys.stderr, flush=True)
+        if rank == 0 and outbox is not None and (pending or outputs):
+            outbox.put(Outputs(pending + outputs))
+            pending.clear()
+            return []
+    return outputs
+
+
 def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbox, frontend_alive=None,
           watchdog: Watchdog | None = None) -> None:
     busy_anywhere = False
@@ -257,23 +301,7 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
             box = [(messages, run_step, due)]
             dist.broadcast_object_list(box, src=0, group=control)
             messages, run_step, due = box[0]
-        outputs = []
-        stop = False
-        for message in messages:
-            if isinstance(message, AddRequest):
-                if message.rank == rank:
-                    rejected = engine.add_request(message.request_id, message.prompt_ids, message.params)
-                    if rejected is not None:
-                        outputs.append(rejected)
-            elif isinstance(message, AbortRequest):
-                if message.rank == rank:
-                    aborted = engine.abort(message.request_id)
-                    if aborted is not None:
-                        outputs.append(aborted)
-            elif isinstance(message, Shutdown):
-                stop = True
-            else:
-                raise TypeError(f"rank {rank}: unknown control message {message!r}")
+        outputs, stop = _take_messages(rank, engine, messages)
         if stop:
             return
         stepping = run_step if control is not None else engine.has_work
@@ -281,17 +309,7 @@ def _loop(rank, world_size, engine, options: ServeOptions, control, inbox, outbo
             engine.idle()
             heap.idle()
         if stepping:
-            failed_before = engine.failed_steps
-            outputs += engine.step()
-            if engine.failed_steps != failed_before:
-                # The error names no request content; the requests got it as their error.
-                print(f"[tandem] rank {rank}: {engine.last_failure}; its requests failed, serving goes on",
-                      file=sys.stderr, flush=True)
-                if rank == 0 and outbox is not None and outputs:
-                    # Answer the failed requests now: if the failure left the other ranks
-                    # stuck, the gather below waits for the step timeout.
-                    outbox.put(Outputs(outputs))
-                    outputs = []
+            outputs += _step(rank, engine, outbox, outputs)
         stats = engine.stats() if due else None
         per_rank: list = []
         if control is not None:
