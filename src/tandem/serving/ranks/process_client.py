@@ -2,12 +2,12 @@
 
 It starts the DP ranks (or, under `torchrun`, attaches to the head rank that started it),
 assigns each request to the rank with the fewest requests in flight, and turns the head's
-output stream into one asyncio queue per request. A pump thread reads the head's queue and
-watches the rank processes: a rank that dies (or a head that reports a fatal error, or says
-nothing for longer than the step timeout plus `HEARTBEAT_GRACE_S`: the idle head reports
-stats four times a second) fails every request in flight with an error and makes `health()`
-report it; new requests then get `EngineUnavailableError`, and the ranks still alive are
-stopped (the engine does not restart itself: restart the server).
+output stream into one asyncio queue per request (`RequestStreams`). A pump thread reads the
+head's queue and watches the rank processes: a rank that dies (or a head that reports a fatal
+error, or says nothing for longer than the step timeout plus `HEARTBEAT_GRACE_S`: the idle
+head reports stats four times a second) fails every request in flight with an error and makes
+`health()` report it; new requests then get `EngineUnavailableError`, and the ranks still
+alive are stopped (the engine does not restart itself: restart the server).
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ import torch.multiprocessing as mp
 from tandem.models.loader import load_tokenizer_info
 from tandem.distributed.launch import find_free_port, threads_per_rank
 from tandem.worker.sampling import SamplingParams
-from tandem.serving.engine_client import EngineClient, EngineOverloadedError, EngineStats, EngineUnavailableError
+from tandem.serving.engine_client import EngineClient, EngineStats, EngineUnavailableError
 from tandem.engine.counters import RankCounters
 from tandem.engine.outputs import RequestOutput
 from tandem.serving.ranks.rank import ServeOptions, local_rank_main
 from tandem.serving.ranks.messages import AbortRequest, AddRequest, Fatal, Outputs, Progress, Ready, Shutdown, Stats
+from tandem.serving.ranks.request_streams import RequestStreams
 
 #: Silence from the head beyond the step timeout before the front end declares it hung.
 HEARTBEAT_GRACE_S = 10.0
@@ -55,6 +56,29 @@ def describe_exit(who: str, exitcode: int) -> str:
             name = f"signal {-exitcode}"
         return f"{who} was killed by {name}"
     return f"{who} exited with code {exitcode}"
+
+
+def spawn_ranks(ctx, topology, config, options: ServeOptions, inbox, outbox, log: Callable[[str], None]) -> list:
+    """Start one process per rank of `topology` (`local_rank_main`), rendezvousing on a free
+    local port, each with its share of the cores; returns the processes, in rank order."""
+    world_size = topology.world_size
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(find_free_port()),
+        "OMP_NUM_THREADS": str(threads_per_rank(world_size)),
+    }
+    procs = []
+    for rank in range(world_size):
+        proc = ctx.Process(
+            target=local_rank_main,
+            args=(rank, world_size, env, config, options, inbox, outbox),
+            name=f"tandem-rank-{rank}",
+            daemon=True,
+        )
+        proc.start()
+        procs.append(proc)
+    log("rank processes: " + ", ".join(f"{topology.describe(r)} pid {p.pid}" for r, p in enumerate(procs)))
+    return procs
 
 
 class ProcessEngineClient(EngineClient):
@@ -101,9 +125,7 @@ class ProcessEngineClient(EngineClient):
         self._ctx = mp.get_context("spawn")
         self._inbox, self._outbox = queues if queues is not None else (self._ctx.Queue(), self._ctx.Queue())
         self._procs: list = []
-        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, int]] = {}
-        self._in_flight = [0] * self.num_request_ranks
-        self._lock = threading.Lock()
+        self._streams = RequestStreams(self.num_request_ranks)
         self._rank_stats: list[RankCounters | None] = []
         self._last_heard = time.monotonic()
         self._failure: str | None = None
@@ -120,21 +142,7 @@ class ProcessEngineClient(EngineClient):
     def start(self) -> None:
         """Start the ranks (unless attached) and block until the head reports ready."""
         if not self._attached:
-            env = {
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(find_free_port()),
-                "OMP_NUM_THREADS": str(threads_per_rank(self.world_size)),
-            }
-            for rank in range(self.world_size):
-                proc = self._ctx.Process(
-                    target=local_rank_main,
-                    args=(rank, self.world_size, env, self.config, self.options, self._inbox, self._outbox),
-                    name=f"tandem-rank-{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                self._procs.append(proc)
-            self.log("rank processes: " + ", ".join(f"{self.topology.describe(r)} pid {p.pid}" for r, p in enumerate(self._procs)))
+            self._procs = spawn_ranks(self._ctx, self.topology, self.config, self.options, self._inbox, self._outbox, self.log)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if time.monotonic() > deadline:
@@ -178,7 +186,7 @@ class ProcessEngineClient(EngineClient):
         for proc in self._procs:
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
         self.kill_ranks()
-        self._fail_all("the server is shutting down")
+        self._streams.fail_all("the server is shutting down")
 
     def begin_drain(self) -> None:
         """Stop taking requests (503, and /health says so); those in flight go on."""
@@ -186,12 +194,11 @@ class ProcessEngineClient(EngineClient):
 
     def end_drain(self, message: str) -> None:
         """End every request still in flight with `message` as its error."""
-        self._fail_all(message)
+        self._streams.fail_all(message)
 
     @property
     def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        return len(self._streams)
 
     def kill_ranks(self) -> None:
         for proc in self._procs:
@@ -225,7 +232,7 @@ class ProcessEngineClient(EngineClient):
                 self._last_heard = time.monotonic()
                 if isinstance(message, Outputs):
                     for output in message.outputs:
-                        self._deliver(output)
+                        self._streams.deliver(output)
                 elif isinstance(message, Stats):
                     self._rank_stats = message.per_rank
                 elif isinstance(message, Fatal):
@@ -245,8 +252,6 @@ class ProcessEngineClient(EngineClient):
                 self._reaped = True
                 self.kill_ranks()  # the survivors cannot serve without the lost rank
             if self._attached and self._failed_at is not None and time.monotonic() - self._failed_at > ATTACHED_FAILURE_LINGER_S:
-                import signal
-
                 self.log("stopping the front end after the engine failure")
                 os.kill(os.getpid(), signal.SIGINT)  # the HTTP server's own graceful stop
                 return
@@ -267,31 +272,7 @@ class ProcessEngineClient(EngineClient):
             self._failure = reason
             self._failed_at = time.monotonic()
             self.log(f"engine failure: {reason}; new requests get 503 until the server is restarted")
-            self._fail_all(f"engine failure: {reason}")
-
-    def _deliver(self, output: RequestOutput) -> None:
-        with self._lock:
-            entry = self._streams.get(output.request_id)
-            if entry is None:
-                return  # the client already left
-            stream, loop, rank = entry
-            output.engine_index = rank
-            if output.finished:
-                del self._streams[output.request_id]
-                self._in_flight[rank] -= 1
-        loop.call_soon_threadsafe(stream.put_nowait, output)
-
-    def _fail_all(self, message: str) -> None:
-        with self._lock:
-            entries = list(self._streams.items())
-            self._streams.clear()
-            self._in_flight = [0] * self.num_request_ranks
-        for request_id, (stream, loop, _) in entries:
-            output = RequestOutput.failed(request_id, message)
-            try:
-                loop.call_soon_threadsafe(stream.put_nowait, output)
-            except RuntimeError:
-                pass  # that request's event loop is gone
+            self._streams.fail_all(f"engine failure: {reason}")
 
     # -- EngineClient ---------------------------------------------------------------------
 
@@ -302,18 +283,7 @@ class ProcessEngineClient(EngineClient):
             raise EngineUnavailableError("the server is shutting down")
         if self._stopping or not self.ready:
             raise EngineUnavailableError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            if self.max_queue_len is not None and sum(self._in_flight) >= self.max_queue_len:
-                raise EngineOverloadedError(
-                    f"the server is at capacity ({self.max_queue_len} requests in flight); retry later"
-                )
-            rank = min(range(self.num_request_ranks), key=lambda r: self._in_flight[r])
-            self._in_flight[rank] += 1
-            self._streams[request_id] = (stream, loop, rank)
+        stream, rank = self._streams.open(request_id, self.max_queue_len)
         self._inbox.put(AddRequest(rank, request_id, list(prompt_ids), params))
         finished = False
         try:
@@ -326,13 +296,9 @@ class ProcessEngineClient(EngineClient):
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        with self._lock:
-            entry = self._streams.pop(request_id, None)
-            if entry is None:
-                return
-            self._in_flight[entry[2]] -= 1
-        if not self._stopping:
-            self._inbox.put(AbortRequest(entry[2], request_id))
+        rank = self._streams.close(request_id)
+        if rank is not None and not self._stopping:
+            self._inbox.put(AbortRequest(rank, request_id))
 
     def health(self) -> tuple[bool, str]:
         if self._failure is not None:
@@ -348,7 +314,7 @@ class ProcessEngineClient(EngineClient):
 
     @property
     def in_flight(self) -> list[int]:
-        return list(self._in_flight)
+        return self._streams.in_flight
 
 
 __all__ = ["ProcessEngineClient"]
