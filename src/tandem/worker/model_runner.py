@@ -11,7 +11,6 @@ padding) whenever any other rank has work.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -27,8 +26,10 @@ from tandem.worker.step_inputs import ScheduledChunk, StepInputs, build_step_inp
 from tandem.worker.future_map import FutureMap
 from tandem.worker.kv_cache import BlockAllocator, allocate_kv_caches
 from tandem.platform import get_platform
-from tandem.platform.device import host_buffer, to_device_async
-from tandem.worker.sampling import RequestSampler, SampleOutput, SamplingParams, sample_step, token_logprobs
+from tandem.platform.device import to_device_async
+from tandem.worker.faults import install_from_env
+from tandem.worker.readback import PromptLogprobRows, prompt_logprob_rows, read_samples
+from tandem.worker.sampling import RequestSampler, SampleOutput, SamplingParams, sample_step
 from tandem.worker.step_plan import StepPlan, decide_overlap
 from tandem.worker.step_threads import step_threads_for
 from tandem.worker.ubatch_wrapper import UBatchWrapper, resolve_graph_mode
@@ -52,17 +53,6 @@ class StepResult:
     #: prompt_targets`): per target, [(token id, log-probability)] of it, then of the
     #: `prompt_logprobs` most likely tokens at its place; None elsewhere (and when none asked).
     prompt_logprobs: list[list[list[tuple[int, float]]] | None] | None = None
-
-
-@dataclass
-class PromptLogprobRows:
-    """A step's prompt log-probabilities on the device: `values`/`ids` `[P, 1 + K]`, the rows
-    of request `owners[i]` next to each other, `counts[i]` of them."""
-
-    owners: list[int]
-    counts: list[int]
-    values: torch.Tensor
-    ids: torch.Tensor
 
 
 class ModelRunner:
@@ -90,9 +80,7 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.platform = get_platform(self.device)
         self.allocator = BlockAllocator(num_kv_blocks, reserve_null_block=True)
-        self.model.bind_kv_cache(
-            allocate_kv_caches(self.model.kv_cache_specs(), num_kv_blocks, block_size, device=self.device)
-        )
+        self.model.bind_kv_cache(allocate_kv_caches(self.model.kv_cache_specs(), num_kv_blocks, block_size, device=self.device))
         #: The compiled step (`--compile`), or None when the model runs eagerly.
         self.compiled = CompiledModel.for_config(self.model, config, self.device)
         self.wrapper = UBatchWrapper(
@@ -119,8 +107,6 @@ class ModelRunner:
         self.last_step_times = StepTimes()
         self.total_step_times = StepTimes()
         # Reliability tests only: nothing is installed unless TANDEM_FAULT_INJECT is set.
-        from tandem.worker.faults import install_from_env
-
         self.fault_hooks = install_from_env(self)
         #: Whether the MoE kernels run single-batch overlap: each step's SBO choice unless the
         #: planner picks per step (a benchmark mode swaps it, as it swaps `overlap`).
@@ -170,7 +156,7 @@ class ModelRunner:
         else:
             # Own tokens only; an idle rank runs one padding token to join the collectives.
             padded = max(num_tokens, 1)
-        slices = tuple(self._split(counts, contexts, num_ubatches, padded)) if num_ubatches > 1 else None
+        slices = tuple(split_ubatches(counts, contexts, num_ubatches, padded, o, planner)) if num_ubatches > 1 else None
         # TBO's decode strategy (delta 2) and prefill strategy (delta 0) issue their all-to-alls
         # in different orders: decode only if no rank prefills (an idle rank follows the others,
         # as in SGLang).
@@ -184,17 +170,6 @@ class ModelRunner:
             sbo=planned.choice.sbo if planned is not None else self.sbo,
             planned=planned if learns else None,
             shape=shape if learns else None,
-        )
-
-    def _split(self, counts: list[int], contexts: list[int], num_ubatches: int, padded: int):
-        if self.overlap.ubatch_split == "tokens":
-            return split_by_tokens(
-                counts, num_ubatches, num_tokens_padded=padded, split_point=tbo_split_point(counts, num_ubatches, self.overlap)
-            )
-        weight = self.planner.model.attention_weight if self.planner is not None else None
-        return split_by_cost(
-            counts, contexts, num_ubatches, num_tokens_padded=padded,
-            attention_weight=DEFAULT_ATTENTION_WEIGHT if weight is None else weight,
         )
 
     def step_inputs(self, chunks: Sequence[ScheduledChunk], plan: StepPlan) -> StepInputs:
@@ -320,36 +295,24 @@ class ModelRunner:
 
     def _read_samples(self, sampled: SampleOutput, params: Sequence[SamplingParams],
                       prompt: PromptLogprobRows | None = None, sampling: Sequence[SamplingParams] = ()):
-        """The step's one host read: the sampled ids, and the log-probabilities some request
-        asked for (of its samples, of its prompt), copied without blocking into page-locked
-        memory behind one event (the overlapped loop's scheduler thread runs meanwhile).
-        Returns (ids, per sampled row [(id, logprob), ...] trimmed to its `logprobs` or None,
-        per `prompt.owners` entry its targets' lists trimmed to its `prompt_logprobs` or None)."""
-        tensors = [sampled.tokens]
-        if sampled.logprobs is not None:
-            tensors += [sampled.logprobs, sampled.logprob_ids]
-        if prompt is not None:
-            tensors += [prompt.values, prompt.ids]
-        hosts = [host_buffer(t) for t in tensors]
-        for host, tensor in zip(hosts, tensors):
-            host.copy_(tensor, non_blocking=True)
-        copied = self.platform.new_event()
-        copied.record()
-        copied.synchronize()
-        tokens = hosts[0].tolist()
-        logprobs = None
-        if sampled.logprobs is not None:
-            rows = zip(hosts[2].tolist(), hosts[1].tolist(), params)
-            logprobs = [None if p.logprobs is None else list(zip(ids, lps))[: 1 + p.logprobs] for ids, lps, p in rows]
-        prompt_logprobs = None
-        if prompt is not None:
-            entries = [list(zip(ids, lps)) for ids, lps in zip(hosts[-1].tolist(), hosts[-2].tolist())]
-            bounds = [0, *itertools.accumulate(prompt.counts)]
-            prompt_logprobs = [
-                [entry[: 1 + (sampling[r].prompt_logprobs or 0)] for entry in entries[lo:hi]]
-                for r, lo, hi in zip(prompt.owners, bounds, bounds[1:])
-            ]
-        return tokens, logprobs, prompt_logprobs
+        """The step's one host read (`read_samples`), a method of its own so a profile can time it."""
+        return read_samples(self.platform, sampled, params, prompt, sampling)
+
+
+def split_ubatches(counts: list[int], contexts: list[int], num_ubatches: int, padded: int,
+                   overlap: OverlapConfig, planner: OverlapPlanner | None):
+    """Cut a step of `counts` tokens per request (after `contexts` computed ones) into
+    `num_ubatches` ubatches as `overlap.ubatch_split` says: by tokens (TBO's balanced point
+    for a prefill, `tbo_split_point`), or by cost, with attention priced by `planner`'s fit."""
+    if overlap.ubatch_split == "tokens":
+        return split_by_tokens(
+            counts, num_ubatches, num_tokens_padded=padded, split_point=tbo_split_point(counts, num_ubatches, overlap)
+        )
+    weight = planner.model.attention_weight if planner is not None else None
+    return split_by_cost(
+        counts, contexts, num_ubatches, num_tokens_padded=padded,
+        attention_weight=DEFAULT_ATTENTION_WEIGHT if weight is None else weight,
+    )
 
 
 def tbo_split_point(counts: list[int], num_ubatches: int, overlap: OverlapConfig) -> int | None:
@@ -361,25 +324,6 @@ def tbo_split_point(counts: list[int], num_ubatches: int, overlap: OverlapConfig
         return None
     split = balanced_split(counts, overlap.tbo_token_distribution_threshold)
     return split.token_index if 0 < split.token_index < num_tokens else None
-
-
-def prompt_logprob_rows(model, hidden, inputs: StepInputs, chunks, sampling) -> PromptLogprobRows | None:
-    """The log-probabilities of the prompt tokens the chunks ask for (`ScheduledChunk.
-    prompt_targets`), from the hidden states of the rows that prefill them, on the device."""
-    owners = [r for r, c in enumerate(chunks) if c.prompt_targets]
-    if not owners:
-        return None
-    starts = [0, *itertools.accumulate(inputs.num_scheduled_tokens)]
-    rows: list[int] = []
-    targets: list[int] = []
-    for r in owners:
-        first = starts[r] + chunks[r].prompt_targets_row
-        rows += range(first, first + len(chunks[r].prompt_targets))
-        targets += chunks[r].prompt_targets
-    logits = model.compute_logits(hidden[to_device_async(torch.tensor(rows), hidden.device)])
-    top = max(sampling[r].prompt_logprobs or 0 for r in owners)
-    values, ids = token_logprobs(logits, to_device_async(torch.tensor(targets), hidden.device), top)
-    return PromptLogprobRows(owners, [len(chunks[r].prompt_targets) for r in owners], values, ids)
 
 
 def _scatter_rows(num_requests: int, rows: list[int], values: list[int]) -> list[int | None]:
