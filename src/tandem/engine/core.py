@@ -18,8 +18,6 @@ all ranks while any rank `has_work`.
 
 from __future__ import annotations
 
-import copy
-
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -245,11 +243,8 @@ class Engine:
 
     def _refuse_all(self) -> list[RequestOutput]:
         """A stopped engine fails every request it still holds, once."""
-        outputs = []
-        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
-            if not request.finished:
-                outputs.append(self._fail_request(request, self.stopped))
-        return outputs
+        held = list(self.scheduler.waiting) + list(self.scheduler.running)
+        return [self._fail_request(request, self.stopped) for request in held if not request.finished]
 
     def _fail_request(self, request: Request, message: str) -> RequestOutput:
         self.scheduler.finish(request, "error")
@@ -258,8 +253,6 @@ class Engine:
             request.request_id, message,
             num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),
         )
-
-    # -- state ----------------------------------------------------------------------------
 
     # -- the face every engine kind shows its callers (rank loop, `generate`) ----------------
 
@@ -293,24 +286,7 @@ class Engine:
         return not self.idle_everywhere if self.lockstep else self.has_work
 
     def stats(self) -> RankCounters:
-        runner = self.runner
-        return RankCounters(
-            waiting=len(self.scheduler.waiting),
-            running=len(self.scheduler.running),
-            kv_usage=self.scheduler.kv_usage,
-            steps=runner.steps,
-            ubatched_steps=runner.ubatched_steps,
-            ubatch_yields=runner.ubatch_yields,
-            step_time_s=runner.step_time_s,
-            forward_busy_s=self.forward_busy_s,
-            prompt_tokens=self.prompt_tokens,
-            generated_tokens=self.generated_tokens,
-            preemptions=self.scheduler.num_preemptions,
-            times=runner.total_step_times,
-            failed_steps=self.failed_steps,
-            # A copy: the planner goes on counting while the snapshot is read (in process) or sent.
-            planner=copy.deepcopy(runner.planner.stats) if runner.planner is not None else None,
-        )
+        return RankCounters.of(self)
 
     def close(self) -> None:
         self.drain()

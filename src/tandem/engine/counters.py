@@ -5,6 +5,7 @@ front end that exports them. Ranks send them as they are; the front end merges t
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -32,6 +33,29 @@ class RankCounters:
     pipeline_stage_idle_fraction: list | None = None
     #: The overlap planner's counters, if one runs (merged: summed over the ranks that run one).
     planner: PlannerStats | None = None
+
+    @classmethod
+    def of(cls, engine) -> "RankCounters":
+        """One rank's counters now, read from its `Engine`: the scheduler's queues and KV use,
+        the runner's steps and time model, the engine's tokens and failed steps."""
+        runner, scheduler = engine.runner, engine.scheduler
+        return cls(
+            waiting=len(scheduler.waiting),
+            running=len(scheduler.running),
+            kv_usage=scheduler.kv_usage,
+            steps=runner.steps,
+            ubatched_steps=runner.ubatched_steps,
+            ubatch_yields=runner.ubatch_yields,
+            step_time_s=runner.step_time_s,
+            forward_busy_s=engine.forward_busy_s,
+            prompt_tokens=engine.prompt_tokens,
+            generated_tokens=engine.generated_tokens,
+            preemptions=scheduler.num_preemptions,
+            times=runner.total_step_times,
+            failed_steps=engine.failed_steps,
+            # A copy: the planner goes on counting while the snapshot is read (in process) or sent.
+            planner=copy.deepcopy(runner.planner.stats) if runner.planner is not None else None,
+        )
 
     @classmethod
     def merge(cls, per_rank: Sequence["RankCounters"]) -> "RankCounters":

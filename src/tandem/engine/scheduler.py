@@ -268,22 +268,11 @@ class Scheduler:
             request.blocks += self.allocator.allocate(need)
         chunk = ScheduledChunk(list(token_ids), start, list(request.blocks))
         if request.params.prompt_logprobs is not None and not request.in_flight:
-            self._plan_prompt_logprobs(request, chunk)
+            plan_prompt_logprobs(request, chunk)
         # Counted as computed once scheduled: the next plan starts after this chunk, even
         # when (overlapped loop) this step has not run yet.
         request.num_computed = start + len(token_ids)
         return ScheduledRequest(request, chunk, -1 if samples else None)
-
-    @staticmethod
-    def _plan_prompt_logprobs(request: Request, chunk: ScheduledChunk) -> None:
-        """Ask `chunk` for the prompt log-probabilities its rows give that no earlier chunk was
-        asked for: row p predicts prompt token p + 1."""
-        first = max(chunk.num_computed, request.prompt_logprobs_planned)
-        last = min(chunk.num_computed + len(chunk.token_ids), len(request.prompt_ids) - 1)
-        if last > first:
-            chunk.prompt_targets = request.prompt_ids[first + 1 : last + 1]
-            chunk.prompt_targets_row = first - chunk.num_computed
-            request.prompt_logprobs_planned = last
 
     def _pick_victim(self, request: Request, scheduled: set[str]) -> Request:
         for candidate in reversed(self.running):
@@ -356,6 +345,17 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
+
+
+def plan_prompt_logprobs(request: Request, chunk: ScheduledChunk) -> None:
+    """Ask `chunk` for the prompt log-probabilities its rows give that no earlier chunk of
+    `request` was asked for: row p predicts prompt token p + 1."""
+    first = max(chunk.num_computed, request.prompt_logprobs_planned)
+    last = min(chunk.num_computed + len(chunk.token_ids), len(request.prompt_ids) - 1)
+    if last > first:
+        chunk.prompt_targets = request.prompt_ids[first + 1 : last + 1]
+        chunk.prompt_targets_row = first - chunk.num_computed
+        request.prompt_logprobs_planned = last
 
 
 __all__ = ["Request", "RequestStatus", "ScheduledRequest", "Scheduler", "SchedulerStep", "TokenUpdate"]
