@@ -69,30 +69,9 @@ def generate(
     torchrun = torchrun_world()
     is_head = torchrun is None or torchrun[0] == 0
     log = lambda msg: is_head and print(f"[tandem] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    p = config.parallel
     log(config.describe() + (f" torchrun world={torchrun[1]}" if torchrun else ""))
     start = time.perf_counter()
-    from tandem.distributed.launch import RankFailedError, launch_ranks
-    from tandem.distributed.torchrun import run_torchrun_rank
-    from tandem.engine.offline import generate_on_rank
-
-    try:
-        if torchrun is not None:
-            per_rank = run_torchrun_rank(
-                generate_on_rank, config, prompts, params, world_size=p.world_size, device=config.device
-            )
-        elif p.world_size == 1:
-            per_rank = [generate_on_rank(0, 1, config, prompts, params)]
-        else:
-            per_rank = launch_ranks(generate_on_rank, p.world_size, config, prompts, params, device=config.device)
-    except (ValueError, ImportError, OSError) as exc:
-        log(f"error: {exc}")
-        raise typer.Exit(code=2) from None
-    except RankFailedError as exc:
-        # The rank's traceback is in the message; its last line is the error itself.
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        log(f"error: {lines[-1] if lines else exc}")
-        raise typer.Exit(code=1) from None
+    per_rank = _generate_on_ranks(config, prompts, params, torchrun, log)
     if not is_head:
         return
     completions = sorted((c for rank in per_rank for c in rank), key=lambda c: c.index)
@@ -103,6 +82,30 @@ def generate(
             print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
         else:
             print(c.text.replace("\\", "\\\\").replace("\n", "\\n"))
+
+
+def _generate_on_ranks(config, prompts: list[str], params, torchrun: tuple[int, int] | None, log) -> list:
+    """Each rank's completions: this process as one torchrun rank, alone, or the head of ranks
+    it launches. A failure is logged and exits (2: bad input, 1: a rank failed)."""
+    from tandem.distributed.launch import RankFailedError, launch_ranks
+    from tandem.distributed.torchrun import run_torchrun_rank
+    from tandem.engine.offline import generate_on_rank
+
+    world_size = config.parallel.world_size
+    try:
+        if torchrun is not None:
+            return run_torchrun_rank(generate_on_rank, config, prompts, params, world_size=world_size, device=config.device)
+        if world_size == 1:
+            return [generate_on_rank(0, 1, config, prompts, params)]
+        return launch_ranks(generate_on_rank, world_size, config, prompts, params, device=config.device)
+    except (ValueError, ImportError, OSError) as exc:
+        log(f"error: {exc}")
+        raise typer.Exit(code=2) from None
+    except RankFailedError as exc:
+        # The rank's traceback is in the message; its last line is the error itself.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        log(f"error: {lines[-1] if lines else exc}")
+        raise typer.Exit(code=1) from None
 
 
 @app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
@@ -173,21 +176,10 @@ def bench(
     (exposed receive wait, ubatch switch time, overlap efficiency). Times are the slowest
     rank's; the table shows the median and the min and max over --repeat runs. Under torchrun
     each process is one rank and rank 0 prints and writes the files."""
-    from tandem.bench import rows_from_sweep, write_json, write_plot
-    from tandem.bench.report import check_plot_available, format_table
-    from tandem.bench.workloads import MODES, PHASES
+    from tandem.bench import rows_from_sweep
+    from tandem.bench.report import format_table
 
-    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    unknown = [m for m in mode_list if m not in MODES]
-    if unknown or not mode_list:
-        raise typer.BadParameter(f"unknown mode(s) {unknown}; pick from {', '.join(MODES)}")
-    if phase not in PHASES:
-        raise typer.BadParameter(f"--phase must be one of {', '.join(PHASES)}")
-    if plot is not None or timeline is not None:
-        try:
-            check_plot_available()
-        except RuntimeError as exc:
-            raise typer.BadParameter(str(exc)) from None
+    mode_list = _bench_modes(modes, phase, plots=plot is not None or timeline is not None)
     trace = flags["trace"]
     spec = bench_spec(
         **{name: flags[name] for name in BENCH_FLAGS}, thresholds_file=flags["thresholds_file"],
@@ -204,6 +196,32 @@ def bench(
     print(title)
     print(format_table(rows))
     config = {**spec.config_dict(), "phase": phase, "fabric_model": result.get("fabric"), "transport": transport}
+    _write_bench_files(result, rows, config, title, json_path=json_path, plot=plot, trace=trace, timeline=timeline)
+
+
+def _bench_modes(modes: str, phase: str, plots: bool) -> list[str]:
+    """`bench`'s --modes as a list, checked with --phase and, when a picture is asked for,
+    that matplotlib is there, before any rank starts."""
+    from tandem.bench.report import check_plot_available
+    from tandem.bench.workloads import MODES, PHASES
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in mode_list if m not in MODES]
+    if unknown or not mode_list:
+        raise typer.BadParameter(f"unknown mode(s) {unknown}; pick from {', '.join(MODES)}")
+    if phase not in PHASES:
+        raise typer.BadParameter(f"--phase must be one of {', '.join(PHASES)}")
+    if plots:
+        try:
+            check_plot_available()
+        except RuntimeError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return mode_list
+
+
+def _write_bench_files(result: dict, rows, config: dict, title: str, *, json_path, plot, trace, timeline) -> None:
+    from tandem.bench import write_json, write_plot
+
     if json_path:
         print(f"wrote {write_json(json_path, rows, config)}", file=sys.stderr)
     if plot:
@@ -242,8 +260,7 @@ def tune(
     import json
     from pathlib import Path
 
-    from tandem.bench.report import rows_from_sweep
-    from tandem.bench.tune import NEVER, choose_threshold, format_decisions, paired_ratio
+    from tandem.bench.tune import NEVER, format_decisions
 
     if not 0 <= margin < 1:
         raise typer.BadParameter(f"--margin must be in [0, 1), got {margin}")
@@ -261,15 +278,7 @@ def tune(
     if result is None:
         return  # a torchrun rank other than 0
     model, data_parallel_size, num_ubatches = spec.model, spec.data_parallel_size, spec.num_ubatches
-    decisions = []
-    for phase, _ in grids:
-        rows = rows_from_sweep(result, phase, ["none", dbo_mode])
-        by_tokens: dict[int, dict[str, float]] = {}
-        for r in rows:
-            by_tokens.setdefault(r["tokens_per_rank"], {})[r["mode"]] = r["step_ms"]
-        cells = result["phases"][phase]
-        sizes = [(t, v["none"], v[dbo_mode], paired_ratio(cells[t]["none"], cells[t][dbo_mode])) for t, v in by_tokens.items()]
-        decisions.append(choose_threshold(phase, sizes, margin))
+    decisions = [_threshold_decision(result, phase, dbo_mode, margin) for phase, _ in grids]
     print(f"{model}, {data_parallel_size} ranks, {num_ubatches} ubatches ({ubatch_executor}), {describe_transport(spec, result)}")
     print(format_decisions(decisions))
     decode, prefill = decisions
@@ -290,6 +299,19 @@ def tune(
           f"--dbo-prefill-token-threshold {prefill.threshold}  (decode {show(decode.threshold)}, prefill {show(prefill.threshold)})")
     print(f"or: --thresholds-file {path}")
     print(f"wrote {path}", file=sys.stderr)
+
+
+def _threshold_decision(result: dict, phase: str, dbo_mode: str, margin: float):
+    """`tune`'s verdict for one phase: the smallest size from which DBO wins by `margin`."""
+    from tandem.bench.report import rows_from_sweep
+    from tandem.bench.tune import choose_threshold, paired_ratio
+
+    by_tokens: dict[int, dict[str, float]] = {}
+    for r in rows_from_sweep(result, phase, ["none", dbo_mode]):
+        by_tokens.setdefault(r["tokens_per_rank"], {})[r["mode"]] = r["step_ms"]
+    cells = result["phases"][phase]
+    sizes = [(t, v["none"], v[dbo_mode], paired_ratio(cells[t]["none"], cells[t][dbo_mode])) for t, v in by_tokens.items()]
+    return choose_threshold(phase, sizes, margin)
 
 
 # -- tandem profile -------------------------------------------------------------------------
