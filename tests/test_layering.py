@@ -35,6 +35,8 @@ LAYERS: tuple[str, ...] = (
     "runner",
     "serving",
     "bench",
+    # `tandem simulate`: an overlap mode's step on a cluster, from the runtime's own schedules.
+    "simulate",
     # Typer options generated from the config tree's fields, for the command line only.
     "cli_options",
     # A command's flags to an EngineConfig, with the checks that fail before any rank starts.

@@ -1,0 +1,117 @@
+"""Hardware profiles (`hardware/*.json`, shipped in the package) and the time of one op on them.
+
+A profile is a set of figures, each `{"value": ..., "source": ...}`: a vendor sheet, DeepEP's
+or DeepGEMM's or FlashMLA's published table, or `derived: ...` saying how a figure that is not
+public was derived. `HardwareProfile` reads them; its methods turn FLOPs and bytes into
+seconds (roofline: the larger of FLOPs over the achieved rate and bytes over the achieved HBM
+bandwidth) and transfer bytes into seconds (bytes over DeepEP's achieved bandwidth on the
+bottleneck link of the EP layout).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+PROFILES = ("h800", "h100", "h200", "b200")
+
+
+def _profile_text(name: str) -> str:
+    path = Path(name)
+    if path.suffix == ".json" and path.is_file():
+        return path.read_text(encoding="utf-8")
+    key = name.lower()
+    if key not in PROFILES:
+        raise ValueError(f"unknown hardware {name!r}; built-in profiles: {', '.join(PROFILES)} (or a profile .json file)")
+    return resources.files("tandem.simulate").joinpath("hardware", f"{key}.json").read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One GPU kind and its interconnect, as the simulator uses it."""
+
+    name: str
+    figures: dict[str, Any]
+    sources: dict[str, str] = field(repr=False)
+
+    @classmethod
+    def load(cls, name: str) -> "HardwareProfile":
+        data = json.loads(_profile_text(name))
+        figures, sources = {}, {}
+        for key, figure in data["figures"].items():
+            if not isinstance(figure, dict) or "value" not in figure or not str(figure.get("source", "")).strip():
+                raise ValueError(f"hardware profile {data.get('name', name)}: figure {key!r} needs a value and a source")
+            figures[key], sources[key] = figure["value"], figure["source"]
+        return cls(str(data["name"]), figures, sources)
+
+    def __getattr__(self, key: str) -> Any:
+        figures = self.__dict__.get("figures", {})
+        if key in figures:
+            return figures[key]
+        raise AttributeError(key)
+
+    # -- compute -----------------------------------------------------------------------
+
+    def gemm_efficiency(self, m: float) -> float:
+        """The achieved fraction of the tensor-core peak of a GEMM with `m` rows (a
+        saturating curve fitted to DeepGEMM's published rows; see `gemm_anchors`)."""
+        m = max(float(m), 1.0)
+        return self.gemm_efficiency_max * m / (m + self.gemm_m_half)
+
+    def hbm_rate(self) -> float:
+        return self.hbm_bytes_per_s * self.hbm_efficiency
+
+    def gemm_time(self, m: float, n: int, k: int, *, groups: int = 1, fp8: bool = True, sm_share: float = 1.0) -> float:
+        """`groups` GEMMs of [m, k] x [k, n]: weights and activations read once, output written."""
+        if m <= 0:
+            return 0.0
+        peak = (self.fp8_flops if fp8 else self.bf16_flops) * sm_share
+        flops = 2.0 * m * n * k * groups
+        width = 1 if fp8 else 2
+        bytes_ = groups * (n * k * width + m * k * width + m * n * 2)
+        return max(flops / (peak * self.gemm_efficiency(m)), bytes_ / self.hbm_rate())
+
+    def memory_time(self, bytes_: float) -> float:
+        return bytes_ / self.hbm_rate()
+
+    def prefill_attention_time(self, flops: float, sm_share: float = 1.0) -> float:
+        return flops / (self.bf16_flops * self.attention_prefill_efficiency * sm_share)
+
+    def decode_attention_time(self, flops: float, bytes_: float, sm_share: float = 1.0) -> float:
+        return max(flops / (self.attention_decode_flops * sm_share), bytes_ / self.attention_decode_bytes_per_s)
+
+    # -- communication -----------------------------------------------------------------
+
+    def transfer_time(self, kind: str, bytes_per_rank: float, *, ep: int, low_latency: bool) -> float:
+        """One dispatch or combine (`kind`) moving `bytes_per_rank` over the EP layout's
+        bottleneck link: NVLink inside a node, RDMA across nodes (DeepEP's normal or
+        low-latency table at the nearest published EP size)."""
+        if ep <= 1 or bytes_per_rank <= 0:
+            return 0.0
+        if low_latency:
+            table = self.rdma_low_latency
+            rate = _nearest(table, ep)[f"{kind}_bytes_per_s"]
+        elif ep <= self.gpus_per_node:
+            rate = self.nvlink_bytes_per_s[kind]
+        else:
+            rate = _nearest(self.rdma_normal_bytes_per_s, ep)[kind]
+        return self.comm_latency_s + bytes_per_rank / rate
+
+    def comm_sms(self, low_latency: bool) -> int:
+        return self.comm_sms_low_latency if low_latency else self.comm_sms_normal
+
+
+def _nearest(table: dict[str, Any], ep: int) -> Any:
+    key = min(table, key=lambda k: (abs(int(k) - ep), int(k)))
+    return table[key]
+
+
+def load_hardware(name: str) -> HardwareProfile:
+    """A built-in profile by name (`h800`, `h100`, `h200`, `b200`) or a profile .json file."""
+    return HardwareProfile.load(name)
+
+
+__all__ = ["PROFILES", "HardwareProfile", "load_hardware"]

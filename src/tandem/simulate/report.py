@@ -1,0 +1,53 @@
+"""The table `tandem simulate` prints, and the validation against DeepSeek's published throughput."""
+
+from __future__ import annotations
+
+from tandem.simulate.run import Simulation, simulate
+
+#: DeepSeek-V3 on H800 in DeepSeek's published settings (deepseek-ai/profile-data README:
+#: prefill EP32, 4K prompts, 16K tokens per GPU, two micro-batches; decode EP128, 4K context,
+#: 128 requests per GPU, two micro-batches). The tokens/s/GPU are InferSim's reading of those
+#: traces (alibaba/InferSim README, "Actual data from deepseek/profile-data"): DeepSeek does
+#: not state them as such.
+PUBLISHED = (
+    dict(phase="prefill", ep=32, tokens_per_rank=16384, context=4096, mode="dbo", tokens_per_s=7839),
+    dict(phase="decode", ep=128, tokens_per_rank=128, context=4096, mode="tbo", tokens_per_s=2324),
+)
+
+
+def format_table(sim: Simulation) -> str:
+    w, lay = sim.workload, sim.layout
+    kernels = "low-latency" if lay.low_latency else "normal"
+    head = (
+        f"{sim.model.name} on {sim.hardware.name}, DP-attention x EP{lay.ep} ({kernels} DeepEP kernels), "
+        f"{w.phase}: {w.tokens_per_rank} tokens/rank, context {w.context}"
+    )
+    rows = [f"{'mode':<22}{'step ms':>10}{'tok/s/GPU':>12}{'vs none':>9}{'compute ms':>12}{'comm ms':>10}{'floor ms':>10}{'vs floor':>9}"]
+    for r in sim.results:
+        speed = sim.speedup(r)
+        rows.append(
+            f"{r.mode:<22}{r.step_s * 1e3:>10.2f}{r.tokens_per_s:>12.0f}{'' if speed is None else f'{speed:.2f}x':>9}"
+            f"{r.compute_s * 1e3:>12.2f}{r.comm_s * 1e3:>10.2f}{r.floor_s * 1e3:>10.2f}{r.step_s / r.floor_s:>8.2f}x"
+        )
+    return "\n".join([head, *rows])
+
+
+def validation_rows(hardware: str = "h800") -> list[dict]:
+    """Predicted vs published tokens/s/GPU for DeepSeek-V3 in DeepSeek's settings."""
+    out = []
+    for case in PUBLISHED:
+        sim = simulate("deepseek-v3", hardware, ep=case["ep"], phase=case["phase"], tokens_per_rank=case["tokens_per_rank"],
+                       context=case["context"], modes=("none", case["mode"]))
+        predicted = sim.results[-1].tokens_per_s
+        out.append({**case, "predicted": predicted, "error": predicted / case["tokens_per_s"] - 1.0})
+    return out
+
+
+def format_validation(rows: list[dict]) -> str:
+    lines = [f"{'phase':<9}{'EP':>5}{'mode':>6}{'published':>11}{'predicted':>11}{'error':>9}"]
+    for r in rows:
+        lines.append(f"{r['phase']:<9}{r['ep']:>5}{r['mode']:>6}{r['tokens_per_s']:>11}{r['predicted']:>11.0f}{r['error']:>+9.1%}")
+    return "\n".join(lines)
+
+
+__all__ = ["PUBLISHED", "format_table", "format_validation", "validation_rows"]

@@ -1,0 +1,172 @@
+"""`simulate(...)`: one step of a model on a cluster, under each overlap mode.
+
+The workload is one step per rank: prefill (`tokens_per_rank` tokens of prompts of
+`context` tokens, causal attention) or decode (`tokens_per_rank` requests, one token each,
+attending to `context` cached tokens). Every rank does the same (balanced routing, as in
+DeepSeek's published profile), so one rank's timeline is the cluster's.
+
+Modes: `none` (transfers complete before the next op: compute + comm in sequence), `dboN`
+(`dbo` = `dbo2`: the step cut into N ubatches by `tandem.ubatch.split_by_tokens`, run in the
+order of the runtime's stages with the kernel's DBO hand-overs), `tbo` (the layers'
+operation lists and `delta_stages`, leading dense layers on the whole batch), and
+`sbo-dispatch-shared` / `sbo-combine-shared` (one batch, the shared experts in the transfer's
+window; `combine-down-gemm` is not simulated).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tandem.simulate.hardware import HardwareProfile, load_hardware
+from tandem.simulate.model_shape import ModelShape, model_shape
+from tandem.simulate.ops import Layout, OpCosts, UBatchWork
+from tandem.simulate.schedule import Span, Step, issue_order, layer_steps, play, tbo_program
+from tandem.ubatch import split_by_tokens
+
+SBO_MODES = {"sbo-dispatch-shared": "dispatch-shared", "sbo-combine-shared": "combine-shared"}
+HEAD = Step(-1, "head")
+
+
+@dataclass(frozen=True)
+class Workload:
+    phase: str  # "prefill" or "decode"
+    tokens_per_rank: int
+    context: int
+
+    def __post_init__(self) -> None:
+        if self.phase not in ("prefill", "decode"):
+            raise ValueError(f"phase must be prefill or decode, got {self.phase!r}")
+        if self.tokens_per_rank < 1 or self.context < 1:
+            raise ValueError("tokens per rank and context must be >= 1")
+
+    @property
+    def decode(self) -> bool:
+        return self.phase == "decode"
+
+    def request_lengths(self) -> list[int]:
+        if self.decode:
+            return [1] * self.tokens_per_rank
+        full, rest = divmod(self.tokens_per_rank, self.context)
+        return [self.context] * full + ([rest] if rest else [])
+
+    def split(self, n: int) -> list[UBatchWork]:
+        """Each ubatch's work, cut where `tandem.ubatch.split_by_tokens` cuts."""
+        lengths = self.request_lengths()
+        starts = [sum(lengths[:r]) for r in range(len(lengths))]
+        out = []
+        for sl in split_by_tokens(lengths, n):
+            lo, hi = sl.token_slice.start, sl.token_slice.stop
+            attended = requests = 0
+            for start, length in zip(starts, lengths):
+                a, b = max(lo, start) - start, min(hi, start + length) - start
+                if b <= a:
+                    continue
+                requests += 1
+                # Prefill: query p attends to p + 1 keys; decode: the single query attends to the context.
+                attended += self.context * (b - a) if self.decode else (b * (b + 1) - a * (a + 1)) // 2
+            out.append(UBatchWork(hi - lo, requests, attended))
+        return out
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    step_s: float
+    tokens: int
+    compute_s: float
+    comm_s: float
+    spans: list[Span] = field(repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def floor_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+
+@dataclass
+class Simulation:
+    model: ModelShape
+    hardware: HardwareProfile
+    layout: Layout
+    workload: Workload
+    results: list[ModeResult]
+
+    def speedup(self, result: ModeResult) -> float | None:
+        base = next((r for r in self.results if r.mode == "none"), None)
+        return None if base is None else base.step_s / result.step_s
+
+
+def _ubatches(mode: str) -> int:
+    match = re.fullmatch(r"dbo(\d*)", mode)
+    if match is None:
+        raise ValueError(f"unknown mode {mode!r}; modes: none, dbo, dboN, tbo, {', '.join(SBO_MODES)}")
+    n = int(match[1] or 2)
+    if n < 1:
+        raise ValueError(f"{mode}: needs at least 1 ubatch")
+    return n
+
+
+def _program(mode: str, shape: ModelShape, workload: Workload, ep_works: list[UBatchWork]):
+    """(issue order, works per ubatch, overlapped?) of a mode."""
+    if mode == "none" or mode in SBO_MODES:
+        steps = layer_steps(shape, dbo=False, sbo_mode=SBO_MODES.get(mode)) + [HEAD]
+        return issue_order([steps], [0]), ep_works, mode != "none"
+    if mode == "tbo":
+        prefix, steps, delta = tbo_program(shape, workload.decode)
+        works = workload.split(2)
+        whole = [(0, s) for s in prefix]
+        order = [(u + 1, s) for u, s in issue_order([steps, steps], [0, delta])]
+        # ubatch 0 is the whole batch (leading dense layers, the head); 1.. are the split ones.
+        return whole + order + [(0, HEAD)], ep_works + works, True
+    n = _ubatches(mode)
+    steps = layer_steps(shape, dbo=n > 1) + [HEAD]
+    works = workload.split(n)
+    return issue_order([steps] * n, [0] * n), works, n > 1
+
+
+def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Layout, workload: Workload) -> ModeResult:
+    whole = workload.split(1)
+    order, works, overlapped = _program(mode, shape, workload, whole)
+    share = 1.0
+    if overlapped:
+        share = (hw.sms - hw.comm_sms(layout.low_latency)) / hw.sms
+    costs = OpCosts(shape, hw, layout, sm_share=share)
+
+    def cost(u: int, step: Step) -> float:
+        if step.name in ("dispatch_send", "combine_send"):
+            return costs.transfer(step.name.split("_")[0], works[u])
+        return costs.compute(step.name, works[u])
+
+    spans = play(order, cost, sync_comm=not overlapped)
+    end = max(s.end for s in spans)
+    compute = sum(s.end - s.start for s in spans if s.lane == "compute")
+    comm = sum(s.end - s.start for s in spans if s.lane == "comm")
+    return ModeResult(mode, end, workload.tokens_per_rank, compute, comm, spans)
+
+
+def simulate(
+    model: str | dict = "deepseek-v3",
+    hardware: str = "h800",
+    *,
+    ep: int = 32,
+    phase: str = "prefill",
+    tokens_per_rank: int = 4096,
+    context: int = 4096,
+    modes: tuple[str, ...] | list[str] = ("none", "dbo", "tbo"),
+    low_latency: bool | None = None,
+) -> Simulation:
+    """Simulate one step per mode. `low_latency` (DeepEP's low-latency kernels) defaults to
+    the decode phase, as DeepSeek deploys them; prefill uses the normal kernels."""
+    shape = model_shape(model)
+    hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
+    workload = Workload(phase, tokens_per_rank, context)
+    layout = Layout(ep=ep, decode=workload.decode, low_latency=workload.decode if low_latency is None else low_latency)
+    results = [simulate_mode(m.strip(), shape, hw, layout, workload) for m in modes if m.strip()]
+    return Simulation(shape, hw, layout, workload, results)
+
+
+__all__ = ["ModeResult", "SBO_MODES", "Simulation", "Workload", "simulate", "simulate_mode"]

@@ -1,0 +1,226 @@
+"""Schedules, taken from the runtime's own code, and the two-stream time of one.
+
+- The operation lists are the runtime's: stand-in layers that subclass
+  `DecoderLayerOperations` answer `operations_strategy(decode)` (TBO's stages and
+  `delta_stages`) and a stand-in model that subclasses `OperationsModel` says which leading
+  layers run outside the overlap. The MoE part of DBO and of none is the order
+  `FusedMoEModularKernel.forward` takes its steps in (traced from the real method), with a
+  stage boundary at each `_hand_over`, and the shared experts where `shared_experts_placement`
+  puts them (the real method, asked inside a ubatch, so `dbo_enabled()` answers as under DBO).
+- The interleave is the runtime's `StageExecutor`: each ubatch's operations are run by it
+  with recorders in place of the tensor work, and the order they run in is the order the
+  host issues them.
+- `play` times that issue order on two in-order streams: compute (every compute op, in
+  issue order) and comm (every send, in issue order); a send starts after its ubatch's last
+  compute, a receive holds its ubatch until the transfer lands. With `sync_comm` every send
+  also blocks the compute stream until it lands (the runtime with no overlap).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+from tandem.contexts.operations import ExecutionOperation, StageExecutor, YieldOperation
+from tandem.contexts.ubatch_context import _CURRENT_UBATCH
+from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
+from tandem.modular_kernels.kernel import FusedMoEModularKernel
+from tandem.simulate.model_shape import ModelShape
+from tandem.simulate.ops import RECEIVES, SENDS
+
+#: The kernel's step methods, as operation names.
+_KERNEL_STEPS = {
+    "dispatch_send": "dispatch_send", "dispatch_recv": "dispatch_recv", "compute_experts": "experts",
+    "combine_send": "combine_send", "combine_recv": "combine_recv", "compute_shared": "shared_experts",
+    "output": "output",
+}  # fmt: skip
+_MOE_OPS = set(_KERNEL_STEPS.values())
+
+
+@dataclass(frozen=True)
+class Step:
+    layer: int  # -1: outside the decoder layers (the head)
+    name: str
+
+
+YIELD = Step(-2, "yield")
+
+
+class _Layer(DecoderLayerOperations):
+    """A decoder layer with only what `operations_strategy` reads."""
+
+    def __init__(self, index: int, sparse: bool, shared: bool):
+        self.index = index
+        kernel = SimpleNamespace(shared_experts=object() if shared else None) if sparse else None
+        self.feed_forward = SimpleNamespace(kernel=kernel)
+
+
+class _Model(OperationsModel):
+    def __init__(self, layers: list[_Layer]):
+        self.model = SimpleNamespace(layers=layers)
+
+
+def stand_in_layers(shape: ModelShape) -> list[_Layer]:
+    shared = shape.shared_intermediate > 0
+    return [_Layer(i, sparse, shared) for i, sparse in enumerate(shape.sparse_layers)]
+
+
+def _steps(operations: Sequence) -> list[Step]:
+    out = []
+    for op in operations:
+        if isinstance(op, YieldOperation):
+            out.append(YIELD)
+        else:
+            out.append(Step(op.__self__.index, op.__name__.removeprefix("op_")))
+    return out
+
+
+def tbo_program(shape: ModelShape, decode: bool) -> tuple[list[Step], list[Step], int]:
+    """(leading layers run on the whole batch, the overlapped steps, delta_stages), as the
+    runtime's `OperationsModel` cuts them."""
+    model = _Model(stand_in_layers(shape))
+    first = model._first_overlapped_layer()
+    prefix = [s for layer in model.model.layers[:first] for s in _steps(layer.operations_strategy(decode=False).operations)]
+    strategy = model.operations_strategy(decode)
+    return [s for s in prefix if s is not YIELD], _steps(strategy.operations), strategy.delta_stages
+
+
+class _KernelTrace:
+    """Stands in for `FusedMoEModularKernel` while its real `forward` runs: records the steps."""
+
+    shared_experts_placement = FusedMoEModularKernel.shared_experts_placement
+
+    def __init__(self, shared: bool, sbo_mode: str | None):
+        self.shared_experts = object() if shared else None
+        self.sbo_mode, self.names, self._shared_done = sbo_mode, [], False
+
+    def _record(self, name: str) -> None:
+        self.names.append(name)
+
+    def dispatch_send(self, *args):
+        self._record("dispatch_send")
+        return SimpleNamespace(sbo_mode=self.sbo_mode)
+
+    def compute_shared(self, state) -> None:
+        if self.shared_experts is not None and not self._shared_done:
+            self._shared_done = True
+            self._record("shared_experts")
+
+    def output(self, state) -> None:
+        self.compute_shared(state)
+        self._record("output")
+
+    def _hand_over(self, state, hook_field: str) -> None:
+        if self.dbo:
+            self._record("yield")
+
+    def __getattr__(self, name: str) -> Callable:
+        if name in _KERNEL_STEPS:
+            return lambda state: self._record(_KERNEL_STEPS[name])
+        raise AttributeError(name)
+
+
+class _InsideUBatch:
+    id = 0
+
+    def maybe_run_recv_hook(self) -> None:
+        pass
+
+
+def moe_forward_order(shared: bool, *, dbo: bool, sbo_mode: str | None = None) -> list[str]:
+    """The MoE steps in the order the real `FusedMoEModularKernel.forward` runs them ("yield"
+    where DBO hands over), inside a ubatch when `dbo`."""
+    trace = _KernelTrace(shared, sbo_mode)
+    trace.dbo = dbo
+
+    def run() -> None:
+        if dbo:
+            _CURRENT_UBATCH.set(_InsideUBatch())
+        FusedMoEModularKernel.forward(trace, None, None, None, None, None)
+
+    contextvars.copy_context().run(run)
+    return trace.names
+
+
+def layer_steps(shape: ModelShape, *, dbo: bool, sbo_mode: str | None = None) -> list[Step]:
+    """Every layer's operations (the runtime's prefill list, which has no stage cut outside
+    the MoE), with its MoE part in the kernel's `forward` order."""
+    shared = shape.shared_intermediate > 0
+    moe = moe_forward_order(shared, dbo=dbo, sbo_mode=sbo_mode)
+    out: list[Step] = []
+    for layer in stand_in_layers(shape):
+        inserted = False
+        for step in _steps(layer.operations_strategy(decode=False).operations):
+            if step is YIELD:
+                continue
+            if step.name in _MOE_OPS:
+                if not inserted:
+                    out += [YIELD if n == "yield" else Step(layer.index, n) for n in moe]
+                    inserted = True
+                continue
+            out.append(step)
+    return out
+
+
+def issue_order(programs: Sequence[Sequence[Step]], delta_stages: Sequence[int]) -> list[tuple[int, Step]]:
+    """The order the runtime's `StageExecutor` runs the ubatches' steps in."""
+    if len(programs) == 1:
+        return [(0, s) for s in programs[0] if s is not YIELD]
+    log: list[tuple[int, Step]] = []
+
+    def op(u: int, step: Step):
+        return ExecutionOperation(f"{step.name}@{step.layer}", lambda state, **_: log.append((u, step)) or {})
+
+    ops = [[YieldOperation() if s is YIELD else op(u, s) for s in _trim(p)] for u, p in enumerate(programs)]
+    StageExecutor().run([{} for _ in programs], ops, list(delta_stages))
+    return log
+
+
+def _trim(program: Sequence[Step]) -> list[Step]:
+    """No empty stage: drop leading yields and collapse repeated ones."""
+    out: list[Step] = []
+    for s in program:
+        if s is YIELD and (not out or out[-1] is YIELD):
+            continue
+        out.append(s)
+    return out
+
+
+@dataclass(frozen=True)
+class Span:
+    ubatch: int
+    lane: str  # "compute" or "comm"
+    step: Step
+    start: float
+    end: float
+
+
+def play(order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool) -> list[Span]:
+    """Time an issue order on one compute and one comm stream (see the module docstring)."""
+    compute_free = comm_free = 0.0
+    ready: dict[int, float] = {}
+    landing: dict[tuple[int, str], float] = {}
+    spans: list[Span] = []
+    for u, step in order:
+        at = ready.get(u, 0.0)
+        if step.name in SENDS:
+            start = max(comm_free, at)
+            end = start + cost(u, step)
+            comm_free = landing[(u, SENDS[step.name])] = end
+            spans.append(Span(u, "comm", step, start, end))
+            if sync_comm:
+                compute_free = max(compute_free, end)
+                ready[u] = end
+        elif step.name in RECEIVES:
+            ready[u] = max(at, landing.pop((u, RECEIVES[step.name]), at))
+        else:
+            start = max(compute_free, at)
+            end = start + cost(u, step)
+            compute_free = ready[u] = end
+            spans.append(Span(u, "compute", step, start, end))
+    return spans
+
+
+__all__ = ["Span", "Step", "YIELD", "issue_order", "layer_steps", "moe_forward_order", "play", "tbo_program"]
