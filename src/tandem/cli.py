@@ -317,6 +317,41 @@ def _threshold_decision(result: dict, phase: str, dbo_mode: str, margin: float):
 # -- tandem profile -------------------------------------------------------------------------
 
 
+@app.command(short_help="Predict each overlap mode's step on a cluster you don't have (no GPU, no weights).")
+def simulate(
+    model: str = typer.Option("deepseek-v3", help="A preset (deepseek-v3, tiny-moe, small-moe, ...), a config.json or a model directory."),
+    hardware: str = typer.Option("h800", help="A hardware profile: h800, h100, h200, b200, or a profile .json file."),
+    ep: int = typer.Option(32, help="Expert-parallel ranks (DP attention on as many ranks)."),
+    phase: str = typer.Option("prefill", help="prefill or decode."),
+    tokens_per_rank: int = typer.Option(4096, help="Tokens per rank in the step (decode: requests per rank)."),
+    context: int = typer.Option(4096, help="Prompt length (prefill) or cached tokens per request (decode)."),
+    modes: str = typer.Option("none,dbo,tbo", help="Comma-separated: none, dbo (2 ubatches), dboN, tbo, sbo-dispatch-shared, sbo-combine-shared."),
+    trace: str = typer.Option(None, help="Write the simulated timelines as Chrome trace JSON to this file."),
+    timeline: str = typer.Option(None, help="Draw each mode's timeline to PNG files named after this one (needs matplotlib)."),
+    validate: bool = typer.Option(False, help="Also print DeepSeek-V3 on this hardware against DeepSeek's published throughput."),
+) -> None:
+    """One step per rank under each overlap mode: step time, tokens/s/GPU, speed-up over none,
+    and the floor max(compute, comm). The layer structure comes from the model config as the
+    runtime reads it, the schedules from the runtime's own operation lists and MoE kernel, the
+    hardware from a profile of public figures (each cited in its file). See docs/simulate.md."""
+    from tandem.simulate import format_table, format_validation, simulate as run, validation_rows, write_timelines, write_trace
+
+    try:
+        sim = run(model, hardware, ep=ep, phase=phase, tokens_per_rank=tokens_per_rank, context=context,
+                  modes=[m for m in modes.split(",") if m.strip()])
+    except (ValueError, OSError) as exc:
+        print(f"[tandem] error: {exc}", file=sys.stderr, flush=True)
+        raise typer.Exit(code=2) from None
+    print(format_table(sim))
+    if validate:
+        print("\n" + format_validation(validation_rows(hardware)))
+    if trace:
+        print(f"wrote {write_trace(trace, sim)}", file=sys.stderr)
+    if timeline:
+        for path in write_timelines(timeline, sim):
+            print(f"wrote {path}", file=sys.stderr)
+
+
 @app.command(short_help="Where one prefill and one decode step spend their time, per module, against the roofline.")
 @config_command(*ENGINE_SECTIONS)
 def profile(
