@@ -100,6 +100,7 @@ def test_no_request_leaves_state_behind_however_it_ends(overlap):
     assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.requests == {} and not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.outputs.states == {}
+    assert len(engine.sampling) == 0 and engine.sampling.samplers == {}
     assert engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
     engine.close()
 

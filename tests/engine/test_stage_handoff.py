@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+from tandem.worker.sampling_states import SamplingStates
 from tandem.engine.stage_handoff import (
-    MicroBatchPlan, SamplingAnnouncer, SamplingKeeper, input_tensors, pack_inputs, prompts_to_announce, unpack_inputs,
+    MicroBatchPlan, SamplingAnnouncer, input_tensors, learn_sampling, pack_inputs, prompts_to_announce, unpack_inputs,
 )
 from tandem.models.paged_attention import AttentionMetadata
 from tandem.worker.sampling import SamplingParams
@@ -45,13 +46,13 @@ def test_an_empty_step_carries_no_inputs():
 
 
 def test_sampling_parameters_travel_once_per_request_and_again_after_a_drop():
-    announcer, keeper = SamplingAnnouncer(), SamplingKeeper()
+    announcer, sampling = SamplingAnnouncer(), SamplingStates()
     first = MicroBatchPlan(request_ids=["a", "b"], new_sampling=announcer.new(["a", "b"], [GREEDY, SEEDED]))
     second = MicroBatchPlan(request_ids=["a", "b"], new_sampling=announcer.new(["a", "b"], [GREEDY, SEEDED]))
     assert list(first.new_sampling) == ["a", "b"] and second.new_sampling == {}
     for plan in (first, second):
-        keeper.update(plan)
-    params, generators = keeper.for_requests(["b", "a"])
+        learn_sampling(sampling, plan)
+    params, generators = sampling.for_requests(["b", "a"])
     assert params == [SEEDED, GREEDY] and len(generators) == 2
 
     # "a" finishes; a new request reuses its id in the very next micro-batch.
@@ -59,14 +60,14 @@ def test_sampling_parameters_travel_once_per_request_and_again_after_a_drop():
     reused = SamplingParams(max_tokens=2, temperature=0.5, seed=3)
     third = MicroBatchPlan(request_ids=["a"], finished_ids=["a"], new_sampling=announcer.new(["a"], [reused]))
     assert third.new_sampling == {"a": reused}
-    keeper.update(third)  # drop first, then learn: the reused id keeps its new parameters
-    assert keeper.for_requests(["a"])[0] == [reused]
-    assert len(announcer) == len(keeper) == 2
+    learn_sampling(sampling, third)  # drop first, then learn: the reused id keeps its new parameters
+    assert sampling.for_requests(["a"])[0] == [reused]
+    assert len(announcer) == len(sampling) == 2
 
-    keeper.update(MicroBatchPlan(finished_ids=["a", "b"]))
-    assert len(keeper) == 0
-    with pytest.raises(RuntimeError, match="no sampling parameters for request 'b'"):
-        keeper.for_requests(["b"])
+    learn_sampling(sampling, MicroBatchPlan(finished_ids=["a", "b"]))
+    assert len(sampling) == 0
+    with pytest.raises(RuntimeError, match="no sampling state for request 'b'"):
+        sampling.for_requests(["b"])
 
 
 def test_the_last_stage_samples_as_the_first_stage_would_with_penalties_and_min_tokens():
@@ -84,11 +85,11 @@ def test_the_last_stage_samples_as_the_first_stage_would_with_penalties_and_min_
     expected = sample_step(logits, [penalized, held], one_process).tokens.tolist()
     assert expected == [1, 1]
 
-    announcer, keeper = SamplingAnnouncer(), SamplingKeeper(eos_token_ids=[eos])
+    announcer, sampling = SamplingAnnouncer(), SamplingStates(eos_token_ids=[eos])
     new_sampling = announcer.new(["p", "h"], [penalized, held])
     plan = MicroBatchPlan(request_ids=["p", "h"], new_sampling=new_sampling,
                           new_prompts=prompts_to_announce(new_sampling, ["p", "h"], [prompt, prompt]))
     assert list(plan.new_prompts) == ["p"]  # only a penalty that reads the prompt carries it
-    keeper.update(plan)
-    params, samplers = keeper.for_requests(["p", "h"])
+    learn_sampling(sampling, plan)
+    params, samplers = sampling.for_requests(["p", "h"])
     assert sample_step(logits, params, samplers).tokens.tolist() == expected

@@ -104,7 +104,7 @@ def test_engine_future_map_follows_the_runner_device_and_draws_come_from_the_hos
         assert engine.future_map.buffer.device == runner.device
         engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, temperature=1.0, seed=3, ignore_eos=True))
         # The request's uniforms come from its seeded host stream, whatever the device.
-        assert engine.scheduler.requests["a"].sampler.stream.getstate() == random.Random(3).getstate()
+        assert engine.sampling.samplers["a"].stream.getstate() == random.Random(3).getstate()
         outputs = []
         while engine.has_work:
             outputs += engine.step()

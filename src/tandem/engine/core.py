@@ -32,6 +32,7 @@ from tandem.worker.model_runner import ModelRunner, StepResult
 from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import Request, Scheduler, SchedulerStep
 from tandem.worker.grammar import GrammarCompiler, advance_constraints
+from tandem.worker.sampling_states import SamplingStates
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.counters import RankCounters
 from tandem.engine.outputs import Completion, RequestOutput
@@ -77,9 +78,11 @@ class Engine:
             # The ranks enforce --max-model-len too, not only the front end that admits requests.
             max_model_len=max_model_len,
             eos_token_ids=info.eos_token_ids,
-            grammars=GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids), cache_mb=settings.grammar_cache_mb),
             vocab_size=_vocab_size(runner.model),
         )
+        #: Every live request's sampling state (None on a pipeline's first stage: the last samples).
+        self.sampling: SamplingStates | None = SamplingStates(
+            info.eos_token_ids, GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids), cache_mb=settings.grammar_cache_mb))
         self.outputs = OutputProcessor(lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True))
         self.overlap_schedule = settings.overlaps_schedule(runner.device.type, torch.get_num_threads(), available_cores())
         self.lockstep = lockstep
@@ -106,7 +109,15 @@ class Engine:
         if self.stopped is not None:
             return RequestOutput.failed(request_id, self.stopped)
         try:
-            self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
+            if request_id in self.scheduler.requests:  # before the sampling state: keep the live one's
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self.sampling is not None:
+                self.sampling.add(request_id, params, prompt_ids)
+            try:
+                self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
+            except BaseException:
+                self._forget(request_id)
+                raise
         except Exception as exc:  # noqa: BLE001 - a bad request must never take the rank down
             message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             return RequestOutput.failed(request_id, message)
@@ -117,7 +128,15 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request now; its last output, or None if it is unknown or done."""
         request = self.scheduler.abort(request_id)
-        return None if request is None else self.outputs.finish(request, "abort")
+        if request is None:
+            return None
+        self._forget(request_id)
+        return self.outputs.finish(request, "abort")
+
+    def _forget(self, request_id: str) -> None:
+        """A request ended (however it ended): its sampling state goes."""
+        if self.sampling is not None:
+            self.sampling.drop(request_id)
 
     @property
     def has_work(self) -> bool:
@@ -145,13 +164,15 @@ class Engine:
         step = self.scheduler.schedule()
         if not step.scheduled and not self.lockstep:
             return []
-        return self._apply(step, self._forward(step))
+        return self._apply(step, self._forward(step, self._samplers(step)))
 
     def _step_overlap(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         running = None
         if step.scheduled or self.lockstep:
-            running = (step, self._worker.submit(self._forward, step))
+            # The samplers are looked up here, not on the forward thread: applying the previous
+            # step below may end (and forget) a request this step still runs.
+            running = (step, self._worker.submit(self._forward, step, self._samplers(step)))
         outputs = []
         if self._pending is not None:
             previous, future = self._pending
@@ -171,19 +192,22 @@ class Engine:
         self._pending = None
         return self._apply(previous, self._result(future))
 
-    def _forward(self, step: SchedulerStep) -> StepResult | BaseException:
+    def _samplers(self, step: SchedulerStep) -> list:
+        return self.sampling.for_requests([entry.request.request_id for entry in step.scheduled])[1]
+
+    def _forward(self, step: SchedulerStep, samplers: list) -> StepResult | BaseException:
         start = time.perf_counter()
         try:
             result = self.runner.execute(
                 [entry.chunk for entry in step.scheduled],
                 [entry.request.params for entry in step.scheduled],
-                [entry.request.sampler for entry in step.scheduled],
+                samplers,
                 finishes_prompt=[entry.slot is not None for entry in step.scheduled],
                 future_slots=[entry.slot for entry in step.scheduled],
             )
             # Here, on the forward thread, so the next step's grammar masks (planned before
             # these tokens were applied) already see them.
-            advance_constraints([entry.request.sampler.constraint for entry in step.scheduled], result.tokens)
+            advance_constraints(SamplingStates.constraints(samplers), result.tokens)
             return result
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return exc
@@ -204,10 +228,9 @@ class Engine:
         if isinstance(result, BaseException):
             return self._fail(step, result)
         outputs = [
-            self._fail_request(entry.request, f"structured output failed: {constraint.refusal}")
+            self._fail_request(entry.request, f"structured output failed: {refusal}")
             for entry in step.scheduled
-            if (constraint := entry.request.sampler.constraint) is not None and constraint.refusal
-            and not entry.request.finished
+            if not entry.request.finished and (refusal := self._grammar_refusal(entry.request.request_id))
         ]
         for update in self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs):
             output = self.outputs.process(update)
@@ -215,6 +238,7 @@ class Engine:
                 continue
             if output.finished:
                 self.scheduler.finish(update.request, output.finish_reason)
+                self._forget(update.request.request_id)
             outputs.append(output)
         self.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
@@ -246,8 +270,13 @@ class Engine:
         held = list(self.scheduler.waiting) + list(self.scheduler.running)
         return [self._fail_request(request, self.stopped) for request in held if not request.finished]
 
+    def _grammar_refusal(self, request_id: str) -> str | None:
+        sampler = None if self.sampling is None else self.sampling.samplers.get(request_id)
+        return None if sampler is None or sampler.constraint is None else sampler.constraint.refusal
+
     def _fail_request(self, request: Request, message: str) -> RequestOutput:
         self.scheduler.finish(request, "error")
+        self._forget(request.request_id)
         self.outputs.discard(request.request_id)
         return RequestOutput.failed(
             request.request_id, message,

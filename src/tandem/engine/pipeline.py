@@ -19,8 +19,9 @@ chose. Micro-batches flow in order through every stage, so a block freed and reu
 later micro-batch is always written after the earlier one read it, and successive chunks of
 one prompt can ride back-to-back micro-batches (chunked pipeline prefill).
 
-The last stage samples with per-request parameters and samplers it keeps (announced with
-the request's first micro-batch, dropped when the first stage reports it finished) and sends
+The last stage samples with per-request parameters and samplers it keeps in `SamplingStates`,
+the engine's own home for them (announced with the request's first micro-batch, dropped when
+the first stage reports it finished; the first stage keeps none) and sends
 the ids back to the first stage, with only the outcome and the stages' counters (the first
 stage kept the plan). Every transfer is one message into a receive posted in advance
 (`tandem.distributed.StageLink`). `pipeline_choice.choose_micro_batches` measures at start-up
@@ -52,10 +53,11 @@ from tandem.worker.sampling import SamplingParams
 from tandem.engine.scheduler import SchedulerStep
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.stage_handoff import (
-    HEARTBEAT, STEP, STOP, MicroBatchPlan, MicroBatchResult, SamplingAnnouncer, SamplingKeeper, StageCounters, input_tensors,
-    prompts_to_announce, pack_inputs,
+    HEARTBEAT, STEP, STOP, MicroBatchPlan, MicroBatchResult, SamplingAnnouncer, StageCounters, input_tensors,
+    learn_sampling, prompts_to_announce, pack_inputs,
 )
 from tandem.engine.stage_worker import StageWorker
+from tandem.worker.sampling_states import SamplingStates
 
 #: How often an idle first stage tells the others it is alive.
 HEARTBEAT_INTERVAL_S = 1.0
@@ -80,6 +82,7 @@ class PipelineEngine(Engine):
         # The micro-batch ring is the overlap: the scheduler's own overlapped loop stays off.
         scheduler = dataclasses.replace(scheduler or SchedulerConfig(), overlap_schedule=False)
         super().__init__(runner, scheduler, max_num_batched_tokens=max_num_batched_tokens, lockstep=lockstep)
+        self.sampling = None  # the last stage samples and keeps them (`run_stage`)
         self.worker = StageWorker(runner, groups, timeout_s=self.step_timeout_s)
         if not self.worker.is_first:
             raise ValueError("PipelineEngine runs on the first pipeline stage; later stages run run_stage()")
@@ -255,7 +258,8 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
     worker = StageWorker(runner, groups, timeout_s=step_timeout_s)
     if worker.is_first:
         raise ValueError("run_stage runs the stages after the first; the first runs a PipelineEngine")
-    keeper = SamplingKeeper(runner.info.eos_token_ids) if worker.is_last else None
+    # The last stage samples: it keeps the sampling states the first stage's engine would.
+    sampling = SamplingStates(runner.info.eos_token_ids) if worker.is_last else None
     pending: deque = deque()
     counters = worker.counters
     previous_was_step = False
@@ -279,7 +283,7 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
             counters.idle_s += waited
         previous_was_step = True
         start = time.perf_counter()
-        out = _run_micro_batch(worker, plan, message, keeper)
+        out = _run_micro_batch(worker, plan, message, sampling)
         counters.busy_s += time.perf_counter() - start
         counters.micro_batches += 1
         plan.stage_stats[worker.stage] = dataclasses.replace(counters)
@@ -293,26 +297,26 @@ def run_stage(runner: ModelRunner, groups: StageGroups, *, num_micro_batches: in
     return counters
 
 
-def _run_micro_batch(worker: StageWorker, plan: MicroBatchPlan, message: dict, keeper: SamplingKeeper | None) -> dict:
+def _run_micro_batch(worker: StageWorker, plan: MicroBatchPlan, message: dict, sampling: SamplingStates | None) -> dict:
     """One later stage's work on a micro-batch: its layers, then (last stage) sampling; an
     error goes on in the plan instead of hidden states."""
-    if keeper is not None:
-        keeper.update(plan)  # also for a failed micro-batch: its requests' drops will come
+    if sampling is not None:
+        learn_sampling(sampling, plan)  # also for a failed micro-batch: its requests' drops will come
     if plan.error is None:
         try:
             hidden, inputs = worker.forward_later(plan, message)
-            if keeper is not None:
-                return {"plan": plan, "tokens": _sample(worker, plan, hidden, inputs, keeper)}
+            if sampling is not None:
+                return {"plan": plan, "tokens": _sample(worker, plan, hidden, inputs, sampling)}
             return {"plan": plan, "hidden": hidden, **input_tensors(message)}
         except Exception as exc:  # noqa: BLE001 - reported to the first stage, which fails the requests
             plan.error = f"stage {worker.stage}: {type(exc).__name__}: {exc}"
-    return {"plan": plan, "hidden" if keeper is None else "tokens": torch.empty(0, dtype=torch.int64)}
+    return {"plan": plan, "hidden" if sampling is None else "tokens": torch.empty(0, dtype=torch.int64)}
 
 
-def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, keeper: SamplingKeeper) -> torch.Tensor:
+def _sample(worker: StageWorker, plan: MicroBatchPlan, hidden, inputs, sampling: SamplingStates) -> torch.Tensor:
     if plan.num_requests == 0:
         return torch.empty(0, dtype=torch.int64)
-    params, samplers = keeper.for_requests(plan.request_ids)
+    params, samplers = sampling.for_requests(plan.request_ids)
     tokens = worker.runner.sample_tokens(hidden, inputs, params, samplers, plan.samples)
     return torch.tensor([-1 if t is None else t for t in tokens], dtype=torch.int64)
 

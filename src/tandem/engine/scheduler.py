@@ -12,6 +12,9 @@ samples in step N has one token *in flight*, and its next chunk is that token's
 `FutureMap` placeholder. Results are applied in step order; a request that finished or was
 aborted meanwhile just drops its late token. A chunk handed to the forward carries copies
 of the request's lists, so nothing the running forward reads is modified in place.
+
+The scheduler only schedules: a request's sampling state (random stream, penalties, grammar)
+lives with the engine's `SamplingStates` (`worker/sampling_states.py`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ from tandem.config import EngineConfig, SchedulerConfig
 from tandem.worker.step_inputs import ScheduledChunk
 from tandem.worker.future_map import FutureMap, placeholder
 from tandem.worker.kv_cache import BlockAllocator, blocks_needed
-from tandem.worker.sampling import RequestSampler, SamplingParams
-from tandem.worker.grammar import GrammarCompiler
+from tandem.worker.sampling import SamplingParams
 
 
 class RequestStatus(Enum):
@@ -51,7 +53,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    sampler: RequestSampler | None = None
     #: With `params.prompt_logprobs`: this many prompt positions have been scheduled to give
     #: their log-probabilities (a preempted request does not ask again).
     prompt_logprobs_planned: int = 0
@@ -114,7 +115,6 @@ class Scheduler:
         max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         max_model_len: int = 4096,
         eos_token_ids: set[int] | None = None,
-        grammars: GrammarCompiler | None = None,
         vocab_size: int | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -128,8 +128,6 @@ class Scheduler:
         #: Token ids a prompt may hold are [0, vocab_size): one outside would fail the whole step.
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids or set()
-        #: Compiles the JSON schemas of constrained requests (None: such requests are refused).
-        self.grammars = grammars
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -162,13 +160,7 @@ class Scheduler:
                 f"request {request.request_id!r} needs {total} tokens of KV cache, more than the whole cache "
                 f"({self.allocator.num_blocks * self.block_size} tokens)"
             )
-        if request.sampler is None:
-            request.sampler = request.params.make_sampler(request.prompt_ids, sorted(self.eos_token_ids))
         request.queued_at = time.monotonic()
-        if request.params.json_schema is not None and request.sampler.constraint is None:
-            if self.grammars is None:
-                raise ValueError("this engine has no tokenizer to compile a JSON schema constraint with")
-            request.sampler.constraint = self.grammars.constraint(request.params.json_schema)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.models.paged_attention import AttentionMetadata
-from tandem.worker.sampling import RequestSampler, SamplingParams
+from tandem.worker.sampling import SamplingParams
+from tandem.worker.sampling_states import SamplingStates
 from tandem.worker.step_inputs import StepInputs
 from tandem.worker.step_plan import StepPlan
 
@@ -149,38 +150,16 @@ def prompts_to_announce(new_sampling: dict[str, SamplingParams], request_ids: li
     return {r: p for r, p in zip(request_ids, prompts) if r in new_sampling and new_sampling[r].penalizes_prompt}
 
 
-class SamplingKeeper:
-    """The last stage's parameters and sampling state of every live request, made as the
-    first stage's scheduler makes them in one process (prompt and end tokens included)."""
-
-    def __init__(self, eos_token_ids=()) -> None:
-        self.eos_token_ids = sorted(eos_token_ids)
-        self.params: dict[str, SamplingParams] = {}
-        self.samplers: dict[str, RequestSampler] = {}
-
-    def update(self, plan: MicroBatchPlan) -> None:
-        """Drop the finished requests, then learn the new ones (in this order: an id used
-        again is announced again after its drop)."""
-        for request_id in plan.finished_ids:
-            self.params.pop(request_id, None)
-            self.samplers.pop(request_id, None)
-        for request_id, params in plan.new_sampling.items():
-            self.params[request_id] = params
-            prompt = plan.new_prompts.get(request_id, ())
-            self.samplers[request_id] = params.make_sampler(prompt, self.eos_token_ids)
-
-    def for_requests(self, request_ids: list[str]) -> tuple[list[SamplingParams], list]:
-        try:
-            return [self.params[r] for r in request_ids], [self.samplers[r] for r in request_ids]
-        except KeyError as exc:
-            raise RuntimeError(f"the last stage has no sampling parameters for request {exc}: it was never "
-                               "announced, or dropped while still scheduled") from None
-
-    def __len__(self) -> int:
-        return len(self.params)
+def learn_sampling(states: SamplingStates, plan: MicroBatchPlan) -> None:
+    """The last stage's sampling states follow the first stage's: drop the finished requests,
+    then add the new ones (in this order: an id used again is announced again after its drop)."""
+    for request_id in plan.finished_ids:
+        states.drop(request_id)
+    for request_id, params in plan.new_sampling.items():
+        states.add(request_id, params, plan.new_prompts.get(request_id, ()))
 
 
 __all__ = [
-    "HEARTBEAT", "STEP", "STOP", "MicroBatchPlan", "MicroBatchResult", "SamplingAnnouncer", "SamplingKeeper", "prompts_to_announce",
+    "HEARTBEAT", "STEP", "STOP", "MicroBatchPlan", "MicroBatchResult", "SamplingAnnouncer", "learn_sampling", "prompts_to_announce",
     "input_tensors", "pack_inputs", "unpack_inputs",
 ]
