@@ -69,17 +69,7 @@ class Engine:
             runner.warm_up(settings.max_num_seqs)  # every rank builds its engine at the same point
         self.future_map = FutureMap(settings.max_num_seqs, device=runner.device)
         runner.future_map = self.future_map
-        self.scheduler = Scheduler(
-            runner.allocator,
-            runner.block_size,
-            self.future_map,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            # The ranks enforce --max-model-len too, not only the front end that admits requests.
-            max_model_len=max_model_len,
-            eos_token_ids=info.eos_token_ids,
-            vocab_size=_vocab_size(runner.model),
-        )
+        self.scheduler = _scheduler(runner, settings, self.future_map, max_num_batched_tokens, max_model_len)
         #: Every live request's sampling state (None on a pipeline's first stage: the last samples).
         self.sampling: SamplingStates | None = SamplingStates(
             info.eos_token_ids, GrammarCompiler(info.tokenizer, sorted(info.eos_token_ids), cache_mb=settings.grammar_cache_mb))
@@ -109,9 +99,7 @@ class Engine:
         if self.stopped is not None:
             return RequestOutput.failed(request_id, self.stopped)
         try:
-            if request_id in self.scheduler.requests:  # before the sampling state: keep the live one's
-                raise ValueError(f"request id {request_id!r} is already in use")
-            if self.sampling is not None:
+            if self.sampling is not None:  # refuses an id in use, as the scheduler does
                 self.sampling.add(request_id, params, prompt_ids)
             try:
                 self.scheduler.add_request(Request(request_id, list(prompt_ids), params))
@@ -164,7 +152,7 @@ class Engine:
         step = self.scheduler.schedule()
         if not step.scheduled and not self.lockstep:
             return []
-        return self._apply(step, self._forward(step, self._samplers(step)))
+        return self._apply(step, self._forward(step, self.sampling.samplers_of(step.request_ids)))
 
     def _step_overlap(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
@@ -172,7 +160,7 @@ class Engine:
         if step.scheduled or self.lockstep:
             # The samplers are looked up here, not on the forward thread: applying the previous
             # step below may end (and forget) a request this step still runs.
-            running = (step, self._worker.submit(self._forward, step, self._samplers(step)))
+            running = (step, self._worker.submit(self._forward, step, self.sampling.samplers_of(step.request_ids)))
         outputs = []
         if self._pending is not None:
             previous, future = self._pending
@@ -191,9 +179,6 @@ class Engine:
         previous, future = self._pending
         self._pending = None
         return self._apply(previous, self._result(future))
-
-    def _samplers(self, step: SchedulerStep) -> list:
-        return self.sampling.for_requests([entry.request.request_id for entry in step.scheduled])[1]
 
     def _forward(self, step: SchedulerStep, samplers: list) -> StepResult | BaseException:
         start = time.perf_counter()
@@ -230,7 +215,8 @@ class Engine:
         outputs = [
             self._fail_request(entry.request, f"structured output failed: {refusal}")
             for entry in step.scheduled
-            if not entry.request.finished and (refusal := self._grammar_refusal(entry.request.request_id))
+            if not entry.request.finished and self.sampling is not None
+            and (refusal := self.sampling.refusal(entry.request.request_id))
         ]
         for update in self.scheduler.apply(step, result.tokens, result.logprobs, result.prompt_logprobs):
             output = self.outputs.process(update)
@@ -247,15 +233,8 @@ class Engine:
         self.failed_steps += 1
         message = f"model step failed: {type(error).__name__}: {error}"
         self.last_failure = message
-        from tandem.modular_kernels.capturable import state_lost_by_a_failed_step
-
-        lost = state_lost_by_a_failed_step(getattr(self.runner, "model", None) or [])
-        if lost and self.stopped is None:
-            self.stopped = (
-                f"engine stopped: a model step failed ({type(error).__name__}: {error}) and the {', '.join(lost)} "
-                "all2all backend cannot run on after a failed step (its buffers are out of step with the peer "
-                "ranks and the captured graphs); restart the server"
-            )
+        if self.stopped is None:
+            self.stopped = _why_a_failed_step_stops(self.runner, error)
         outputs = []
         for entry in step.scheduled:
             request = entry.request
@@ -269,10 +248,6 @@ class Engine:
         """A stopped engine fails every request it still holds, once."""
         held = list(self.scheduler.waiting) + list(self.scheduler.running)
         return [self._fail_request(request, self.stopped) for request in held if not request.finished]
-
-    def _grammar_refusal(self, request_id: str) -> str | None:
-        sampler = None if self.sampling is None else self.sampling.samplers.get(request_id)
-        return None if sampler is None or sampler.constraint is None else sampler.constraint.refusal
 
     def _fail_request(self, request: Request, message: str) -> RequestOutput:
         self.scheduler.finish(request, "error")
@@ -321,6 +296,33 @@ class Engine:
         self.drain()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+def _why_a_failed_step_stops(runner, error: BaseException) -> str | None:
+    """Why the engine cannot run on after `error` failed a step, or None when it can."""
+    from tandem.modular_kernels.capturable import state_lost_by_a_failed_step
+
+    lost = state_lost_by_a_failed_step(getattr(runner, "model", None) or [])
+    if not lost:
+        return None
+    return (f"engine stopped: a model step failed ({type(error).__name__}: {error}) and the {', '.join(lost)} "
+            "all2all backend cannot run on after a failed step (its buffers are out of step with the peer ranks and "
+            "the captured graphs); restart the server")
+
+
+def _scheduler(runner: ModelRunner, settings: SchedulerConfig, future_map: FutureMap, max_num_batched_tokens: int,
+               max_model_len: int) -> Scheduler:
+    return Scheduler(
+        runner.allocator,
+        runner.block_size,
+        future_map,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        # The ranks enforce --max-model-len too, not only the front end that admits requests.
+        max_model_len=max_model_len,
+        eos_token_ids=runner.info.eos_token_ids,
+        vocab_size=_vocab_size(runner.model),
+    )
 
 
 def _vocab_size(model) -> int | None:

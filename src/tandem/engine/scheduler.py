@@ -103,6 +103,10 @@ class SchedulerStep:
     def num_tokens(self) -> int:
         return sum(len(s.chunk.token_ids) for s in self.scheduled)
 
+    @property
+    def request_ids(self) -> list[str]:
+        return [s.request.request_id for s in self.scheduled]
+
 
 class Scheduler:
     def __init__(

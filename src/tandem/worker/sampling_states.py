@@ -46,6 +46,14 @@ class SamplingStates:
             raise RuntimeError(f"no sampling state for request {exc}: it was never added, or dropped while "
                                "still scheduled") from None
 
+    def samplers_of(self, request_ids: Sequence[str]) -> list[RequestSampler]:
+        return self.for_requests(request_ids)[1]
+
+    def refusal(self, request_id: str) -> str | None:
+        """Why the request's grammar refused a token it allowed (it must fail), or None."""
+        sampler = self.samplers.get(request_id)
+        return None if sampler is None or sampler.constraint is None else sampler.constraint.refusal
+
     @staticmethod
     def constraints(samplers: Sequence[RequestSampler]) -> list[GrammarConstraint | None]:
         return [sampler.constraint for sampler in samplers]
