@@ -20,6 +20,7 @@ import asyncio
 import json
 import platform
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,8 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=5_000, help="Sample memory every this many requests.")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "grammar_flood.json")
     args = parser.parse_args()
+    # A SIGTERM (a stopped job) unwinds like Ctrl-C, so the server this started is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     rng = random.Random(0)
     rows, statuses = [], {}

@@ -63,6 +63,8 @@ def main() -> int:
     parser.add_argument("--memory-probe", action="store_true", help="Server processes sample their own memory.")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "soak.json")
     args = parser.parse_args()
+    # A SIGTERM (a stopped job) unwinds like Ctrl-C, so the server this started is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     config = SoakConfig(clients=args.clients, wave_requests=args.wave_requests, adversarial_every=args.adversarial_every)
     print(f"tandem serve tiny-moe {' '.join(SERVE_FLAGS)}", file=sys.stderr)
