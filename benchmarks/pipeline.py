@@ -132,9 +132,8 @@ def bench_rank(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
     from tandem.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-    from tandem.engine.build import build_pipeline_stage
+    from tandem.engine.build import build_engine, build_pipeline_stage
     from tandem.engine.chunking import fit_chunker
-    from tandem.engine.core import Engine
     from tandem.worker.build import build_runner
     from tandem.engine.pipeline import PipelineEngine, run_stage
 
@@ -152,9 +151,9 @@ def bench_rank(rank: int, world: int, args) -> dict:
     if groups.stage == 1:
         run_stage(runner, groups, num_micro_batches=3, step_timeout_s=3600)
         return {}
-    whole = build_runner(
-        EngineConfig(model=config.model, cache=config.cache, max_num_batched_tokens=config.max_num_batched_tokens), group=alone
-    )
+    whole_config = EngineConfig(model=config.model, cache=config.cache, max_num_batched_tokens=config.max_num_batched_tokens,
+                                scheduler=SchedulerConfig(max_num_seqs=args.streams))
+    whole = build_runner(whole_config, group=alone)
     tokenizer = runner.info.tokenizer
 
     def pipeline(num_micro_batches: int) -> PipelineEngine:
@@ -172,7 +171,7 @@ def bench_rank(rank: int, world: int, args) -> dict:
         for name, micro_batches in DECODE_MODES:
             tag = f"d{r}-{name}"
             if micro_batches is None:
-                engine = Engine(whole, SchedulerConfig(max_num_seqs=args.streams), max_num_batched_tokens=args.chunk)
+                engine = build_engine(whole_config, runner=whole)
                 decode[name].append(_decode_run(engine, tokenizer, args, tag))
                 engine.close()
             else:
@@ -184,7 +183,8 @@ def bench_rank(rank: int, world: int, args) -> dict:
         for name, dynamic in PREFILL_MODES:
             tag = f"p{r}-{name}"
             if name.startswith("pp1"):
-                engine = Engine(whole, SchedulerConfig(overlap_schedule=False), max_num_batched_tokens=args.chunk)
+                engine = build_engine(dataclasses.replace(whole_config, scheduler=SchedulerConfig(overlap_schedule=False)),
+                                      runner=whole)
                 engine.scheduler.chunk_limit = chunk_pp1 if dynamic else None
             else:
                 engine = pipeline(2)

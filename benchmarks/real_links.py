@@ -356,8 +356,10 @@ def scheduler_loops(model: str = "small-moe", streams: int = 64, max_tokens: int
     `repeat` runs of each, interleaved."""
     import torch
 
+    import dataclasses
+
     from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
-    from tandem.engine.core import Engine
+    from tandem.engine.build import build_engine
     from tandem.engine.offline import build_runner
     from tandem.worker.sampling import SamplingParams
 
@@ -370,7 +372,8 @@ def scheduler_loops(model: str = "small-moe", streams: int = 64, max_tokens: int
     host_share: list[float] = []
 
     def run(overlap: bool) -> tuple[float, list]:
-        engine = Engine(runner, SchedulerConfig(max_num_seqs=streams, overlap_schedule=overlap))
+        scheduler = SchedulerConfig(max_num_seqs=streams, overlap_schedule=overlap)
+        engine = build_engine(dataclasses.replace(config, scheduler=scheduler), runner=runner)
         for i, ids in enumerate(prompts):
             engine.add_request(f"r{i}", ids, params)
         start, tokens = time.perf_counter(), {}
