@@ -11,10 +11,12 @@ under YaRN.
 
 The cache holds the latent, not per-head keys and values: per token one row of
 `kv_lora_rank + qk_rope_head_dim` (the normalised latent, then the rotated shared key).
-Attention runs in the latent space ("weight absorption"): each head's `q_nope` is folded
+Decode attends in the latent space ("weight absorption"): each head's `q_nope` is folded
 through its slice of `kv_b_proj` into the latent, so the cached latent serves as both key
 (with the rope part) and value of one shared KV head, and the attended latent is expanded
-to `v_head_dim` afterwards. `kv_cache_mode="expanded"` caches the decompressed per-head K
+to `v_head_dim` afterwards. Prefill expands the cached latent per head instead and runs
+plain multi-head attention at d_qk 192 / d_v 128, 3.4x fewer FLOPs (`mla_prefill.py` says
+when each form is taken). `kv_cache_mode="expanded"` caches the decompressed per-head K
 and V instead (plain attention; the reference the latent path is checked against).
 """
 
@@ -26,6 +28,7 @@ from torch import nn
 from tandem.models.base import KVCacheSpec
 from tandem.models.deepseek_config import DeepseekConfig
 from tandem.models.layers import current_attention_metadata, opaque_attend
+from tandem.models.mla_prefill import mla_latent_attention
 from tandem.models.norm import RMSNorm
 from tandem.models.paged_attention import paged_attention, write_to_cache
 from tandem.models.rope import RotaryEmbedding, yarn_mscale
@@ -110,7 +113,6 @@ class MLAttention(nn.Module):
         positions, q_nope, q_rope, latent, k_rope = prepared
         metadata = current_attention_metadata()
         c, T, nh = self.cfg, q_nope.shape[0], self.num_heads
-        w_kv = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         if self.kv_cache_mode == "latent":
             cache = self.kv_cache["kv_latent"]
             rank = c.kv_lora_rank
@@ -119,14 +121,7 @@ class MLAttention(nn.Module):
                 positions, q_rope, k_rope, metadata.slot_mapping, cache[..., rank:],
                 copy=(latent.unsqueeze(1), cache[..., :rank]),
             )  # fmt: skip
-            # Fold each head's nope query through its key slice of kv_b_proj into the latent.
-            q_latent = torch.einsum("thn,hnl->thl", q_nope, w_kv[:, : c.qk_nope_head_dim])
-            query = torch.cat((q_latent, q_rope), dim=-1)
-            out_latent = paged_attention(query, cache, cache[..., :rank], metadata, self.scale)
-            # Each head's latent through its value slice of kv_b_proj, written straight into
-            # [T, heads, v] order (an einsum leaves [heads, T, v] for a copy to reorder).
-            out = out_latent.new_empty((T, nh, c.v_head_dim))
-            torch.bmm(out_latent.transpose(0, 1), w_kv[:, c.qk_nope_head_dim :].transpose(1, 2), out=out.transpose(0, 1))
+            out = mla_latent_attention(self, q_nope, q_rope, cache, metadata)
         else:
             q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
             kv = linear(latent, self.kv_b_proj.weight).view(T, nh, -1)

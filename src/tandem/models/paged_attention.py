@@ -14,7 +14,7 @@ table's width when the host knows the lengths. A *decode-only* batch (every requ
 query row, `decode_only=True`) is one call with no host reads: under a capture it reads the
 whole table and masks by the device `seq_lens`, so it can be captured in a graph. Mixed
 batches make one call per run of consecutive requests with the same query length (see
-`_varlen_attention`). Under a graph capture, cache writes cannot
+`varlen_runs`; MLA's per-head prefill takes the same runs, `mla_prefill.py`). Under a graph capture, cache writes cannot
 drop padding rows by a boolean mask (a data-dependent shape); they write them into
 `NULL_BLOCK` instead, which the runner's block allocator never hands out.
 """
@@ -141,14 +141,14 @@ def paged_attention(
     padding rows. The caller has already written this step's K/V to the cache. Decode rows
     on the CPU read the cache in place through tandem's kernel (`cpu_kernels.decode_attention`)
     where it is built, outside graph captures (a `CpuGraph` records ATen ops only)."""
-    in_place = _in_place_decode_applies(query, key_cache, value_cache)
     if metadata.decode_only:
         if _triton_decode_applies(key_cache):
             from tandem.models.triton_decode_attention import triton_decode_attention
 
             return triton_decode_attention(query, key_cache, value_cache, metadata.seq_lens, metadata.block_table, scale)
+        in_place = _in_place_decode_applies(query, key_cache, value_cache)
         return _decode_attention(query, key_cache, value_cache, metadata, scale, in_place=in_place)
-    return _varlen_attention(query, key_cache, value_cache, metadata, scale, in_place=in_place)
+    return _varlen_attention(query, key_cache, value_cache, metadata, scale)
 
 
 def _in_place_decode_applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -187,43 +187,83 @@ def _decode_attention(
     return torch.cat((out, out.new_zeros((num_tokens - requests, *out.shape[1:]))))
 
 
-def _varlen_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-    in_place: bool = False,
-) -> torch.Tensor:
-    """One attention call per run of consecutive requests with the same query length (a
-    step's decodes are one run, equal-length prefills admitted together another), each over
-    the blocks its longest request uses. Runs are slices of the step's tensors: no index
-    tensor is built, nothing is copied to the device."""
-    num_tokens, num_heads, _ = query.shape
+@dataclass(frozen=True)
+class VarlenRun:
+    """Consecutive requests `[first, end)` with the same query length: query rows `[start,
+    stop)`, `block_table` cut to the blocks the longest of them uses, their device `seq_lens`.
+    `from_start`: each request's sequence is its query (a prefill with nothing cached)."""
+
+    first: int
+    end: int
+    length: int
+    start: int
+    stop: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    from_start: bool
+
+    @property
+    def requests(self) -> int:
+        return self.end - self.first
+
+
+def varlen_runs(metadata: AttentionMetadata) -> list[VarlenRun]:
+    """A step's requests as runs of equal query length (a step's decodes are one run,
+    equal-length prefills admitted together another); requests with no query rows are left
+    out. Host lists only: no index tensor is built, nothing is copied to the device."""
     qsl, seq_lens = metadata.host_lists()
-    runs: list[list[int]] = []  # [first request, end request, query length]
+    spans: list[list[int]] = []  # [first request, end request, query length]
     for r in range(len(seq_lens)):
         length = qsl[r + 1] - qsl[r]
-        if runs and runs[-1][1] == r and runs[-1][2] == length:
-            runs[-1][1] = r + 1
+        if spans and spans[-1][1] == r and spans[-1][2] == length:
+            spans[-1][1] = r + 1
         elif length:
-            runs.append([r, r + 1, length])
-    attended = []
-    for first, end, length in runs:
+            spans.append([r, r + 1, length])
+    runs = []
+    for first, end, length in spans:
         lens = seq_lens[first:end]
         block_table = metadata.block_table[first:end, : _blocks_for(max(lens), metadata.block_size)]
-        if in_place and length == 1:  # a run of decodes
-            rows = cpu_kernels.decode_attention(query[qsl[first] : qsl[end]], key_cache, value_cache, block_table,
-                                                metadata.seq_lens[first:end], scale)
-            if rows is not None:
-                attended.append((qsl[first], qsl[end], rows))
-                continue
-        group_query = query[qsl[first] : qsl[end]].view(end - first, length, num_heads, -1)
-        out = _attend(group_query, key_cache, value_cache, block_table, metadata.seq_lens[first:end], scale,
-                      from_start=all(n == length for n in lens))
-        attended.append((qsl[first], qsl[end], out.flatten(0, 1)))
-    if len(attended) == 1 and attended[0][:2] == (0, num_tokens):
-        return attended[0][2]
-    out = query.new_zeros((num_tokens, num_heads, value_cache.shape[-1]))
-    for start, stop, rows in attended:
-        out[start:stop] = rows
+        runs.append(VarlenRun(first, end, length, qsl[first], qsl[end], block_table, metadata.seq_lens[first:end],
+                              from_start=all(n == length for n in lens)))
+    return runs
+
+
+def attend_run(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, run: VarlenRun, scale: float
+) -> torch.Tensor:
+    """One run's attention: `query [run rows, Hq, Dk]` -> `[run rows, Hq, Dv]`. A run of
+    decodes on the CPU reads the cache in place where tandem's kernel takes it."""
+    if run.length == 1 and _in_place_decode_applies(query, key_cache, value_cache):
+        rows = cpu_kernels.decode_attention(query, key_cache, value_cache, run.block_table, run.seq_lens, scale)
+        if rows is not None:
+            return rows
+    group_query = query.view(run.requests, run.length, *query.shape[1:])
+    out = _attend(group_query, key_cache, value_cache, run.block_table, run.seq_lens, scale, from_start=run.from_start)
+    return out.flatten(0, 1)
+
+
+def assemble_runs(
+    attended: list[tuple[VarlenRun, torch.Tensor]], like: torch.Tensor, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The step's output `shape` (`[num_tokens, ...]`, `like`'s dtype and device) from each
+    run's rows; rows no run covers (padding) are zero."""
+    if len(attended) == 1 and (attended[0][0].start, attended[0][0].stop) == (0, shape[0]):
+        return attended[0][1]
+    out = like.new_zeros(shape)
+    for run, rows in attended:
+        out[run.start : run.stop] = rows
     return out
+
+
+def _varlen_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """One attention call per run of consecutive requests with the same query length
+    (`varlen_runs`), each over the blocks its longest request uses."""
+    num_tokens, num_heads, _ = query.shape
+    attended = [(run, attend_run(query[run.start : run.stop], key_cache, value_cache, run, scale))
+                for run in varlen_runs(metadata)]
+    return assemble_runs(attended, query, (num_tokens, num_heads, value_cache.shape[-1]))
 
 
 def _attend(
@@ -234,14 +274,23 @@ def _attend(
     (cached through `block_table [G, W]`); returns `[G, L, Hq, Dv]`. Reads `W` blocks per
     request in the cache dtype; no host read. `from_start`: every `seq_lens[g]` is L (a
     prefill with nothing cached before), so plain causal attention needs no mask."""
-    length = query.shape[1]
     k, v = _gather(key_cache, value_cache, block_table)
+    return attend_gathered(query, k, v, seq_lens, scale, from_start)
+
+
+def attend_gathered(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    from_start: bool = False,
+) -> torch.Tensor:
+    """`_attend` over keys and values already gathered, `[G, S, Hkv, D]` (S at least each
+    `seq_lens[g]`; with `from_start`, at least L: the first L are used)."""
+    length = query.shape[1]
     if from_start:
-        return _sdpa(query, k[:, :length], v[:, :length], None, scale)
+        return _sdpa(query, key[:, :length], value[:, :length], None, scale)
     # Query i of request g sees positions up to seq_len - L + i (at least position 0).
     last_visible = seq_lens.long().clamp(min=1).view(-1, 1) - length + torch.arange(length, device=query.device)
-    mask = torch.arange(k.shape[1], device=query.device).view(1, 1, -1) <= last_visible.unsqueeze(-1)
-    return _sdpa(query, k, v, mask.unsqueeze(1), scale)
+    mask = torch.arange(key.shape[1], device=query.device).view(1, 1, -1) <= last_visible.unsqueeze(-1)
+    return _sdpa(query, key, value, mask.unsqueeze(1), scale)
 
 
 def _gather(
@@ -250,14 +299,17 @@ def _gather(
     """Each request's blocks, `[G, W * block_size, Hkv, D]`. A value cache that is the first
     channels of the key cache (MLA's latent cache) is sliced from the gathered keys, not
     gathered twice."""
-    requests, width = block_table.shape
-    flat = block_table.reshape(-1).long()
-    k = key_cache.index_select(0, flat)
-    k = k.view(requests, width * key_cache.shape[1], *key_cache.shape[2:])
+    k = gather_blocks(key_cache, block_table)
     if _is_prefix_view(value_cache, key_cache):
         return k, k[..., : value_cache.shape[-1]]
-    v = value_cache.index_select(0, flat)
-    return k, v.view(requests, width * value_cache.shape[1], *value_cache.shape[2:])
+    return k, gather_blocks(value_cache, block_table)
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The cache rows of each request's blocks, `[G, W * block_size, ...]` for `block_table [G, W]`."""
+    requests, width = block_table.shape
+    rows = cache.index_select(0, block_table.reshape(-1).long())
+    return rows.view(requests, width * cache.shape[1], *cache.shape[2:])
 
 
 def _is_prefix_view(value_cache: torch.Tensor, key_cache: torch.Tensor) -> bool:
