@@ -83,3 +83,24 @@ def test_an_engine_config_takes_auto_or_fixed():
     assert EngineConfig().cpu_threads == "auto"
     with pytest.raises(ValueError, match="--cpu-threads must be one of auto, fixed, got 'two'"):
         EngineConfig(cpu_threads="two")
+
+
+def test_the_process_gets_its_thread_count_back_when_the_engine_closes(clock):
+    """The choice is the steps' alone: a second runner built in the same process read one
+    thread as its rank's count (no policy, and its engine's overlap default flipped), which
+    made the TBO test's step counts depend on the machine's load."""
+    from tandem.config import CacheConfig, EngineConfig
+    from tandem.engine.offline import build_runner, generate
+    from tandem.worker.sampling import SamplingParams
+
+    torch.set_num_threads(2)
+    policy = StepThreads(2, trial_steps=3, recheck_every=1000)
+    assert _steps(policy, clock, True, 8, {1: 1.0, 2: 1.5}, 7)[-1] == 1 and torch.get_num_threads() == 1
+    policy.restore()
+    assert torch.get_num_threads() == 2
+
+    # A real engine: its decode trials alternate 1, 2, 1 threads (the fake clock ties them).
+    runner = build_runner(EngineConfig(model="tiny-moe", device="cpu", cache=CacheConfig(num_kv_blocks=16, block_size=4)))
+    generate(runner, [(0, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])
+    assert runner.threads.steps_by_threads[1] == 2
+    assert torch.get_num_threads() == 2

@@ -158,8 +158,7 @@ class Engine:
         step = self.scheduler.schedule()
         running = None
         if step.scheduled or self.lockstep:
-            # The samplers are looked up here, not on the forward thread: applying the previous
-            # step below may end (and forget) a request this step still runs.
+            # Samplers looked up here: applying the previous step below may end one this step runs.
             running = (step, self._worker.submit(self._forward, step, self.sampling.samplers_of(step.request_ids)))
         outputs = []
         if self._pending is not None:
@@ -169,8 +168,7 @@ class Engine:
         return outputs
 
     def idle(self) -> None:
-        """Called by the rank loop while no rank has work (the pipeline engine keeps its
-        stages' links alive from here)."""
+        """Called by the rank loop while no rank has work (a pipeline keeps its links alive)."""
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight (overlap loop) and apply it."""
@@ -296,6 +294,8 @@ class Engine:
         self.drain()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        if getattr(self.runner, "threads", None) is not None:  # the process's thread count back
+            self.runner.threads.restore()
 
 
 def _why_a_failed_step_stops(runner, error: BaseException) -> str | None:

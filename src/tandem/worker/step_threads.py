@@ -38,7 +38,7 @@ class StepThreads:
         self.trial_steps, self.recheck_every = trial_steps, recheck_every
         self._times: dict[StepKind, dict[int, list[float]]] = {}
         self._since_trial: collections.Counter = collections.Counter()
-        self._current = torch.get_num_threads()
+        self._current = self.baseline = torch.get_num_threads()
         #: Steps run with each thread count (what the policy chose, for the counters).
         self.steps_by_threads: collections.Counter = collections.Counter()
 
@@ -65,6 +65,14 @@ class StepThreads:
         samples = self._times.get(kind, {}).get(threads)  # None for an untimed kind
         if samples is not None and len(samples) < self.trial_steps:
             samples.append(seconds)
+
+    def restore(self) -> None:
+        """Give the process back the thread count it had: the choice is the steps' alone (a
+        runner built next in the same process would otherwise start from one thread, and its
+        engine's overlap default with it)."""
+        if self._current != self.baseline:
+            torch.set_num_threads(self.baseline)
+            self._current = self.baseline
 
     @contextlib.contextmanager
     def running(self, decode_only: bool, num_tokens: int) -> Iterator[None]:
