@@ -3,10 +3,9 @@
 Every module is parsed (ast: nothing is imported, so no side effects), every `import` is
 an edge, including imports inside functions: an import deferred into a function to dodge
 a cycle is still a cycle in the design (modules named in strings for `importlib`, as the
-loader's family table does, are not seen). The layers are listed here, in one place;
-docs/layering.md and README's layout name the same order. They live in this test rather than in the package
-because nothing at run time needs them: the rule is a property of the source tree, and
-this test is the only reader.
+loader's family table does, are not seen). The layers are listed in one place,
+`tandem.testing.layers` (harness code: nothing at run time needs them; this test and
+`benchmarks/config_flow.py` read them); docs/layering.md and README's layout name the same order.
 """
 
 from __future__ import annotations
@@ -18,35 +17,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-#: Low to high. A module may import its own layer or a lower one.
-LAYERS: tuple[str, ...] = (
-    "platform",
-    "ubatch",
-    "contexts",
-    "distributed",
-    "modular_kernels",
-    "config",
-    "models",
-    # One step of one rank (model runner, ubatch wrapper, sampler, KV cache).
-    "worker",
-    # The request loop (engine, scheduler, pipeline loop) over a worker.
-    "engine",
-    # The runner's public import path (re-exports UBatchWrapper, ModelRunner, FutureMap, Scheduler, Engine).
-    "runner",
-    "serving",
-    "bench",
-    # `tandem simulate`: an overlap mode's step on a cluster, from the runtime's own schedules.
-    "simulate",
-    # Typer options generated from the config tree's fields, for the command line only.
-    "cli_options",
-    # A command's flags to an EngineConfig, with the checks that fail before any rank starts.
-    "cli_config",
-    # `bench` and `tune`'s sweep settings, options and spec.
-    "cli_bench",
-    "cli",
-    # The package's face: `tandem/__init__.py` re-exports the public API, `__main__` runs the CLI.
-    "api",
-)
+from tandem.testing.layers import LAYERS  # noqa: E402
 
 #: Test doubles and harnesses (fake DeepEP / DeepGEMM, the gloo launcher, the greedy model
 #: harness). They may import any layer; no runtime module may import them.
