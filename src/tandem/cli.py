@@ -364,9 +364,11 @@ def profile(
 ) -> None:
     """Where one prefill and one decode step spend their time, per module (attention, MoE,
     experts, router, norms, lm_head, plus scheduler, input build, sampler), with device events;
-    beside each row its kernels (ATen ops dispatched), the bytes and FLOPs its shapes imply and
-    its share of the roofline measured in the same run; and the step against its
-    weight-bandwidth floor. One rank, the normal (not overlapped) loop."""
+    beside each row its kernels (ATen ops dispatched plus Triton launches, the Triton ones also
+    apart and by name), the bytes and FLOPs its shapes imply and its share of the roofline
+    measured in the same run; and the step against its weight-bandwidth floor. On CUDA, one
+    more step of each phase under torch.profiler lists the GPU kernels by name, count and time.
+    One rank, the normal (not overlapped) loop."""
     from tandem.bench.profile_step import format_report, run_profile, write_report
 
     config = build_config(flags)

@@ -138,3 +138,20 @@ def test_dbo_greenlet_steps_count_each_ubatch():
     assert rows["forward"]["calls"] == 1 and rows["layers.*"]["calls"] == 2 * 3
     assert rows["layers.*.mlp.experts"]["calls"] == 2 * 2
     assert 0 < rows["layers.*"]["kernels"] <= rows["forward"]["kernels"]
+
+
+def test_kernel_counts_split_aten_and_triton_and_the_gpu_pass_is_skipped_on_cpu(report):
+    """On the CPU every fused op takes its torch path: no Triton launches, and the rows' kernel
+    figure is the ATen count; the torch.profiler pass is CUDA's only, a one-line note here."""
+    data, stdout = report
+    for phase in data["phases"].values():
+        assert phase["triton_launches_per_step"] == 0 and phase["triton_by_kernel"] == {}
+        assert phase["kernels_per_step"] == phase["aten_kernels_per_step"] + phase["triton_launches_per_step"]
+        assert phase["kernels_per_decoder_layer"] == pytest.approx(
+            phase["aten_kernels_per_decoder_layer"] + phase["triton_launches_per_decoder_layer"])
+        for row in phase["rows"]:
+            assert row["kernels"] == row["aten_kernels"] + row["triton_launches"], row["row"]
+        assert phase["gpu_kernels"] is None
+    assert "| kernels | of which Triton |" in stdout
+    assert " ATen + 0 Triton)" in stdout
+    assert stdout.rstrip().splitlines()[-1] == "GPU kernels (torch.profiler): skipped, the device is not CUDA"

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tandem.platform import CpuPlatform
+from tandem.platform import CpuPlatform, triton_launches
 from tandem.platform.graph import Graph, _capturing, _CaptureState
 
 CUDA = torch.device("cuda", 0)
@@ -91,7 +91,9 @@ def use_fake_cuda_platform(monkeypatch) -> None:
 
 class _Launch:
     """A kernel's launches checked and logged: its name in `launches`, and, where the real
-    kernel is known, the launch as a manifest entry (`triton_aot.describe`) in `described`."""
+    kernel is known, the launch as a manifest entry (`triton_aot.describe`) in `described`;
+    each launch is also reported to `tandem.platform.triton_launches`' listeners, as a real
+    launch through `JITFunction.run` is (what `tandem profile`'s counter counts)."""
 
     def __init__(self, name: str, launches: list, kernel=None, described: list | None = None):
         self.name, self.launches, self.kernel, self.described = name, launches, kernel, described
@@ -100,6 +102,8 @@ class _Launch:
         def launch(*args, **kwargs):
             _check_cuda(f"triton kernel {self.name}", *args)
             self.launches.append(self.name)
+            # As the real launcher tells an open OpCounter, under the kernel function's name.
+            triton_launches.launched(self.name if self.kernel is None else triton_launches.kernel_name(self.kernel))
             if self.described is not None:
                 from tandem.testing.triton_aot import describe
 

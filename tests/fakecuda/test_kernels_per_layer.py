@@ -4,7 +4,9 @@ profile` uses) plus the Triton launches the stub records, for the DeepSeek-V2-Li
 64 experts top-6, 2 shared) and the Qwen3-30B-A3B shape (GQA with q/k norms, 128 experts
 top-8), both with Triton experts and the `local` dispatch in bf16, as on one GPU.
 
-The goal (issue 24) is <= 40 kernels per layer, and the bound asserted here: before the fused
+Both halves come from the one `OpCounter` (the Triton launches the stub reports through
+`tandem.platform.triton_launches`, as the real launcher does for `tandem profile`), checked
+against the stub's own log. The goal (issue 24) is <= 40 kernels per layer, and the bound asserted here: before the fused
 kernels and the Triton decode attention a MoE layer launched 138 (DeepSeek-V2-Lite shape) and
 145 (Qwen3-MoE shape); now 23 and 18 (issue 30: the pair sum replaced a zero fill, a sum and
 a cast; MLA's value projection writes its output in token order, with no copy).
@@ -57,11 +59,17 @@ def count_decode_step(name: str, launches: list) -> dict:
                 model(inputs.input_ids, inputs.positions)
 
         aten, counter = count_ops_per_layer(model, step)
-    per_layer = [a + t for a, t in zip(aten, triton_per_layer)]
+    # The counter `tandem profile` uses sees the same Triton launches, in the same layers.
+    counted = [counter.triton_by_scope[f"layers.{i}"] for i in range(len(model.model.layers))]
+    assert counted == triton_per_layer, (counted, triton_per_layer)
+    per_layer = [counter.kernels(f"layers.{i}") for i in range(len(model.model.layers))]
+    assert per_layer == [a + t for a, t in zip(aten, triton_per_layer)]
+    moe_layer = next(f"layers.{i}" for i, layer in enumerate(model.model.layers) if is_moe_block(layer.mlp))
     moe = [n for n, layer in zip(per_layer, model.model.layers) if is_moe_block(layer.mlp)]
     return {
         "model": name, "layers": len(per_layer), "per_layer": per_layer, "aten_per_layer": aten,
         "triton_per_layer": triton_per_layer, "per_moe_layer": max(moe), "top_ops_per_step": dict(counter.by_op.most_common(12)),
+        "triton_by_kernel_per_moe_layer": dict(counter.triton_by_scope_kernel.get(moe_layer, {})),
     }
 
 

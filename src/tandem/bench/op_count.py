@@ -2,11 +2,15 @@
 open, through a `TorchDispatchMode`. On CUDA almost every such op is one kernel launch (a
 view launches none, an allocation launches none), so the count is the proxy the issue's
 "kernels per decoder layer" goal is measured by, on real tensors, on fake CUDA tensors
-(`FakeTensorMode`) and on the CPU alike. Triton kernels are launched outside the dispatcher
-and are not seen; whoever launches them adds their own count.
+(`FakeTensorMode`) and on the CPU alike. Triton kernels are launched outside the dispatcher:
+while the counter is entered it also listens at Triton's launcher
+(`tandem.platform.triton_launches`) and counts those launches apart, by kernel name, in the
+same scopes; `kernels(scope)` is the two together. ATen ops run inside a Triton launch (the
+interpreter's copies to the host and back) belong to the launch and are not counted as ATen.
 
 The dispatch-mode stack is per OS thread: ops run by another thread (the thread executor's
-ubatch workers) are not counted; the greenlet executor runs on the caller's thread and is.
+ubatch workers) are not counted, nor are Triton launches from another thread; the greenlet
+executor runs on the caller's thread and is.
 The open scopes are per context (`contextvars`), as each ubatch runs in its own: two
 ubatches interleaving at their yields each keep their own nesting.
 """
@@ -14,12 +18,15 @@ ubatches interleaving at their yields each keep their own nesting.
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tandem.platform import triton_launches
 
 #: Ops that allocate, or only describe a tensor: no kernel on any device.
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "set_"}
@@ -35,17 +42,57 @@ def launches_kernel(func) -> bool:
 
 class OpCounter(TorchDispatchMode):
     """Counts kernel-launching ATen ops: in total, per op name, and per open scope (a scope
-    sees every op dispatched while it is open, nested scopes included: counts are inclusive)."""
+    sees every op dispatched while it is open, nested scopes included: counts are inclusive).
+    Triton launches apart: `triton_total`, `triton_by_kernel`, `triton_by_scope` and, per
+    scope, by kernel name (`triton_by_scope_kernel[scope]`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
         self.by_op: Counter[str] = Counter()
         self.by_scope: Counter[str] = Counter()
+        self.triton_total = 0
+        self.triton_by_kernel: Counter[str] = Counter()
+        self.triton_by_scope: Counter[str] = Counter()
+        self.triton_by_scope_kernel: dict[str, Counter[str]] = {}
         self._open: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(f"op_scopes_{id(self)}", default=())
+        self._thread: int | None = None
+        self._listening: list[ExitStack] = []
+
+    def __enter__(self):
+        stack = ExitStack()
+        self._thread = threading.get_ident()
+        stack.enter_context(triton_launches.listening(self._on_triton_launch))
+        self._listening.append(stack)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._listening.pop().close()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._listening.pop().close()
+
+    def _on_triton_launch(self, name: str) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        self.triton_total += 1
+        self.triton_by_kernel[name] += 1
+        for scope in set(self._open.get()):
+            self.triton_by_scope[scope] += 1
+            self.triton_by_scope_kernel.setdefault(scope, Counter())[name] += 1
+
+    def kernels(self, scope: str | None = None) -> int:
+        """ATen kernels and Triton launches together: in `scope`, or in the whole count."""
+        if scope is None:
+            return self.total + self.triton_total
+        return self.by_scope[scope] + self.triton_by_scope[scope]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if launches_kernel(func):
+        if launches_kernel(func) and not triton_launches.inside_launch():
             self.total += 1
             self.by_op[func.overloadpacket.__name__] += 1
             for scope in set(self._open.get()):  # a recursive scope (layers.*) counts an op once
@@ -95,4 +142,37 @@ def count_ops_per_layer(model: torch.nn.Module, step) -> tuple[list[int], OpCoun
     return [counter.by_scope[n] for n in names], counter
 
 
-__all__ = ["OpCounter", "count_ops_per_layer", "launches_kernel", "module_scopes"]
+def scope_kernels(counter: OpCounter | None, scope: str) -> dict:
+    """A profile row's kernel fields: ATen kernels and Triton launches in `scope`, apart and
+    together, and the Triton ones by kernel name (all None without a counter)."""
+    if counter is None:
+        return {"kernels": None, "aten_kernels": None, "triton_launches": None, "triton_by_kernel": None}
+    return {
+        "kernels": counter.kernels(scope), "aten_kernels": counter.by_scope[scope],
+        "triton_launches": counter.triton_by_scope[scope],
+        "triton_by_kernel": dict(counter.triton_by_scope_kernel.get(scope, {})),
+    }
+
+
+def step_kernels(counter: OpCounter | None, layers_scope: str, layers: int) -> dict:
+    """A profile phase's kernel fields: per step and per decoder layer (`layers_scope` holds
+    all `layers` of them), ATen and Triton apart and together; Triton per kernel name."""
+    if counter is None:
+        keys = ("kernels_per_step", "aten_kernels_per_step", "triton_launches_per_step", "kernels_per_decoder_layer",
+                "aten_kernels_per_decoder_layer", "triton_launches_per_decoder_layer", "triton_by_kernel")
+        return dict.fromkeys(keys)
+
+    def per_layer(n: int) -> float | None:
+        return n / layers if layers else None
+
+    return {
+        "kernels_per_step": counter.kernels(), "aten_kernels_per_step": counter.total,
+        "triton_launches_per_step": counter.triton_total,
+        "kernels_per_decoder_layer": per_layer(counter.kernels(layers_scope)),
+        "aten_kernels_per_decoder_layer": per_layer(counter.by_scope[layers_scope]),
+        "triton_launches_per_decoder_layer": per_layer(counter.triton_by_scope[layers_scope]),
+        "triton_by_kernel": dict(counter.triton_by_kernel.most_common()),
+    }
+
+
+__all__ = ["OpCounter", "count_ops_per_layer", "launches_kernel", "module_scopes", "scope_kernels", "step_kernels"]

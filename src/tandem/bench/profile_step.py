@@ -7,7 +7,9 @@ apply, in sequence, so every row is this step's own). Per phase, `repeat` rounds
 `batch` requests of `prompt_len` random tokens, runs their prefill as one step and then
 `decode_steps` decode steps, and aborts them. Rounds alternate between hooked (rows timed)
 and plain (the step alone, to show what the hooks cost); one last round counts kernels with
-an `OpCounter` (its times are not used: the dispatch mode slows every op).
+an `OpCounter` (ATen ops and Triton launches; its times are not used: the dispatch mode slows
+every op). On CUDA a final round runs its first prefill and decode step under
+`torch.profiler` for the real GPU kernels by name (`gpu_kernels`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.op_count import OpCounter
+from tandem.bench import gpu_kernels
+from tandem.bench.op_count import OpCounter, scope_kernels, step_kernels
 from tandem.bench.profile_regions import Instrument, StepRecord
 from tandem.bench.roofline import Roofline, measure_roofline
 from tandem.bench.step_cost import Cost, distinct_experts, experts_cost, logits_cost, module_cost
@@ -61,6 +64,8 @@ class StepProfiler:
         self.rows = {p: [] for p in PHASES}
         self.records: dict[str, StepRecord] = {}
         self.kernels: dict[str, OpCounter] = {}
+        #: Per phase, on CUDA: `gpu_kernels.summarise_kernels` of one profiled step.
+        self.gpu_kernels: dict[str, dict] = {}
 
     def _round_of_steps(self, on_step) -> None:
         """Add the batch, prefill it, decode it, abort it; `on_step(phase, run)` runs each step."""
@@ -94,6 +99,17 @@ class StepProfiler:
                 self._round_of_steps(self._hooked_step)
         with self.instrument.installed():
             self._round_of_steps(self._counted_step)
+        if self.on_gpu:
+            self._round_of_steps(self._gpu_profiled_step)
+
+    def _gpu_profiled_step(self, phase: str, step) -> None:
+        if phase in self.gpu_kernels:
+            step()
+            return
+        try:
+            self.gpu_kernels[phase] = gpu_kernels.profile_step(step, self.device)
+        except RuntimeError as error:  # no CUPTI: the rest of the profile still stands
+            self.gpu_kernels[phase] = {"error": f"{type(error).__name__}: {error}"}
 
     def _hooked_step(self, phase: str, step) -> None:
         self.instrument.record = record = StepRecord()
@@ -136,7 +152,7 @@ class StepProfiler:
                 "row": key, "label": region.label, "parent": region.parent, "depth": _depth(regions, key),
                 "clock": region.clock, "calls": record.calls[key], "ms": 1000 * seconds,
                 "share_of_step": seconds / step_s if step_s else 0.0,
-                "kernels": counter.by_scope[key] if counter is not None else None,
+                **scope_kernels(counter, key),
                 "weight_bytes": cost.weight_bytes, "activation_bytes": cost.activation_bytes,
                 "kv_bytes": cost.kv_bytes, "flops": cost.flops, "floor_ms": 1000 * floor,
                 "roofline_share": floor / seconds if seconds > 0 and cost.bytes + cost.flops > 0 else None,
@@ -152,9 +168,8 @@ class StepProfiler:
             "weight_bytes": weights, "weight_floor_ms": 1000 * weight_floor_s,
             "weight_floor_at_copy_rate_ms": 1000 * weights / roofline.bandwidth_bytes_per_s,
             "step_over_weight_floor": step_s / weight_floor_s if weight_floor_s else None,
-            "kernels_per_step": counter.total if counter is not None else None,
-            "kernels_per_decoder_layer": counter.by_scope["layers.*"] / layers if counter is not None and layers else None,
-            "decoder_layers": layers, "rows": rows,
+            **step_kernels(counter, "layers.*", layers),
+            "decoder_layers": layers, "rows": rows, "gpu_kernels": self.gpu_kernels.get(phase),
         }
 
 
@@ -265,28 +280,61 @@ def format_report(report: dict) -> str:
                      "totals are right "
                      "(per-setting step times: benchmarks/compiled_step.py)")
     for phase in PHASES:
-        p = report["phases"][phase]
-        ratio = p["step_over_weight_floor"]
-        lines += [
-            "",
-            f"## {phase}: {p['tokens']} tokens, step {p['step_ms']:.2f} ms (without hooks "
-            f"{p['step_ms_without_hooks']:.2f} ms); weights {p['weight_bytes'] / 1e6:.1f} MB -> floor "
-            f"{p['weight_floor_ms']:.3f} ms read-only ({p['weight_floor_at_copy_rate_ms']:.3f} ms at the copy's rate); "
-            f"step = {ratio:.1f}x the weight-bandwidth floor; kernels "
-            f"{p['kernels_per_step']} per step, {p['kernels_per_decoder_layer']:.1f} per decoder layer",
-            "",
-            "| region | clock | calls | ms | % step | kernels | weights MB | activations MB | KV MB | GFLOP | floor ms | % roofline |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in p["rows"]:
-            share = row["roofline_share"]
-            lines.append(
-                f"| {'  ' * row['depth']}{row['label']} | {row['clock']} | {row['calls']} | {row['ms']:.3f} | "
-                f"{100 * row['share_of_step']:.1f} | {row['kernels'] if row['kernels'] is not None else '-'} | "
-                f"{_mb(row['weight_bytes'])} | {_mb(row['activation_bytes'])} | {_mb(row['kv_bytes'])} | "
-                f"{row['flops'] / 1e9:.3f} | {row['floor_ms']:.3f} | {'-' if share is None else f'{100 * share:.1f}'} |"
-            )
+        lines += _phase_lines(phase, report["phases"][phase])
+    lines += _gpu_kernel_lines(report)
     return "\n".join(lines)
+
+
+def _count(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _per_layer(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _kernel_summary(p: dict) -> str:
+    """The phase's kernels: per step and per decoder layer, ATen and Triton; Triton by name."""
+    text = (f"kernels {_count(p['kernels_per_step'])} per step ({_count(p.get('aten_kernels_per_step'))} ATen + "
+            f"{_count(p.get('triton_launches_per_step'))} Triton), {_per_layer(p['kernels_per_decoder_layer'])} per "
+            f"decoder layer ({_per_layer(p.get('aten_kernels_per_decoder_layer'))} + "
+            f"{_per_layer(p.get('triton_launches_per_decoder_layer'))})")
+    by_kernel = p.get("triton_by_kernel")
+    if by_kernel:
+        text += "; Triton launches per step: " + ", ".join(f"{name} x{n}" for name, n in by_kernel.items())
+    return text
+
+
+def _phase_lines(phase: str, p: dict) -> list[str]:
+    lines = [
+        "",
+        f"## {phase}: {p['tokens']} tokens, step {p['step_ms']:.2f} ms (without hooks "
+        f"{p['step_ms_without_hooks']:.2f} ms); weights {p['weight_bytes'] / 1e6:.1f} MB -> floor "
+        f"{p['weight_floor_ms']:.3f} ms read-only ({p['weight_floor_at_copy_rate_ms']:.3f} ms at the copy's rate); "
+        f"step = {p['step_over_weight_floor']:.1f}x the weight-bandwidth floor; {_kernel_summary(p)}",
+        "",
+        "| region | clock | calls | ms | % step | kernels | of which Triton | weights MB | activations MB | KV MB | GFLOP "
+        "| floor ms | % roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in p["rows"]:
+        share = row["roofline_share"]
+        lines.append(
+            f"| {'  ' * row['depth']}{row['label']} | {row['clock']} | {row['calls']} | {row['ms']:.3f} | "
+            f"{100 * row['share_of_step']:.1f} | {_count(row['kernels'])} | {_count(row.get('triton_launches'))} | "
+            f"{_mb(row['weight_bytes'])} | {_mb(row['activation_bytes'])} | {_mb(row['kv_bytes'])} | "
+            f"{row['flops'] / 1e9:.3f} | {row['floor_ms']:.3f} | {'-' if share is None else f'{100 * share:.1f}'} |"
+        )
+    return lines
+
+
+def _gpu_kernel_lines(report: dict) -> list[str]:
+    """After the tables: the torch.profiler pass's kernels per phase, or why there is none."""
+    summaries = {phase: report["phases"][phase].get("gpu_kernels") for phase in PHASES}
+    if not any(summaries.values()):
+        return ["", gpu_kernels.SKIPPED_ON_CPU if not report["device"].startswith("cuda") else
+                "GPU kernels (torch.profiler): none recorded"]
+    return [line for phase, summary in summaries.items() if summary for line in gpu_kernels.format_kernels(phase, summary)]
 
 
 def write_report(path: str | Path, report: dict) -> Path:
