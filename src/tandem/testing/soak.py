@@ -44,6 +44,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -384,11 +385,14 @@ def run_wave(base_url: str, config: SoakConfig, index: int, pids: Callable[[], d
 
 def warmup_waves(waves: list[WaveResult], min_waves: int = 12) -> int:
     """How many waves the warm-up took, measured: the waves before the total-RSS curve joins
-    the least-squares line through the second half of the run (and stays within three residual
-    deviations, at least 1 MB, of it). Runs shorter than `min_waves` take the first wave."""
-    totals = [w.rss_total_mb for w in waves]
-    if len(totals) < min_waves:
+    the least-squares line through the second half of the run and stays within three residual
+    deviations (at least 1 MB) of it. The curve is a running median over a twentieth of the
+    run (at least 3 waves): one wave's sample dips by several MB when an idle rank hands pages
+    back, and a single dip must not read as the warm-up going on. Runs shorter than
+    `min_waves` take the first wave."""
+    if len(waves) < min_waves:
         return 1
+    totals = _running_median([w.rss_total_mb for w in waves], max(3, len(waves) // 20))
     start = len(totals) // 2
     xs = range(start, len(totals))
     slope, intercept = _line(list(xs), totals[start:])
@@ -400,6 +404,11 @@ def warmup_waves(waves: list[WaveResult], min_waves: int = 12) -> int:
             break
         joined = x
     return max(joined, 1)
+
+
+def _running_median(values: list[float], window: int) -> list[float]:
+    """Each value replaced by the median of the `window` values ending at it (fewer at the start)."""
+    return [statistics.median(values[max(0, i + 1 - window): i + 1]) for i in range(len(values))]
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
