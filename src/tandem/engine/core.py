@@ -316,7 +316,7 @@ def _scheduler(runner: ModelRunner, settings: SchedulerConfig, future_map: Futur
         runner.allocator,
         runner.block_size,
         future_map,
-        max_num_seqs=settings.max_num_seqs,
+        settings,
         max_num_batched_tokens=max_num_batched_tokens,
         # The ranks enforce --max-model-len too, not only the front end that admits requests.
         max_model_len=max_model_len,

@@ -114,13 +114,16 @@ class Scheduler:
         allocator: BlockAllocator,
         block_size: int,
         future_map: FutureMap,
+        config: SchedulerConfig | None = None,
         *,
-        max_num_seqs: int = SchedulerConfig.max_num_seqs,
         max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         max_model_len: int = 4096,
         eos_token_ids: set[int] | None = None,
         vocab_size: int | None = None,
     ):
+        """`config`: the scheduler's section of the config tree (`--max-num-seqs`); the rest is
+        what the engine knows of its model and cache."""
+        max_num_seqs = (config or SchedulerConfig()).max_num_seqs
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.allocator = allocator
