@@ -54,8 +54,13 @@ def test_a_default_lives_in_one_place():
     from tandem.engine.core import Engine
     from tandem.engine.scheduler import Scheduler
 
+    from tandem.worker.future_map import FutureMap
+    from tandem.worker.kv_cache import BlockAllocator
+
     scheduler = inspect.signature(Scheduler.__init__).parameters
-    assert scheduler["max_num_seqs"].default == SchedulerConfig().max_num_seqs
+    # The scheduler takes its section of the tree (unset: the tree's), not its fields one by one.
+    assert scheduler["config"].default is None and "max_num_seqs" not in scheduler
+    assert Scheduler(BlockAllocator(4), 4, FutureMap(4)).max_num_seqs == SchedulerConfig().max_num_seqs
     assert scheduler["max_num_batched_tokens"].default == EngineConfig().max_num_batched_tokens
     # The engine takes the scheduler section itself (max_num_seqs, step_timeout_s, ...): unset, the tree's.
     engine = inspect.signature(Engine.__init__).parameters
