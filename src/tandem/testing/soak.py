@@ -168,6 +168,28 @@ class _Lost(Exception):
     """The request broke its contract: counted as `lost`, with this message as the problem."""
 
 
+class _Ended(Exception):
+    """A streamed request ended with an HTTP error status or an error event: its outcome."""
+
+    def __init__(self, outcome: str):
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+async def _sse_chunks(response: httpx.Response):
+    """The JSON chunks of a streamed reply, in order; `_Ended` for an HTTP error or an error event."""
+    if response.status_code != 200:
+        await response.aread()
+        raise _Ended(f"status_{response.status_code}")
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        if "error" in chunk:
+            raise _Ended("error_event")
+        yield chunk
+
+
 def _prompt_pools(config: SoakConfig) -> dict[bool, list[str]]:
     """Short (False) and long (True) prompts, the same for every wave of a run."""
     rng = random.Random(config.seed)
@@ -230,6 +252,12 @@ class _Wave:
         self._count(outcome)
 
     async def _request(self, http: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
+        try:
+            return await self._attempt(http, kind, rng)
+        except _Ended as ended:
+            return ended.outcome
+
+    async def _attempt(self, http: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
         if kind in ("json", "schema"):
             return await self._json(http, rng, JSON_SCHEMA if kind == "json" else new_schema(rng))
         if kind == "grammar_hangup":
@@ -253,15 +281,7 @@ class _Wave:
         text = ""
         usage = None
         async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return f"status_{response.status_code}"
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    return "error_event"
+            async for chunk in _sse_chunks(response):
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices", []):
                     if kind == "logprobs" and choice.get("text") and not (choice.get("logprobs") or {}).get("tokens"):
@@ -307,15 +327,7 @@ class _Wave:
     async def _grammar_hangup(self, http: httpx.AsyncClient, rng: random.Random) -> str:
         body = self._chat_body(rng, new_schema(rng)) | {"stream": True}
         async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return f"status_{response.status_code}"
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    return "error_event"
+            async for chunk in _sse_chunks(response):
                 for choice in chunk.get("choices", []):
                     if (choice.get("delta") or {}).get("content"):
                         return "hung_up"  # mid-grammar: the constraint has advanced
