@@ -81,3 +81,19 @@ def test_captured_graph_follows_new_seq_lens_without_host_sync():
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, paged_attention(query, k_cache, v_cache, metadata, scale), atol=0, rtol=0)
     assert torch.count_nonzero(captured[4]) == 0  # a padding request (seq_len 0)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_one_kv_split_writes_the_output_itself(shape):
+    """The path a batch of 132 requests or more takes (`kv_splits_for`): stage 1 writes the
+    bf16 output, no merge; a padding request of length 0 reads zero."""
+    from tandem.models.triton_decode_attention import triton_decode_attention
+
+    query, k_cache, v_cache, metadata, expected = _problem(shape, torch.bfloat16)
+    seq_lens = metadata.seq_lens.clone()
+    seq_lens[4] = 0
+    expected[4] = 0
+    scale = query.shape[-1] ** -0.5
+    out = triton_decode_attention(query, k_cache, v_cache, seq_lens, metadata.block_table, scale, num_kv_splits=1)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.count_nonzero(out[4]) == 0

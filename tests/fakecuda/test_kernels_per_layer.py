@@ -41,14 +41,14 @@ def triton_launches(monkeypatch):
     return harness.stub_triton(monkeypatch)
 
 
-def count_decode_step(name: str, launches: list) -> dict:
+def count_decode_step(name: str, launches: list, requests: int = REQUESTS) -> dict:
     from tandem.bench.op_count import count_ops_per_layer
     from tandem.bench.step_cost import is_moe_block
     from tandem.contexts import ForwardContext, set_forward_context
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = harness.layer_shape_model(name, torch.bfloat16)
-        inputs = harness.step_inputs(model, harness.decode_chunks(REQUESTS, CONTEXT), BLOCK)
+        inputs = harness.step_inputs(model, harness.decode_chunks(requests, CONTEXT), BLOCK)
         triton_per_layer: list[int] = []
         for layer in model.model.layers:
             layer.register_forward_pre_hook(lambda m, a: triton_per_layer.append(-len(launches)))
@@ -84,6 +84,25 @@ def test_kernels_per_decoder_layer(name, triton_launches):
     assert report["per_moe_layer"] <= BOUND[name], (
         f"{name}: {report['per_moe_layer']} kernels per MoE layer, over the guard {BOUND[name]} (goal {GOAL})"
     )
+
+
+def test_one_kv_split_launches_no_merge(triton_launches):
+    """gpu-review-3 G5: a decode batch that fills the GPU with one KV split per request (256
+    requests of the DeepSeek-V2-Lite shape, `kv_splits_for` at 132 SMs) launches the split
+    kernel alone, which writes the output: one Triton launch per layer fewer than at 8
+    requests (8 splits, then the merge), the same ATen ops."""
+    from tandem.models.triton_decode_attention import kv_splits_for
+
+    assert kv_splits_for(256, 1, torch.device("cuda")) == 1 < kv_splits_for(REQUESTS, 1, torch.device("cuda"))
+    split = count_decode_step("deepseek-v2-lite", triton_launches)
+    triton_launches.clear()
+    single = count_decode_step("deepseek-v2-lite", triton_launches, requests=256)
+    print(f"\nMoE layer: {split['per_moe_layer']} kernels at {REQUESTS} requests, {single['per_moe_layer']} at 256")
+    assert split["triton_by_kernel_per_moe_layer"]["_merge_splits"] == 1
+    assert "_merge_splits" not in single["triton_by_kernel_per_moe_layer"]
+    assert single["triton_by_kernel_per_moe_layer"]["_decode_split"] == 1
+    assert single["aten_per_layer"] == split["aten_per_layer"]
+    assert [n + 1 for n in single["triton_per_layer"]] == split["triton_per_layer"]
 
 
 def _write(name: str, report: dict) -> None:

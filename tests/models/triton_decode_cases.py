@@ -101,6 +101,39 @@ def test_split_count_does_not_change_the_result():
     torch.testing.assert_close(outs[0], outs[2], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_one_split_writes_the_output_without_the_merge(layout, dtype):
+    """gpu-review-3 G5: at one KV split (a batch that fills the GPU with one program per
+    request) stage 1 writes the output and stage 2 is not launched; a padding request of
+    length 0 and a padding row still read zero."""
+    from tandem.platform import triton_launches
+
+    lengths = [5, 0, 37]
+    if layout == "mla":
+        lora, rope, num_heads = 32, 8, 16
+        cache, table, rows = paged_cache(lengths, BLOCK, 1, lora + rope, dtype, seed=11)
+        value_cache, values = cache[..., :lora], [r[..., :lora] for r in rows]
+    else:
+        num_heads = 4
+        cache, table, rows = paged_cache(lengths, BLOCK, 2, 8, dtype, seed=11)
+        value_cache, values = cache.flip(-1) * 0.5 + 1, [r.flip(-1) * 0.5 + 1 for r in rows]
+    query = torch.randn(len(lengths) + 1, num_heads, cache.shape[-1], generator=torch.Generator().manual_seed(12))
+    query = query.to(dtype)
+    scale = cache.shape[-1] ** -0.5
+    launched = []
+
+    with triton_launches.listening(launched.append):
+        out = tda.triton_decode_attention(
+            query, cache, value_cache, torch.tensor(lengths, dtype=torch.int32), table, scale, num_kv_splits=1
+        )
+
+    assert launched == ["_decode_split"]
+    assert out.dtype == dtype and not out.isnan().any()
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[3:]) == 0
+    torch.testing.assert_close(out[:3].float(), reference(query[:3], rows, values, scale), **tolerance(dtype))
+
+
 def test_padding_requests_and_padding_rows_are_zero():
     """As in a captured graph: padding requests of length 0 (table pointing at NaN blocks)
     and query rows past the requests."""
