@@ -8,7 +8,7 @@ import typer
 
 from tandem.cli_bench import (
     BENCH_CONTEXT_LEN, BENCH_DEFAULTS, BENCH_FLAGS, BENCH_HELPS, BENCH_PREFILL_LEN, BENCH_REPEAT, BENCH_WARMUP,
-    bench_spec, describe_transport, int_list, run_bench_sweep,
+    TUNE_MARGIN, auto_prior, bench_spec, describe_transport, int_list, run_bench_sweep,
 )
 from tandem.cli_config import build_config, one_model, torchrun_parallel, torchrun_world
 from tandem.cli_options import ENGINE_SECTIONS, Flags, config_command
@@ -180,13 +180,15 @@ def bench(
     from tandem.bench.report import format_table
 
     mode_list = _bench_modes(modes, phase, plots=plot is not None or timeline is not None)
-    trace = flags["trace"]
-    spec = bench_spec(
-        **{name: flags[name] for name in BENCH_FLAGS}, thresholds_file=flags["thresholds_file"],
-        grids=[(phase, int_list(tokens, "--tokens"))], modes=mode_list, repeat=repeat, warmup=warmup,
-        context_len=context_len, prefill_len=prefill_len, trace=trace is not None or timeline is not None,
-    )
-    result = run_bench_sweep(spec)
+    trace, token_list = flags["trace"], int_list(tokens, "--tokens")
+    prior_of_auto = auto_prior(flags, mode_list, phase, token_list, context_len=context_len, prefill_len=prefill_len)
+    with prior_of_auto as (prior_file, prior):
+        spec = bench_spec(
+            **{name: flags[name] for name in BENCH_FLAGS}, thresholds_file=prior_file,
+            grids=[(phase, token_list)], modes=mode_list, repeat=repeat, warmup=warmup,
+            context_len=context_len, prefill_len=prefill_len, trace=trace is not None or timeline is not None,
+        )
+        result = run_bench_sweep(spec)
     if result is None:
         return  # a torchrun rank other than 0
     model, data_parallel_size, num_ubatches = spec.model, spec.data_parallel_size, spec.num_ubatches
@@ -196,6 +198,8 @@ def bench(
     print(title)
     print(format_table(rows))
     config = {**spec.config_dict(), "phase": phase, "fabric_model": result.get("fabric"), "transport": transport}
+    if prior is not None:  # the simulated prior's file is gone with the run: keep its content
+        config.update(thresholds_file=None, auto_prior=prior)
     _write_bench_files(result, rows, config, title, json_path=json_path, plot=plot, trace=trace, timeline=timeline)
 
 
@@ -244,7 +248,7 @@ def _write_bench_files(result: dict, rows, config: dict, title: str, *, json_pat
 )
 def tune(
     output: str = typer.Option("dbo_thresholds.json", help="Thresholds file for serve/generate --thresholds-file."),
-    margin: float = typer.Option(0.03, help="DBO must be at least this much faster (0.03 = 3%)."),
+    margin: float = typer.Option(TUNE_MARGIN, help="DBO must be at least this much faster (0.03 = 3%)."),
     decode_tokens: str = typer.Option("8,16,32,64,128,256", help="Decode batch sizes (tokens per rank) to sweep."),
     prefill_tokens: str = typer.Option("64,128,256,512,1024,2048", help="Prefill sizes (tokens per rank) to sweep."),
     repeat: int = BENCH_REPEAT,

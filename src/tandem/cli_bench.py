@@ -3,7 +3,11 @@ the sweep spec they build and how its transport is described."""
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 
@@ -25,6 +29,8 @@ BENCH_HELPS = {
     "fabric": "Modelled interconnect: a preset (deepep-ll-h800, deepep-ll-h800-ep64, ...) or 'calibrated' "
     "(bandwidth found so communication ≈ compute at the largest size).",
 }
+#: How much faster DBO must be to win a size (`tandem tune --margin`).
+TUNE_MARGIN = 0.03
 BENCH_REPEAT = typer.Option(5, help="Timed runs per point (median reported); modes are interleaved.")
 BENCH_WARMUP = typer.Option(2, help="Untimed runs per point first.")
 BENCH_CONTEXT_LEN = typer.Option(128, help="Decode: cached tokens each request attends over.")
@@ -113,3 +119,47 @@ def describe_transport(spec, result) -> str:
         return "real gloo transport" if spec.data_parallel_size > 1 else "one rank, no all-to-all"
     name = f"--fabric {spec.fabric}: " if spec.fabric else ""
     return f"modelled interconnect ({name}{fabric['latency_us']:.1f} µs + bytes / {fabric['gbps']:.4g} GB/s)"
+
+
+def simulated_thresholds(model: str, hardware: str, *, ranks: int, num_ubatches: int, grids: dict[str, list[int]],
+                         contexts: dict[str, int], margin: float) -> dict:
+    """`tandem tune --simulate`'s document (the format `tandem tune` writes), from the simulator."""
+    from tandem.simulate.prior import resolve_hardware, simulated_sweep
+
+    hw = resolve_hardware(hardware, ranks)
+    return simulated_sweep(model, hw, ranks=ranks, num_ubatches=num_ubatches, grids=grids, contexts=contexts, margin=margin)
+
+
+@contextmanager
+def auto_prior(flags: dict, modes: list[str], phase: str, tokens: list[int], *, context_len: int, prefill_len: int):
+    """What `bench`'s auto mode starts from: (the thresholds file, the simulated document or
+    None). The --thresholds-file when given; else, for real gloo ranks on this CPU, the
+    simulator's prediction for this host (`here`, measured now) in a temporary tune file;
+    else none (a modelled fabric's transfers are not this host's to predict)."""
+    from tandem.platform.device import resolve_device
+    from tandem.simulate.prior import HERE
+
+    given = flags["thresholds_file"]
+    modelled = any(flags[name] is not None for name in ("fabric", "fabric_latency_us", "fabric_gbps"))
+    on_cpu = resolve_device(flags["device"]).type == "cpu"
+    if "auto" not in modes or given or modelled or not on_cpu or flags["data_parallel_size"] < 2:
+        yield given, None
+        return
+    try:
+        document = simulated_thresholds(
+            flags["model"], HERE, ranks=flags["data_parallel_size"], num_ubatches=flags["num_ubatches"],
+            grids={"decode": tokens, "prefill": tokens}, contexts={"decode": context_len, "prefill": prefill_len},
+            margin=TUNE_MARGIN,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"[tandem] auto starts with no prior: the simulator cannot model {flags['model']} ({exc})", file=sys.stderr)
+        yield None, None
+        return
+    rows = document["sweep"][phase]
+    ratios = ", ".join(f"{r['tokens_per_rank']}: {r['dbo_ms'] / r['none_ms']:.2f}x" for r in rows)
+    print(f"[tandem] auto starts from tandem simulate --hardware here: DBO / none predicted {ratios}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="tandem-prior-") as folder:
+        path = Path(folder) / "here.json"
+        path.write_text(json.dumps(document))
+        yield str(path), document
+

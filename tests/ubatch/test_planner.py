@@ -202,3 +202,35 @@ def test_a_choice_predicted_far_slower_is_not_explored():
     unknown = OverlapPlanner(CHOICES, explore_share=0.05)
     steps = [unknown.choose([math.inf] * 3, [True] * 3, CHOICES[0]) for _ in range(1000)]
     assert {s.choice.name for s in steps if s.explored} == {"dbo-2", "dbo-3"}  # nothing known: all plausible
+
+
+def test_the_prior_holds_for_a_choice_the_fit_has_not_measured(tmp_path):
+    """Four unsplit steps make the fit ready; it knows nothing of a split's cost, so alone it
+    would pick DBO at 32 tokens (3.88 ms predicted against 4.12 ms measured unsplit, where a
+    real DBO step takes 4.33 ms). With a prior that says DBO is 1.25x no overlap there, the
+    unmeasured DBO keeps that verdict, scaled to the fitted unsplit step, until a DBO step runs."""
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps({
+        "dbo_decode_token_threshold": 2**31 - 1, "dbo_prefill_token_threshold": 2**31 - 1, "config": {"num_ubatches": 2},
+        "sweep": {"decode": [{"tokens_per_rank": 32, "none_ms": 4.0, "dbo_ms": 5.0}], "prefill": []},
+    }))
+    shape = StepShape(32, decode=True)
+    with_prior = OverlapPlanner(CHOICES, explore_share=0.0, prior=TunePrior.from_file(path))
+    without = OverlapPlanner(CHOICES, explore_share=0.0)
+    for planner in (with_prior, without):
+        for tokens in (16, 32, 64, 128):
+            unsplit = StepShape(tokens, decode=True)
+            planned = planner.choose([1.0, 2.0, 2.0], [True] * 3, CHOICES[0])
+            planner.observe(planned, unsplit, true_times(CHOICES[0], unsplit))
+    none_s, dbo2_s, dbo3_s = without.predict(shape)
+    assert none_s == pytest.approx(4.12e-3, rel=1e-3) and dbo2_s == pytest.approx(3.88e-3, rel=1e-3)
+    assert without.choose([none_s, dbo2_s, dbo3_s], [True] * 3, CHOICES[0]).choice.name == "dbo-2"
+
+    predicted = with_prior.predict(shape)
+    # dbo-2 keeps the prior's ratio; dbo-3, which the prior does not price, is the fit's.
+    assert predicted == [pytest.approx(none_s), pytest.approx(none_s * 1.25), pytest.approx(dbo3_s)]
+    assert none_s * 1.25 == pytest.approx(5.15e-3, rel=1e-3)
+    assert with_prior.choose(predicted, [True, True, False], CHOICES[0]).choice.name == "none"
+    forced = with_prior.choose(predicted, [False, True, False], CHOICES[0])
+    with_prior.observe(forced, shape, true_times(CHOICES[1], shape))
+    assert with_prior.predict(shape)[1] == pytest.approx(with_prior.model.predict(CHOICES[1], shape))

@@ -4,7 +4,8 @@ DeepSeek-V2/V3 configs go through `DeepseekConfig.from_hf` (the runtime's MLA an
 `is_moe_layer`), Qwen-MoE through its family's `is_sparse_layer`, Mixtral (every layer MoE)
 through `config_value`. A model is a built-in name (the runtime's `tiny-moe`, `small-moe`,
 `deepseek-v2-lite-random`, plus `deepseek-v3` here: DeepSeek-V3's published shape, no
-weights), a `config.json` file or a model directory holding one.
+weights), a `config.json` file or a model directory holding one; and `moe-stack`, the synthetic
+stack `tandem bench --model moe-stack` runs (`tandem.bench.moe_stack.STACK_SHAPE`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tandem.bench.moe_stack import MOE_STACK, STACK_SHAPE
 from tandem.models.hf_config import HFConfig, config_value
 
 #: DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3 on Hugging Face), the fields
@@ -88,6 +90,19 @@ class ModelShape:
         return len(self.sparse_layers)
 
 
+def moe_stack_shape() -> ModelShape:
+    """The bench's MoE stack (`MoEStack`): its attention stand-in is two hidden x hidden GEMMs
+    (one "head" whose projections are those GEMMs, no KV cache), every layer MoE with one
+    shared expert as wide as a routed one, no lm_head."""
+    h, inter = STACK_SHAPE["hidden"], STACK_SHAPE["intermediate"]
+    return ModelShape(
+        name=MOE_STACK, attention="gqa", hidden=h, heads=1, kv_heads=0, head_dim=h, q_lora=None, kv_lora=0,
+        nope=h, rope=0, v_dim=h, intermediate=inter, moe_intermediate=inter, experts=STACK_SHAPE["experts"],
+        top_k=STACK_SHAPE["top_k"], topk_group=None, shared_intermediate=inter, vocab=0,
+        sparse_layers=(True,) * STACK_SHAPE["layers"],
+    )  # fmt: skip
+
+
 def read_model_config(model: str) -> tuple[str, HFConfig]:
     """(name, config) of a preset, a built-in model of the runtime, a config.json or a model directory."""
     if model in PRESETS:
@@ -154,6 +169,8 @@ def _gqa(name: str, config: HFConfig, model_type: str) -> ModelShape:
 
 def model_shape(model: str | dict | Any) -> ModelShape:
     """The shape of `model`: a preset or built-in name, a config.json path or directory, or a config dict."""
+    if model == MOE_STACK:
+        return moe_stack_shape()
     if isinstance(model, dict):
         name, config = str(model.get("_name_or_path", model.get("model_type", "model"))), HFConfig(model)
     else:
@@ -166,4 +183,4 @@ def model_shape(model: str | dict | Any) -> ModelShape:
     raise ValueError(f"model_type {model_type!r} is not simulated; supported: deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe, mixtral")
 
 
-__all__ = ["DEEPSEEK_V3", "PRESETS", "ModelShape", "model_shape", "read_model_config"]
+__all__ = ["DEEPSEEK_V3", "PRESETS", "ModelShape", "model_shape", "moe_stack_shape", "read_model_config"]

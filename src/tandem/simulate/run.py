@@ -141,7 +141,9 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
             return costs.transfer(step.name.split("_")[0], works[u])
         return costs.compute(step.name, works[u])
 
-    spans = play(order, cost, sync_comm=not overlapped)
+    # On a host whose cores do the transfers (gloo on a CPU) a transfer holds compute in every mode.
+    sync = not overlapped or bool(hw.figures.get("transfers_on_compute", False))
+    spans = play(order, cost, sync_comm=sync, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)))
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
     comm = sum(s.end - s.start for s in spans if s.lane == "comm")

@@ -13,7 +13,9 @@
 - `play` times that issue order on two in-order streams: compute (every compute op, in
   issue order) and comm (every send, in issue order); a send starts after its ubatch's last
   compute, a receive holds its ubatch until the transfer lands. With `sync_comm` every send
-  also blocks the compute stream until it lands (the runtime with no overlap).
+  also blocks the compute stream until it lands (the runtime with no overlap). Each hand-over
+  from one ubatch to another in the issue order costs the host `switch_s`, which delays the
+  next compute op (a profile's `ubatch_switch_s`).
 """
 
 from __future__ import annotations
@@ -197,13 +199,18 @@ class Span:
     end: float
 
 
-def play(order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool) -> list[Span]:
+def play(
+    order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool, switch_s: float = 0.0
+) -> list[Span]:
     """Time an issue order on one compute and one comm stream (see the module docstring)."""
     compute_free = comm_free = 0.0
     ready: dict[int, float] = {}
     landing: dict[tuple[int, str], float] = {}
     spans: list[Span] = []
+    issuing = order[0][0] if order else 0
     for u, step in order:
+        if u != issuing:
+            compute_free, issuing = compute_free + switch_s, u
         at = ready.get(u, 0.0)
         if step.name in SENDS:
             start = max(comm_free, at)

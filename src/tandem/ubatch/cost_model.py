@@ -125,6 +125,10 @@ class OverlapCostModel:
     def ready(self) -> bool:
         return self.compute.count >= MIN_OBSERVATIONS and self.comm.count >= MIN_OBSERVATIONS
 
+    def measured(self, choice: OverlapChoice) -> bool:
+        """Whether a recent step ran `choice`."""
+        return bool(self._recent[choice.name])
+
     @staticmethod
     def _compute_features(shape: StepShape) -> list[float]:
         return [1.0, shape.num_tokens * _TOKEN_SCALE, shape.attention * _ATTENTION_SCALE]

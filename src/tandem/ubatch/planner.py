@@ -8,7 +8,10 @@ cost model fitted online to the runtime's own time model (`StepTimes`):
 by least squares, and a measured correction per choice).
 
 Until the fit has data the planner follows `tandem tune`'s sweep when given one (the
-measured none / DBO step times, interpolated), else the static thresholds. A bounded
+none / DBO step times, interpolated: measured by `tandem tune`, or predicted by `tandem tune
+--simulate` and by `tandem bench` for this host), else the static thresholds. Once the fit has
+data, a choice it has not measured yet keeps the prior's ratio to no overlap, so the planner
+does not try a split the prior says loses just because the fit cannot price one yet. A bounded
 share of steps (at most 5 %) runs another feasible choice than the predicted best, the one
 gone longest unrun at that step size, so the model of choices not taken stays honest. It
 reads only agreed values (the step index, the agreed choices and padded sizes, the seed
@@ -152,12 +155,22 @@ class OverlapPlanner:
         self._last_run: dict[tuple[int, int], int] = {}
 
     def predict(self, shape: StepShape) -> list[float]:
-        """Predicted step seconds per choice (inf where nothing is known yet)."""
-        if self.model.ready:
-            return [self.model.predict(c, shape) for c in self.choices]
-        if self.prior is not None:
-            return [self.prior.predict(c, shape) for c in self.choices]
-        return [math.inf] * len(self.choices)
+        """Predicted step seconds per choice (inf where nothing is known yet). Once the fit
+        has data, a choice it has not measured yet keeps the prior's verdict: the fitted
+        unsplit step times the prior's ratio of that choice to no overlap (the fit alone
+        knows nothing of a split's cost until a split step ran)."""
+        if not self.model.ready:
+            if self.prior is not None:
+                return [self.prior.predict(c, shape) for c in self.choices]
+            return [math.inf] * len(self.choices)
+        fitted = [self.model.predict(c, shape) for c in self.choices]
+        if self.prior is None:
+            return fitted
+        prior = [self.prior.predict(c, shape) for c in self.choices]
+        if not 0 < prior[0] < math.inf:
+            return fitted
+        keeps_prior = [not self.model.measured(c) and math.isfinite(p) for c, p in zip(self.choices, prior)]
+        return [fitted[0] * p / prior[0] if keep else f for f, p, keep in zip(fitted, prior, keeps_prior)]
 
     def choose(
         self,

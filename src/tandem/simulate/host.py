@@ -1,0 +1,109 @@
+"""`here`: the CPU host this runs on as a hardware profile, measured in the same run.
+
+The rates are `tandem.bench.roofline`'s (the copy and read bandwidth, the matmul rate in
+float32 on one thread, as each bench rank computes) plus one small matmul that prices a
+short GEMM, so a split batch's smaller GEMMs cost what they cost here. Its ranks talk over
+gloo on the same host: a transfer is copies and TCP work done by the cores that compute
+(`transfers_on_compute`), so overlapping a transfer with compute hides only waiting on the
+peer, never the transfer's own work; the simulator then runs every mode with transfers
+blocking compute, as `none` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.bench.roofline import Roofline, device_timer, measure_roofline
+from tandem.simulate.hardware import HardwareProfile
+
+#: Rows of the small GEMM that prices short GEMMs (a decode ubatch's size).
+SMALL_M = 32
+
+
+def _small_gemm_rate(size: int, repeat: int = 5) -> float:
+    """FLOP/s of a [SMALL_M, size] x [size, size] float32 matmul (the best of `repeat`)."""
+    timed = device_timer(torch.device("cpu"))
+    a, b = torch.randn(SMALL_M, size), torch.randn(size, size)
+    out = torch.empty(SMALL_M, size)
+    torch.mm(a, b, out=out)
+    seconds = min(timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeat))
+    return 2.0 * SMALL_M * size * size / seconds
+
+
+def measure_switch_s(executor: str = "thread", yields: int = 200) -> float:
+    """Mean seconds of one hand-over between two ubatches on the runtime's `executor` (the
+    executor's own switch clock, as the time model reads it)."""
+    from tandem.contexts import dbo_yield, make_executor
+
+    runner = make_executor(executor)
+
+    def ubatch() -> None:
+        for _ in range(yields):
+            dbo_yield()
+
+    try:
+        runner.run([ubatch, ubatch])  # first run: the workers start
+        before_s, before = runner.switch_time_s, runner.switches
+        runner.run([ubatch, ubatch])
+        return (runner.switch_time_s - before_s) / max(runner.switches - before, 1)
+    finally:
+        runner.close()
+
+
+def gemm_m_half(big_m: int, small_m: int, rate_ratio: float) -> float:
+    """The `gemm_m_half` of the simulator's efficiency curve m / (m + h) through two measured
+    rates: rate(small_m) / rate(big_m) = `rate_ratio`. 0 when the small GEMM is as fast."""
+    denominator = big_m * rate_ratio - small_m
+    if rate_ratio >= 1.0 or denominator <= 0:
+        return 0.0
+    return big_m * small_m * (1.0 - rate_ratio) / denominator
+
+
+def host_profile(
+    ranks: int, *, executor: str = "thread", roofline: Roofline | None = None, small_rate: float | None = None,
+    switch_s: float | None = None,
+) -> HardwareProfile:
+    """This CPU with `ranks` gloo ranks on it, one intra-op thread each, its ubatches on the
+    runtime's `executor`. `roofline`, `small_rate` (FLOP/s of the small GEMM) and `switch_s`
+    (one hand-over) are measured here when not given."""
+    if ranks < 1:
+        raise ValueError(f"a host profile needs at least one rank, got {ranks}")
+    if roofline is None:
+        torch.set_num_threads(1)
+        roofline = measure_roofline(torch.device("cpu"), torch.float32)
+    size = roofline.matmul_size
+    small_rate = small_rate if small_rate is not None else _small_gemm_rate(size)
+    switch_s = switch_s if switch_s is not None else measure_switch_s(executor)
+    half = gemm_m_half(size, SMALL_M, small_rate / roofline.matmul_flops_per_s)
+    measured = f"measured in this run (tandem.bench.roofline, float32, one thread; {size}-wide matmul"
+    flops, read = roofline.matmul_flops_per_s, roofline.read_bandwidth_bytes_per_s
+    figures = {
+        "sms": (1, "derived: one core per rank (each bench rank runs one intra-op thread); no core is set aside for transfers"),
+        "hbm_bytes_per_s": (read, "measured in this run: tandem.bench.roofline's read bandwidth (a large sum)"),
+        "hbm_efficiency": (1.0, "derived: the bandwidth is what this host achieved, not a datasheet peak"),
+        "bf16_flops": (flops, f"{measured})"),
+        "fp8_flops": (flops, f"{measured}; the CPU ranks compute in float32, there is no faster 8-bit path)"),
+        "gemm_efficiency_max": (1.0 + half / size, f"derived: the {size}-wide matmul's rate is reached at m = {size}"),
+        "gemm_m_half": (half, f"derived: efficiency m / (m + h) through the {size}-wide and a {SMALL_M}-row matmul measured in this run"),
+        "attention_prefill_efficiency": (1.0, "derived: the stand-in attention is matmuls at the measured rate"),
+        "attention_decode_flops": (flops, f"{measured})"),
+        "attention_decode_bytes_per_s": (read, "measured in this run: tandem.bench.roofline's read bandwidth"),
+        "gpus_per_node": (ranks, "derived: every rank on this one host"),
+        "nvlink_bytes_per_s": (
+            {"dispatch": roofline.bandwidth_bytes_per_s, "combine": roofline.bandwidth_bytes_per_s},
+            "measured in this run: loopback gloo moves bytes by copies, at best tandem.bench.roofline's copy bandwidth",
+        ),
+        "comm_latency_s": (0.0, "derived: not measured; a per-transfer latency only adds to the modes that split"),
+        "comm_sms_normal": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
+        "comm_sms_low_latency": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
+        "ubatch_switch_s": (switch_s, f"measured in this run: mean hand-over of two ubatches on the {executor} executor"),
+        "transfers_on_compute": (
+            True,
+            "benchmarks/README.md (MoE layer stack, real gloo): gloo's transfers run on the cores that compute and "
+            "take CPU from the ranks' compute; DBO measured 0.84-0.96x none there",
+        ),
+    }
+    return HardwareProfile("here (CPU, gloo)", {k: v for k, (v, _) in figures.items()}, {k: s for k, (_, s) in figures.items()})
+
+
+__all__ = ["SMALL_M", "gemm_m_half", "host_profile", "measure_switch_s"]

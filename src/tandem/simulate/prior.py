@@ -1,0 +1,81 @@
+"""The simulator's answer in `tandem tune`'s format: per phase and token count, the predicted
+step of no overlap and of DBO, and the thresholds from which DBO wins.
+
+`tandem tune --simulate HW` writes it for a cluster you don't have; `--overlap-policy auto`
+reads it as its prior (`tandem.ubatch.planner.TunePrior`: the same reader as a measured tune
+file), and `tandem bench` hands `auto` the prior for this host (`here`) when it has no tune
+file. The thresholds come from `tandem.bench.tune.choose_threshold`, the rule a measured sweep
+goes through.
+"""
+
+from __future__ import annotations
+
+from tandem.bench.modes import PHASES
+from tandem.bench.moe_stack import MOE_STACK
+from tandem.bench.tune import choose_threshold
+from tandem.simulate.hardware import HardwareProfile, load_hardware
+from tandem.simulate.run import simulate
+
+#: The hardware name of the host this runs on.
+HERE = "here"
+
+
+def resolve_hardware(name: str, ranks: int) -> HardwareProfile:
+    """A built-in profile or profile file, or `here` (this CPU with `ranks` gloo ranks, measured now)."""
+    if name == HERE:
+        from tandem.simulate.host import host_profile
+
+        return host_profile(ranks)
+    return load_hardware(name)
+
+
+def simulated_sweep(
+    model: str,
+    hardware: HardwareProfile,
+    *,
+    ranks: int,
+    num_ubatches: int,
+    grids: dict[str, list[int]],
+    contexts: dict[str, int],
+    margin: float,
+) -> dict:
+    """A `tandem tune` document from the simulator: `grids` maps each phase to its token
+    counts per rank, `contexts` each phase to its context (decode: cached tokens per request;
+    prefill: prompt length). On a host whose cores do the transfers, the low-latency kernels
+    are not modelled (gloo's all-to-all is the normal path)."""
+    if num_ubatches < 2:
+        raise ValueError(f"a DBO prior needs at least 2 ubatches, got {num_ubatches}")
+    if sorted(grids) != sorted(PHASES):
+        raise ValueError(f"a tune document has a sweep for each phase ({', '.join(PHASES)}), got {sorted(grids)}")
+    low_latency = False if hardware.figures.get("transfers_on_compute") else None
+    dbo = f"dbo{num_ubatches}"
+    sweep, thresholds = {}, {}
+    for phase, tokens_list in grids.items():
+        # The bench's MoE stack attends to no cache: one key per query prices its stand-in alone.
+        context = 1 if model == MOE_STACK else contexts[phase]
+        sizes = []
+        for tokens in tokens_list:
+            none, split = simulate(
+                model, hardware, ep=ranks, phase=phase, tokens_per_rank=tokens, context=context,
+                modes=("none", dbo), low_latency=low_latency,
+            ).results
+            sizes.append((tokens, round(none.step_s * 1e3, 4), round(split.step_s * 1e3, 4)))
+        decision = choose_threshold(phase, sizes, margin)
+        thresholds[phase] = decision.threshold
+        sweep[phase] = [
+            {"tokens_per_rank": t, "none_ms": n, "dbo_ms": b, "paired_speedup": round(x, 4), "dbo_wins": w}
+            for t, n, b, x, w in decision.table
+        ]
+    return {
+        "dbo_decode_token_threshold": thresholds["decode"],
+        "dbo_prefill_token_threshold": thresholds["prefill"],
+        "margin": margin,
+        "config": {
+            "num_ubatches": num_ubatches,
+            "simulated": {"model": model, "hardware": hardware.name, "ranks": ranks, "contexts": contexts},
+        },
+        "sweep": sweep,
+    }
+
+
+__all__ = ["HERE", "resolve_hardware", "simulated_sweep"]
