@@ -120,6 +120,48 @@ def test_standard_random_routing(num_experts, hidden, inter, num_tokens, top_k):
     check_standard(x, w1, w2, topk_weights, topk_ids)
 
 
+def test_each_gemm_launches_with_its_own_tile(monkeypatch):
+    """gpu-review-3 G10: GEMM 1 (gate/up: N = I, K = H) and GEMM 2 (down: N = H, K = I) take
+    their own tile (block_m shared), in both formats; the output is unchanged."""
+    from types import SimpleNamespace
+
+    from tandem.modular_kernels import experts_triton
+    from tandem.modular_kernels.tile_tables import ExpertTiles, TileConfig
+
+    real = experts_triton._kernels(True)
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append({k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages")})
+                self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    spy = SimpleNamespace(triton=real.triton, grouped_gemm=Recorder(real.grouped_gemm), masked_gemm=Recorder(real.masked_gemm))
+    monkeypatch.setattr(experts_triton, "_kernels", lambda interpret: spy)
+    tiles = ExpertTiles(TileConfig(16, 16, 32, 4, 2), TileConfig(16, 32, 16, 4, 3))
+    w1, w2 = make_weights(4, 64, 32)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = make_routing(7, 4, 2)
+    tokens = standard_tokens(x, topk_weights, topk_ids)
+
+    out = TritonExperts(tiles=tiles).apply(tokens, w1, w2)
+
+    want = [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_stages": 2},
+            {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 3}]  # fmt: skip
+    assert launches == want
+    torch.testing.assert_close(out, torch_moe_reference(x, w1, w2, topk_weights, topk_ids), atol=ATOL, rtol=RTOL)
+    launches.clear()
+    slots = ExpertTokens(torch.randn(4, 8, 64), None, torch.float32, expert_num_tokens=torch.tensor([3, 0, 8, 1]))
+    TritonBatchedExperts(tiles=tiles).apply(slots, w1, w2)
+    assert launches == want
+
+
 def test_standard_all_tokens_to_one_expert_spans_several_blocks():
     # 20 tokens on expert 1 fill more than one 16-row block; experts 0, 2, 3 get none.
     w1, w2 = make_weights(4, 32, 16)

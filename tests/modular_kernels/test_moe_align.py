@@ -20,7 +20,13 @@ from tandem.modular_kernels.moe_align import (  # noqa: E402
     align_pairs_by_expert_triton,
     padded_rows,
 )
-from tandem.modular_kernels.tile_tables import TileConfig, default_config, table_name, tile_config  # noqa: E402
+from tandem.modular_kernels.tile_tables import (  # noqa: E402
+    ExpertTiles,
+    TileConfig,
+    default_tiles,
+    expert_tiles,
+    table_name,
+)
 
 
 @pytest.mark.parametrize(
@@ -52,23 +58,36 @@ def test_align_takes_the_torch_path_on_cpu():
 
 def test_tile_table_picks_the_nearest_token_count(tmp_path, monkeypatch):
     monkeypatch.setattr(tile_tables, "device_name", lambda device: "FakeGPU")
-    small, large = TileConfig(16, 32, 64, 4, 2), TileConfig(64, 128, 64, 8, 4)
+    small = ExpertTiles(TileConfig(16, 32, 64, 4, 2), TileConfig(16, 128, 32, 4, 4))
+    large = ExpertTiles.both(TileConfig(64, 128, 64, 8, 4))
     tile_tables.write_table(tmp_path / table_name(8, 128, 256, "FakeGPU"), {1: small, 256: large})
-    assert json.loads((tmp_path / table_name(8, 128, 256, "FakeGPU")).read_text())["1"]["block_n"] == 32
+    entry = json.loads((tmp_path / table_name(8, 128, 256, "FakeGPU")).read_text())["1"]
+    assert entry["gemm1"]["block_n"] == 32 and entry["gemm2"]["block_n"] == 128
     cuda = torch.device("cuda")
-    assert tile_config(8, 128, 256, 4, 2, cuda, tmp_path) == small
-    assert tile_config(8, 128, 256, 200, 2, cuda, tmp_path) == large
-    assert tile_config(8, 64, 256, 4, 2, cuda, tmp_path) == default_config(4, 2, 8)  # no table for that shape
+    assert expert_tiles(8, 128, 256, 4, 2, cuda, tmp_path) == small
+    assert expert_tiles(8, 128, 256, 200, 2, cuda, tmp_path) == large
+    assert expert_tiles(8, 64, 256, 4, 2, cuda, tmp_path) == default_tiles(4, 2, 8)  # no table for that shape
+
+
+def test_the_two_gemms_share_block_m_and_a_one_tile_entry_is_refused(tmp_path, monkeypatch):
+    """gpu-review-3 G10: one tile per GEMM; the align step's block size is theirs to share."""
+    with pytest.raises(ValueError, match="share block_m"):
+        ExpertTiles(TileConfig(block_m=16), TileConfig(block_m=32))
+    monkeypatch.setattr(tile_tables, "device_name", lambda device: "FakeGPU")
+    (tmp_path / table_name(8, 128, 256, "FakeGPU")).write_text(json.dumps({"1": TileConfig().as_dict()}))
+    with pytest.raises(ValueError, match="'gemm1' and a 'gemm2' tile"):
+        expert_tiles(8, 128, 256, 4, 2, torch.device("cuda"), tmp_path)
 
 
 def test_no_table_off_cuda():
-    assert tile_config(8, 128, 256, 4, 2, torch.device("cpu")) == default_config(4, 2, 8)
-    assert default_config(4, 2, 8).block_m == 16 and default_config(4096, 8, 8).block_m == 64
+    assert expert_tiles(8, 128, 256, 4, 2, torch.device("cpu")) == default_tiles(4, 2, 8)
+    assert default_tiles(4, 2, 8).gemm1.block_m == 16 and default_tiles(4096, 8, 8).gemm2.block_m == 64
 
 
 @pytest.mark.slow  # a subprocess run
 def test_tune_script_smoke_writes_a_table(tmp_path):
-    """benchmarks/tune_moe_configs.py end to end on the interpreter: a table the loader reads."""
+    """benchmarks/tune_moe_configs.py end to end on the interpreter: a table of GEMM 1 and
+    GEMM 2 tiles the loader reads."""
     import subprocess
     import sys
     from pathlib import Path
@@ -81,6 +100,9 @@ def test_tune_script_smoke_writes_a_table(tmp_path):
         check=True, env=env, capture_output=True, timeout=240,
     )  # fmt: skip
     table = tile_tables.load_table(tmp_path / table_name(4, 32, 64, "cpu-interpreter"))
-    assert set(table) == {1, 4} and all(isinstance(c, TileConfig) for c in table.values())
+    assert set(table) == {1, 4} and all(isinstance(c, ExpertTiles) for c in table.values())
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 4] and all(r["best_ms"] <= r["default_ms"] for r in rows)
+    # Each GEMM was tuned alone (gpu-review-3 G10), its time beside its default tile's.
+    assert all(r[gemm]["ms"] <= r[gemm]["default_ms"] for r in rows for gemm in ("gemm1", "gemm2"))
+    assert all(ExpertTiles.from_dict(r["best"]) == table[r["tokens"]] for r in rows)

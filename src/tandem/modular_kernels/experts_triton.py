@@ -7,7 +7,8 @@ then computes `silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T)` per block, the
 computes `act @ w2[e]^T` scaled by the routing weight, and a fixed-order sum over each
 token's k rows folds the pairs back into tokens (`pair_sum.py`: one kernel that skips the
 pairs of other ranks' experts, so the GEMM's output is never zero-filled). Tile sizes come
-from `tile_tables.py`.
+from `tile_tables.py`, one per GEMM (`block_m` shared); `benchmarks/tune_moe_configs.py`
+times each GEMM alone through `gate_up_gemm` and `down_gemm`.
 
 MASKED (`TritonBatchedExperts`): one batched kernel over `experts x M-blocks x N-blocks`
 that skips every block past `expert_num_tokens[e]` and masks the rows past the count in
@@ -20,6 +21,7 @@ kernel is defined, so kernels are built on first use and cached per mode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
 
@@ -29,7 +31,7 @@ from tandem.modular_kernels.activation import silu_and_mul
 from tandem.modular_kernels.interfaces import ActivationFormat, Experts, ExpertTokens
 from tandem.modular_kernels.moe_align import align_pairs_by_expert
 from tandem.modular_kernels.pair_sum import sum_pairs
-from tandem.modular_kernels.tile_tables import TileConfig, tile_config
+from tandem.modular_kernels.tile_tables import ExpertTiles, TileConfig, expert_tiles
 from tandem.platform.triton_utils import import_triton, interpreting
 
 
@@ -195,16 +197,70 @@ def _block_n(n: int, cap: int) -> int:
 
 
 class TileChoice:
-    """Tiles from the tuned table (`tile_tables.py`), each size overridable by hand, or one
-    fixed `tile` (the tuner's candidates)."""
+    """Tiles from the tuned table (`tile_tables.py`), each size overridable by hand (for both
+    GEMMs), or fixed `tiles` (the tuner's candidates)."""
 
-    def __init__(self, block_m=None, block_n=None, block_k=None, tile: TileConfig | None = None):
+    def __init__(self, block_m=None, block_n=None, block_k=None, tiles: ExpertTiles | None = None):
         self.overrides = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)) if v}
-        self.fixed = tile
+        self.fixed = tiles
 
-    def pick(self, num_experts: int, n: int, k: int, num_tokens: int, top_k: int, device: torch.device) -> TileConfig:
-        tile = self.fixed or tile_config(num_experts, n, k, num_tokens, top_k, device)
-        return TileConfig(**{**tile.as_dict(), **self.overrides}) if self.overrides else tile
+    def pick(self, num_experts: int, n: int, k: int, num_tokens: int, top_k: int, device: torch.device) -> ExpertTiles:
+        tiles = self.fixed or expert_tiles(num_experts, n, k, num_tokens, top_k, device)
+        if not self.overrides:
+            return tiles
+        return ExpertTiles(*(TileConfig(**{**tile.as_dict(), **self.overrides}) for tile in (tiles.gemm1, tiles.gemm2)))
+
+
+@dataclass(frozen=True)
+class SortedPairs:
+    """The (token, k) pairs sorted into blocks of one expert each (the align step), with
+    their float32 routing weights: what both grouped GEMMs walk."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    weights: torch.Tensor
+    top_k: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.weights.shape[0]
+
+
+def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    sorted_ids, block_expert = align_pairs_by_expert(ids, num_experts, block_m)
+    flat_weights = weights.reshape(-1).to(device=ids.device, dtype=torch.float32).contiguous()
+    return SortedPairs(sorted_ids, block_expert, flat_weights, ids.shape[1])
+
+
+def _grouped_gemm(a, b, c, pairs: SortedPairs, tile: TileConfig, *, gated: bool) -> None:
+    kern = _kernels(interpreting())
+    n = b.shape[1] // 2 if gated else b.shape[1]
+    bn = _block_n(n, tile.block_n)
+    kern.grouped_gemm[(pairs.block_expert.numel(), kern.triton.cdiv(n, bn))](
+        a, b, c, pairs.weights, pairs.sorted_ids, pairs.block_expert,
+        pairs.num_pairs, n, a.shape[1],
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1),
+        A_ROW_DIV=pairs.top_k if gated else 1, MUL_WEIGHT=not gated, GATED=gated, PRECISION=_precision(a.dtype),
+        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def gate_up_gemm(x: torch.Tensor, w1: torch.Tensor, pairs: SortedPairs, tile: TileConfig) -> torch.Tensor:
+    """GEMM 1 with SiLU-and-mul: `act[pair] = silu(x @ gate^T) * (x @ up^T)`, `[pairs, I]` in
+    x's dtype. Rows of pairs no block holds (another rank's experts) are never read: no zero fill."""
+    act = torch.empty((pairs.num_pairs, w1.shape[1] // 2), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w1, act, pairs, tile, gated=True)
+    return act
+
+
+def down_gemm(act: torch.Tensor, w2: torch.Tensor, pairs: SortedPairs, tile: TileConfig) -> torch.Tensor:
+    """GEMM 2: `y[pair] = weight[pair] * act[pair] @ w2^T`, `[pairs, H]` float32; rows of
+    pairs no block holds are left unwritten (the pair sum never reads them)."""
+    y = torch.empty((pairs.num_pairs, w2.shape[1]), dtype=torch.float32, device=act.device)
+    _grouped_gemm(act, w2, y, pairs, tile, gated=False)
+    return y
 
 
 class TritonExperts(Experts):
@@ -217,10 +273,10 @@ class TritonExperts(Experts):
 
     def __init__(
         self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None, *,
-        tile: TileConfig | None = None,
+        tiles: ExpertTiles | None = None,
     ):  # fmt: skip
         import_triton()
-        self.tiles = TileChoice(block_m, block_n, block_k, tile)
+        self.tiles = TileChoice(block_m, block_n, block_k, tiles)
 
     def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         x = tokens.dequantized()
@@ -229,52 +285,15 @@ class TritonExperts(Experts):
         num_tokens, hidden = x.shape
         top_k = ids.shape[1]
         num_experts, two_i, _ = w1.shape
-        inter = two_i // 2
         device = x.device
         if num_tokens == 0 or top_k == 0 or num_experts == 0:
             return torch.zeros((num_tokens, hidden), dtype=tokens.dtype, device=device)
-
-        kern = _kernels(interpreting())
-        cdiv = kern.triton.cdiv
         dtype = _compute_dtype(x, w1, w2)
-        precision = _precision(dtype)
-        x = x.to(dtype).contiguous()
-        w1c = w1.to(dtype)
-        w2c = w2.to(dtype)
-        num_pairs = num_tokens * top_k
-        flat_weights = weights.reshape(-1).to(device=device, dtype=torch.float32).contiguous()
-        tile = self.tiles.pick(num_experts, inter, hidden, num_tokens, top_k, device)
-        launch = dict(PRECISION=precision, BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
-                      num_warps=tile.num_warps, num_stages=tile.num_stages)  # fmt: skip
+        tiles = self.tiles.pick(num_experts, two_i // 2, hidden, num_tokens, top_k, device)
         ids = ids.to(device)
-        sorted_ids, block_expert = align_pairs_by_expert(ids, num_experts, tile.block_m)
-        num_blocks = block_expert.numel()
-
-        # GEMM 1 with SiLU-and-mul: act[pair] = silu(x @ gate^T) * (x @ up^T)  ->  [N*K, I].
-        # Rows of pairs no block holds (another rank's experts) are never read: no zero fill.
-        act = torch.empty((num_pairs, inter), dtype=dtype, device=device)
-        bn = _block_n(inter, tile.block_n)
-        kern.grouped_gemm[(num_blocks, cdiv(inter, bn))](
-            x, w1c, act, flat_weights, sorted_ids, block_expert,
-            num_pairs, inter, hidden,
-            x.stride(0), x.stride(1),
-            w1c.stride(0), w1c.stride(1), w1c.stride(2),
-            act.stride(0), act.stride(1),
-            A_ROW_DIV=top_k, MUL_WEIGHT=False, GATED=True, BLOCK_N=bn, **launch,
-        )  # fmt: skip
-
-        # GEMM 2: y[pair] = weight[pair] * act[pair] @ w2^T  ->  [N*K, H]; rows of pairs no
-        # block holds are left unwritten, and the sum below never reads them.
-        y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
-        bn = _block_n(hidden, tile.block_n)
-        kern.grouped_gemm[(num_blocks, cdiv(hidden, bn))](
-            act, w2c, y, flat_weights, sorted_ids, block_expert,
-            num_pairs, hidden, inter,
-            act.stride(0), act.stride(1),
-            w2c.stride(0), w2c.stride(1), w2c.stride(2),
-            y.stride(0), y.stride(1),
-            A_ROW_DIV=1, MUL_WEIGHT=True, GATED=False, BLOCK_N=bn, **launch,
-        )  # fmt: skip
+        pairs = sort_pairs(ids, weights, num_experts, tiles.gemm1.block_m)
+        act = gate_up_gemm(x.to(dtype).contiguous(), w1.to(dtype), pairs, tiles.gemm1)
+        y = down_gemm(act, w2.to(dtype), pairs, tiles.gemm2)
         # A token's pairs are consecutive rows: a fixed-order sum (no atomics, no index_add).
         return sum_pairs(y, ids, num_experts, tokens.dtype)
 
@@ -287,9 +306,12 @@ class TritonBatchedExperts(Experts):
     activation_format = ActivationFormat.MASKED
     name = "triton"
 
-    def __init__(self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None):
+    def __init__(
+        self, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None, *,
+        tiles: ExpertTiles | None = None,
+    ):  # fmt: skip
         import_triton()
-        self.tiles = TileChoice(block_m, block_n, block_k)
+        self.tiles = TileChoice(block_m, block_n, block_k, tiles)
 
     def _gemm(self, kern, a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, precision: str, tile: TileConfig):
         """`[E, M, K] @ [E, N, K]^T -> [E, M, N]` float32, rows past `counts[e]` zero."""
@@ -323,8 +345,8 @@ class TritonBatchedExperts(Experts):
         counts = tokens.expert_num_tokens.to(device=x.device, dtype=torch.int32).clamp(0, m).contiguous()
 
         # Every expert's slot holds up to M tokens: the masked GEMM's rows per expert.
-        tile = self.tiles.pick(num_experts, inter, hidden, m * num_experts, 1, x.device)
-        h = self._gemm(kern, x.to(dtype), w1.to(dtype), counts, precision, tile)
+        tiles = self.tiles.pick(num_experts, inter, hidden, m * num_experts, 1, x.device)
+        h = self._gemm(kern, x.to(dtype), w1.to(dtype), counts, precision, tiles.gemm1)
         act = silu_and_mul(h).to(dtype)
-        out = self._gemm(kern, act, w2.to(dtype), counts, precision, tile)
+        out = self._gemm(kern, act, w2.to(dtype), counts, precision, tiles.gemm2)
         return out.to(tokens.dtype)
