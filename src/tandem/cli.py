@@ -8,7 +8,8 @@ import typer
 
 from tandem.cli_bench import (
     BENCH_CONTEXT_LEN, BENCH_DEFAULTS, BENCH_FLAGS, BENCH_HELPS, BENCH_PREFILL_LEN, BENCH_REPEAT, BENCH_WARMUP,
-    TUNE_MARGIN, auto_prior, bench_spec, describe_transport, int_list, run_bench_sweep,
+    TUNE_MARGIN, TUNE_SIMULATE, auto_prior, bench_spec, describe_transport, int_list, run_bench_sweep, tune_simulated,
+    write_thresholds,
 )
 from tandem.cli_config import build_config, one_model, torchrun_parallel, torchrun_world
 from tandem.cli_options import ENGINE_SECTIONS, Flags, config_command
@@ -255,17 +256,14 @@ def tune(
     warmup: int = BENCH_WARMUP,
     context_len: int = BENCH_CONTEXT_LEN,
     prefill_len: int = BENCH_PREFILL_LEN,
+    simulate: str = TUNE_SIMULATE,
     flags: Flags = None,
 ) -> None:
     """Sweep decode and prefill steps with and without DBO, pick for each phase the smallest
     token count from which DBO beats no overlap by --margin at every larger size tried, and
     write the thresholds (JSON with dbo_decode_token_threshold and dbo_prefill_token_threshold).
-    Under torchrun each process is one rank and rank 0 writes the file."""
-    import json
-    from pathlib import Path
-
-    from tandem.bench.tune import NEVER, format_decisions
-
+    Under torchrun each process is one rank and rank 0 writes the file. With --simulate the
+    sweep is the simulator's prediction for that hardware instead (no rank starts)."""
     if not 0 <= margin < 1:
         raise typer.BadParameter(f"--margin must be in [0, 1), got {margin}")
     ubatch_executor = "stages" if flags["enable_two_batch_overlap"] else flags["ubatch_executor"]
@@ -274,6 +272,10 @@ def tune(
         raise typer.BadParameter(f"--ubatch-executor must be one of {', '.join(modes_of)}")
     dbo_mode = modes_of[ubatch_executor]
     grids = [("decode", int_list(decode_tokens, "--decode-tokens")), ("prefill", int_list(prefill_tokens, "--prefill-tokens"))]
+    if simulate is not None:
+        tune_simulated(simulate, flags, output=output, grids=dict(grids), margin=margin,
+                       contexts={"decode": context_len, "prefill": prefill_len})
+        return
     spec = bench_spec(
         **{name: flags[name] for name in BENCH_FLAGS}, grids=grids, modes=["none", dbo_mode], repeat=repeat,
         warmup=warmup, context_len=context_len, prefill_len=prefill_len,
@@ -284,25 +286,10 @@ def tune(
     model, data_parallel_size, num_ubatches = spec.model, spec.data_parallel_size, spec.num_ubatches
     decisions = [_threshold_decision(result, phase, dbo_mode, margin) for phase, _ in grids]
     print(f"{model}, {data_parallel_size} ranks, {num_ubatches} ubatches ({ubatch_executor}), {describe_transport(spec, result)}")
-    print(format_decisions(decisions))
-    decode, prefill = decisions
-    data = {
-        "dbo_decode_token_threshold": decode.threshold,
-        "dbo_prefill_token_threshold": prefill.threshold,
-        "margin": margin,
-        "config": {**spec.config_dict(), "fabric_model": result.get("fabric")},
-        "sweep": {d.phase: [{"tokens_per_rank": t, "none_ms": n, "dbo_ms": b, "paired_speedup": round(x, 4), "dbo_wins": w}
-                        for t, n, b, x, w in d.table]
-                  for d in decisions},
-    }
-    path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    show = lambda t: "never" if t == NEVER else str(t)  # noqa: E731
-    print(f"recommended: --enable-dbo --dbo-decode-token-threshold {decode.threshold} "
-          f"--dbo-prefill-token-threshold {prefill.threshold}  (decode {show(decode.threshold)}, prefill {show(prefill.threshold)})")
-    print(f"or: --thresholds-file {path}")
-    print(f"wrote {path}", file=sys.stderr)
+    from tandem.bench.tune import tune_document
+
+    config = {**spec.config_dict(), "fabric_model": result.get("fabric")}
+    write_thresholds(output, decisions, tune_document(decisions, margin, config))
 
 
 def _threshold_decision(result: dict, phase: str, dbo_mode: str, margin: float):

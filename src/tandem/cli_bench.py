@@ -31,6 +31,12 @@ BENCH_HELPS = {
 }
 #: How much faster DBO must be to win a size (`tandem tune --margin`).
 TUNE_MARGIN = 0.03
+TUNE_SIMULATE = typer.Option(
+    None, "--simulate", metavar="HW",
+    help="Write the thresholds for a cluster you don't have: the simulator's none / DBO steps on hardware HW (h800, "
+    "h100, h200, b200, a profile .json, or 'here': this CPU, measured now) with --data-parallel-size ranks "
+    "(DP attention x EP) of --model (a runtime model, deepseek-v3, or a config.json); no rank starts. See docs/simulate.md.",
+)
 BENCH_REPEAT = typer.Option(5, help="Timed runs per point (median reported); modes are interleaved.")
 BENCH_WARMUP = typer.Option(2, help="Untimed runs per point first.")
 BENCH_CONTEXT_LEN = typer.Option(128, help="Decode: cached tokens each request attends over.")
@@ -122,12 +128,45 @@ def describe_transport(spec, result) -> str:
 
 
 def simulated_thresholds(model: str, hardware: str, *, ranks: int, num_ubatches: int, grids: dict[str, list[int]],
-                         contexts: dict[str, int], margin: float) -> dict:
-    """`tandem tune --simulate`'s document (the format `tandem tune` writes), from the simulator."""
-    from tandem.simulate.prior import resolve_hardware, simulated_sweep
+                         contexts: dict[str, int], margin: float) -> tuple[list, dict]:
+    """`tandem tune --simulate`'s verdicts and document (the format `tandem tune` writes), from
+    the simulator: `hardware` a profile name or file, or `here`."""
+    from tandem.simulate.prior import resolve_hardware, simulated_tune
 
-    hw = resolve_hardware(hardware, ranks)
-    return simulated_sweep(model, hw, ranks=ranks, num_ubatches=num_ubatches, grids=grids, contexts=contexts, margin=margin)
+    return simulated_tune(model, resolve_hardware(hardware, ranks), ranks=ranks, num_ubatches=num_ubatches, grids=grids,
+                          contexts=contexts, margin=margin)
+
+
+def tune_simulated(hardware: str, flags: dict, *, output: str, grids: dict[str, list[int]], margin: float,
+                   contexts: dict[str, int]) -> None:
+    """`tandem tune --simulate HW`: the thresholds file from the simulator's DBO schedule."""
+    ranks, num_ubatches = flags["data_parallel_size"], flags["num_ubatches"]
+    try:
+        decisions, document = simulated_thresholds(flags["model"], hardware, ranks=ranks, num_ubatches=num_ubatches,
+                                                   grids=grids, contexts=contexts, margin=margin)
+    except (ValueError, OSError) as exc:
+        print(f"[tandem] error: {exc}", file=sys.stderr, flush=True)
+        raise typer.Exit(code=2) from None
+    print(f"{flags['model']}, simulated on {document['config']['simulated']['hardware']}: {ranks} ranks "
+          f"(DP attention x EP), {num_ubatches} ubatches (the simulator's DBO schedule)")
+    write_thresholds(output, decisions, document)
+
+
+def write_thresholds(output: str, decisions: list, document: dict) -> None:
+    """Print `tune`'s verdicts, write its thresholds file and say how to use it."""
+    from tandem.bench.tune import NEVER, format_decisions
+
+    simulated = "simulated" in document["config"]
+    print(format_decisions(decisions, speedup="simulated" if simulated else "median of paired runs"))
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    decode, prefill = document["dbo_decode_token_threshold"], document["dbo_prefill_token_threshold"]
+    show = lambda t: "never" if t == NEVER else str(t)  # noqa: E731
+    print(f"recommended: --enable-dbo --dbo-decode-token-threshold {decode} "
+          f"--dbo-prefill-token-threshold {prefill}  (decode {show(decode)}, prefill {show(prefill)})")
+    print(f"or: --thresholds-file {path}")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 @contextmanager
@@ -139,6 +178,7 @@ def auto_prior(flags: dict, modes: list[str], phase: str, tokens: list[int], *, 
     from tandem.platform.device import resolve_device
     from tandem.simulate.prior import HERE
 
+    check_device(flags["device"])  # a device that is not there is the one error, before anything is measured
     given = flags["thresholds_file"]
     modelled = any(flags[name] is not None for name in ("fabric", "fabric_latency_us", "fabric_gbps"))
     on_cpu = resolve_device(flags["device"]).type == "cpu"
@@ -146,7 +186,7 @@ def auto_prior(flags: dict, modes: list[str], phase: str, tokens: list[int], *, 
         yield given, None
         return
     try:
-        document = simulated_thresholds(
+        _, document = simulated_thresholds(
             flags["model"], HERE, ranks=flags["data_parallel_size"], num_ubatches=flags["num_ubatches"],
             grids={"decode": tokens, "prefill": tokens}, contexts={"decode": context_len, "prefill": prefill_len},
             margin=TUNE_MARGIN,

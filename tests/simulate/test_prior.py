@@ -12,7 +12,7 @@ import pytest
 from tandem.bench.roofline import Roofline
 from tandem.simulate import simulate
 from tandem.simulate.host import gemm_m_half, host_profile
-from tandem.simulate.prior import HERE, simulated_sweep
+from tandem.simulate.prior import HERE, simulated_tune
 from tandem.simulate.schedule import YIELD, Step, issue_order, play
 from tandem.ubatch.planner import OverlapPlanner, StepShape, TunePrior, overlap_choices
 
@@ -63,7 +63,7 @@ def test_a_simulated_sweep_is_a_tune_file_the_planner_reads(tmp_path):
 
     from tandem.simulate import load_hardware
 
-    doc = simulated_sweep(
+    _, doc = simulated_tune(
         "deepseek-v3", load_hardware("h800"), ranks=32, num_ubatches=2,
         grids={"decode": [8, 64, 128, 256], "prefill": [128, 256, 2048]}, contexts={"decode": 128, "prefill": 512},
         margin=0.03,
@@ -87,9 +87,9 @@ def test_a_simulated_sweep_is_a_tune_file_the_planner_reads(tmp_path):
 def test_a_sweep_needs_both_phases_and_a_split():
     hw = host_profile(2, roofline=ROOFLINE, small_rate=100e9, switch_s=0.0)
     with pytest.raises(ValueError, match="each phase"):
-        simulated_sweep("moe-stack", hw, ranks=2, num_ubatches=2, grids={"decode": [8]}, contexts={}, margin=0.03)
+        simulated_tune("moe-stack", hw, ranks=2, num_ubatches=2, grids={"decode": [8]}, contexts={}, margin=0.03)
     with pytest.raises(ValueError, match="at least 2 ubatches"):
-        simulated_sweep("moe-stack", hw, ranks=2, num_ubatches=1, grids={}, contexts={}, margin=0.03)
+        simulated_tune("moe-stack", hw, ranks=2, num_ubatches=1, grids={}, contexts={}, margin=0.03)
 
 
 def _flags(**over):
@@ -135,3 +135,41 @@ def test_here_is_measured_when_asked_for():
     hw = resolve_hardware(HERE, 2)
     assert hw.transfers_on_compute and hw.gpus_per_node == 2
     assert hw.bf16_flops > 1e9 and hw.ubatch_switch_s > 0 and hw.gemm_m_half >= 0
+
+
+def test_tune_simulate_writes_the_thresholds_file_serve_reads(tmp_path):
+    from typer.testing import CliRunner
+
+    from tandem.cli import app
+    from tandem.config import OverlapConfig
+
+    out = tmp_path / "h800.json"
+    result = CliRunner().invoke(app, [
+        "tune", "--simulate", "h800", "--model", "deepseek-v3", "--data-parallel-size", "32", "--context-len", "128",
+        "--decode-tokens", "8,64,128,256", "--prefill-tokens", "128,256,2048", "--output", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "decode 128, prefill 256" in result.output and "speedup: simulated" in result.output
+    doc = __import__("json").loads(out.read_text())
+    assert doc["config"] == {"num_ubatches": 2, "simulated": {
+        "model": "deepseek-v3", "hardware": "H800", "ranks": 32, "contexts": {"decode": 128, "prefill": 512}}}
+    assert [r["tokens_per_rank"] for r in doc["sweep"]["prefill"]] == [128, 256, 2048]
+    assert doc["sweep"]["prefill"][1]["dbo_ms"] == pytest.approx(35.9891, abs=1e-3)
+    overlap = OverlapConfig().with_thresholds_file(out)
+    assert (overlap.dbo_decode_token_threshold, overlap.dbo_prefill_token_threshold) == (128, 256)
+    assert TunePrior.from_file(out).num_ubatches == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--simulate", "h900"], "unknown hardware 'h900'"),
+    (["--simulate", "h800", "--num-ubatches", "1"], "at least 2 ubatches"),
+    (["--simulate", "h800", "--model", "no-such-model"], "is not a preset"),
+])
+def test_tune_simulate_names_what_is_wrong(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from tandem.cli import app
+
+    result = CliRunner().invoke(app, ["tune", *args, "--output", str(tmp_path / "x.json")])
+    assert result.exit_code == 2 and message in result.output
+    assert not (tmp_path / "x.json").exists()

@@ -56,15 +56,38 @@ def paired_ratio(none_records: list[dict], dbo_records: list[dict]) -> float:
     return statistics.median(d["step_s"] / n["step_s"] for n, d in zip(none_records, dbo_records))
 
 
-def format_decisions(decisions: list[Decision]) -> str:
+def tune_document(decisions: list[Decision], margin: float, config: dict) -> dict:
+    """The thresholds file `tandem tune` writes (and `--thresholds-file` reads): the two
+    thresholds, the margin, the settings, and the sweep per phase (the planner's prior)."""
+    by_phase = {d.phase: d for d in decisions}
+    missing = {"decode", "prefill"} - set(by_phase)
+    if missing:
+        raise ValueError(f"a thresholds file needs a decision for each phase; missing {', '.join(sorted(missing))}")
+    return {
+        "dbo_decode_token_threshold": by_phase["decode"].threshold,
+        "dbo_prefill_token_threshold": by_phase["prefill"].threshold,
+        "margin": margin,
+        "config": config,
+        "sweep": {
+            d.phase: [
+                {"tokens_per_rank": t, "none_ms": n, "dbo_ms": b, "paired_speedup": round(x, 4), "dbo_wins": w}
+                for t, n, b, x, w in d.table
+            ]
+            for d in decisions
+        },
+    }
+
+
+def format_decisions(decisions: list[Decision], *, speedup: str = "median of paired runs") -> str:
+    """The verdicts as a table; `speedup` says where the speed-ups come from."""
     lines = []
     for d in decisions:
         lines.append(f"{d.phase}: {d.reason}")
-        lines.append(f"  {'tokens':>7}{'none ms':>10}{'dbo ms':>10}{'speedup':>9}  verdict (speedup: median of paired runs)")
+        lines.append(f"  {'tokens':>7}{'none ms':>10}{'dbo ms':>10}{'speedup':>9}  verdict (speedup: {speedup})")
         for tokens, none_ms, dbo_ms, speedup, wins in d.table:
             verdict = "DBO" if tokens >= d.threshold else ("wins, but not from here on" if wins else "no overlap")
             lines.append(f"  {tokens:>7}{none_ms:>10.2f}{dbo_ms:>10.2f}{speedup:>8.2f}x  {verdict}")
     return "\n".join(lines)
 
 
-__all__ = ["Decision", "NEVER", "choose_threshold", "format_decisions", "paired_ratio"]
+__all__ = ["Decision", "NEVER", "choose_threshold", "format_decisions", "paired_ratio", "tune_document"]

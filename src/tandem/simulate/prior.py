@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tandem.bench.modes import PHASES
 from tandem.bench.moe_stack import MOE_STACK
-from tandem.bench.tune import choose_threshold
+from tandem.bench.tune import Decision, choose_threshold, tune_document
 from tandem.simulate.hardware import HardwareProfile, load_hardware
 from tandem.simulate.run import simulate
 
@@ -29,7 +29,7 @@ def resolve_hardware(name: str, ranks: int) -> HardwareProfile:
     return load_hardware(name)
 
 
-def simulated_sweep(
+def simulated_decisions(
     model: str,
     hardware: HardwareProfile,
     *,
@@ -38,18 +38,18 @@ def simulated_sweep(
     grids: dict[str, list[int]],
     contexts: dict[str, int],
     margin: float,
-) -> dict:
-    """A `tandem tune` document from the simulator: `grids` maps each phase to its token
-    counts per rank, `contexts` each phase to its context (decode: cached tokens per request;
-    prefill: prompt length). On a host whose cores do the transfers, the low-latency kernels
-    are not modelled (gloo's all-to-all is the normal path)."""
+) -> list[Decision]:
+    """`tandem tune`'s verdict per phase from the simulator: `grids` maps each phase to its
+    token counts per rank, `contexts` each phase to its context (decode: cached tokens per
+    request; prefill: prompt length). On a host whose cores do the transfers, the low-latency
+    kernels are not modelled (gloo's all-to-all is the normal path)."""
     if num_ubatches < 2:
         raise ValueError(f"a DBO prior needs at least 2 ubatches, got {num_ubatches}")
     if sorted(grids) != sorted(PHASES):
         raise ValueError(f"a tune document has a sweep for each phase ({', '.join(PHASES)}), got {sorted(grids)}")
     low_latency = False if hardware.figures.get("transfers_on_compute") else None
     dbo = f"dbo{num_ubatches}"
-    sweep, thresholds = {}, {}
+    decisions = []
     for phase, tokens_list in grids.items():
         # The bench's MoE stack attends to no cache: one key per query prices its stand-in alone.
         context = 1 if model == MOE_STACK else contexts[phase]
@@ -60,22 +60,18 @@ def simulated_sweep(
                 modes=("none", dbo), low_latency=low_latency,
             ).results
             sizes.append((tokens, round(none.step_s * 1e3, 4), round(split.step_s * 1e3, 4)))
-        decision = choose_threshold(phase, sizes, margin)
-        thresholds[phase] = decision.threshold
-        sweep[phase] = [
-            {"tokens_per_rank": t, "none_ms": n, "dbo_ms": b, "paired_speedup": round(x, 4), "dbo_wins": w}
-            for t, n, b, x, w in decision.table
-        ]
-    return {
-        "dbo_decode_token_threshold": thresholds["decode"],
-        "dbo_prefill_token_threshold": thresholds["prefill"],
-        "margin": margin,
-        "config": {
-            "num_ubatches": num_ubatches,
-            "simulated": {"model": model, "hardware": hardware.name, "ranks": ranks, "contexts": contexts},
-        },
-        "sweep": sweep,
-    }
+        decisions.append(choose_threshold(phase, sizes, margin))
+    return decisions
 
 
-__all__ = ["HERE", "resolve_hardware", "simulated_sweep"]
+def simulated_tune(model: str, hardware: HardwareProfile, *, ranks: int, num_ubatches: int,
+                   grids: dict[str, list[int]], contexts: dict[str, int], margin: float) -> tuple[list[Decision], dict]:
+    """`simulated_decisions` and the `tandem tune` document they make, the simulation's
+    settings under config.simulated."""
+    decisions = simulated_decisions(model, hardware, ranks=ranks, num_ubatches=num_ubatches, grids=grids,
+                                    contexts=contexts, margin=margin)
+    simulated = {"model": model, "hardware": hardware.name, "ranks": ranks, "contexts": contexts}
+    return decisions, tune_document(decisions, margin, {"num_ubatches": num_ubatches, "simulated": simulated})
+
+
+__all__ = ["HERE", "resolve_hardware", "simulated_decisions", "simulated_tune"]
