@@ -8,8 +8,9 @@ Both halves come from the one `OpCounter` (the Triton launches the stub reports 
 `tandem.platform.triton_launches`, as the real launcher does for `tandem profile`), checked
 against the stub's own log. The goal (issue 24) is <= 40 kernels per layer, and the bound asserted here: before the fused
 kernels and the Triton decode attention a MoE layer launched 138 (DeepSeek-V2-Lite shape) and
-145 (Qwen3-MoE shape); now 23 and 18 (issue 30: the pair sum replaced a zero fill, a sum and
-a cast; MLA's value projection writes its output in token order, with no copy).
+145 (Qwen3-MoE shape); now 22 and 18 (issue 30: the pair sum replaced a zero fill, a sum and
+a cast; MLA's value projection writes its output in token order, with no copy; MLA's decode
+query reaches the kernel in two parts, with no `cat`).
 The counts are printed and written to benchmarks/results/kernels_per_layer.json. Run: `python -m pytest -m fakecuda tests/fakecuda -s`.
 """
 
@@ -69,6 +70,7 @@ def count_decode_step(name: str, launches: list, requests: int = REQUESTS) -> di
     return {
         "model": name, "layers": len(per_layer), "per_layer": per_layer, "aten_per_layer": aten,
         "triton_per_layer": triton_per_layer, "per_moe_layer": max(moe), "top_ops_per_step": dict(counter.by_op.most_common(12)),
+        "cat_per_step": counter.by_op["cat"],
         "triton_by_kernel_per_moe_layer": dict(counter.triton_by_scope_kernel.get(moe_layer, {})),
     }
 
@@ -103,6 +105,14 @@ def test_one_kv_split_launches_no_merge(triton_launches):
     assert single["triton_by_kernel_per_moe_layer"]["_decode_split"] == 1
     assert single["aten_per_layer"] == split["aten_per_layer"]
     assert [n + 1 for n in single["triton_per_layer"]] == split["triton_per_layer"]
+
+
+def test_mla_decode_concatenates_no_query(triton_launches):
+    """gpu-review-3 G9: the absorbed latent query and its rotated rope part go to the decode
+    kernel as two operands, so an MLA decode step has no `cat` (one per layer before)."""
+    report = count_decode_step("deepseek-v2-lite", triton_launches)
+    assert report["cat_per_step"] == 0
+    assert report["per_moe_layer"] <= 22
 
 
 def _write(name: str, report: dict) -> None:

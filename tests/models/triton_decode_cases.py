@@ -76,6 +76,27 @@ def test_mla_latent_cache_matches_reference_and_the_torch_decode_path(dtype):
         torch.testing.assert_close(out, _decode_attention(query, clean, clean[..., :lora], metadata, scale))
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_mla_query_given_in_two_parts_equals_the_whole(num_kv_splits):
+    """gpu-review-3 G9: the absorbed latent query and the rotated rope part reach the kernel
+    as two operands with their own strides (here views of wider tensors, heads-major), so
+    MLA's decode concatenates nothing; the result is the one-tensor query's, bit for bit."""
+    lora, rope, num_heads = 32, 8, 16
+    cache, table, _ = paged_cache(LENGTHS, BLOCK, 1, lora + rope, torch.float32, seed=13)
+    g = torch.Generator().manual_seed(14)
+    q_latent = torch.randn(num_heads, len(LENGTHS), lora, generator=g).transpose(0, 1)
+    q_rope = torch.randn(len(LENGTHS), num_heads, 3 * rope, generator=g)[..., rope : 2 * rope]
+    seq_lens = torch.tensor(LENGTHS, dtype=torch.int32)
+    whole = torch.cat((q_latent, q_rope), dim=-1)
+
+    def attend(query, **parts):
+        return tda.triton_decode_attention(query, cache, cache[..., :lora], seq_lens, table, 0.2, num_kv_splits, **parts)
+
+    assert torch.equal(attend(q_latent, query_rope=q_rope), attend(whole))
+    with pytest.raises(ValueError, match="as wide as V"):
+        attend(whole, query_rope=q_rope)
+
+
 def test_mla_at_deepseek_v2_lite_dims_in_bfloat16():
     """The production tiles: 16 heads over a 512 + 64 latent row, block size 16, 16-token
     tiles, a request of 40 tokens over three splits."""

@@ -57,7 +57,11 @@ def mla_latent_attention(
     one query row and `per_head_pays`, the absorbed form else (decodes)."""
     rank, scale = attn.cfg.kv_lora_rank, attn.scale
     if metadata.decode_only:
-        return _absorbed(attn, q_nope, q_rope, lambda q: paged_attention(q, cache, cache[..., :rank], metadata, scale))
+
+        def attend_decodes(q_latent: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+            return paged_attention(q_latent, cache, cache[..., :rank], metadata, scale, query_rope=q_pe)
+
+        return _absorbed(attn, q_nope, q_rope, attend_decodes)
     attended = []
     for run in varlen_runs(metadata):
         rows = slice(run.start, run.stop)
@@ -65,7 +69,9 @@ def mla_latent_attention(
         if run.length > 1 and per_head_pays(attn.cfg, run.length, keys):
             out = _per_head(attn, q_nope[rows], q_rope[rows], cache, run)
         else:
-            attend = lambda q, run=run: attend_run(q, cache, cache[..., :rank], run, scale)  # noqa: E731
+            attend = lambda q, q_pe, run=run: attend_run(  # noqa: E731
+                torch.cat((q, q_pe), -1), cache, cache[..., :rank], run, scale
+            )
             out = _absorbed(attn, q_nope[rows], q_rope[rows], attend)
         attended.append((run, out))
     T = q_nope.shape[0]
@@ -73,14 +79,15 @@ def mla_latent_attention(
 
 
 def _absorbed(
-    attn: nn.Module, q_nope: torch.Tensor, q_rope: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+    attn: nn.Module, q_nope: torch.Tensor, q_rope: torch.Tensor, attend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
-    """The absorbed form: `attend(query)` over the latent cache with each head's nope query
-    folded into the latent, then each head's attended latent through its value slice."""
+    """The absorbed form: `attend(q_latent, q_rope)` over the latent cache, each head's nope
+    query folded into the latent (the two parts apart: the Triton decode kernel reads each
+    where it is, with no `cat`), then each head's attended latent through its value slice."""
     c, T, nh = attn.cfg, q_nope.shape[0], attn.num_heads
     w_kv = attn.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     q_latent = torch.einsum("thn,hnl->thl", q_nope, w_kv[:, : c.qk_nope_head_dim])
-    out_latent = attend(torch.cat((q_latent, q_rope), dim=-1))
+    out_latent = attend(q_latent, q_rope)
     # Each head's latent through its value slice of kv_b_proj, written straight into
     # [T, heads, v] order (an einsum leaves [heads, T, v] for a copy to reorder).
     out = out_latent.new_empty((T, nh, c.v_head_dim))

@@ -135,17 +135,24 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    query_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query [T, Hq, Dk]` over each request's cached K `[.., Hkv, Dk]`
     and V `[.., Hkv, Dv]` (grouped-query when Hq > Hkv); returns `[T, Hq, Dv]`, zero on
     padding rows. The caller has already written this step's K/V to the cache. Decode rows
     on the CPU read the cache in place through tandem's kernel (`cpu_kernels.decode_attention`)
-    where it is built, outside graph captures (a `CpuGraph` records ATen ops only)."""
-    if metadata.decode_only:
-        if _triton_decode_applies(key_cache):
-            from tandem.models.triton_decode_attention import triton_decode_attention
+    where it is built, outside graph captures (a `CpuGraph` records ATen ops only).
+    `query_rope`: the query's last columns given apart (MLA's rotated part): the Triton
+    decode kernel reads the two parts where they are; the other paths concatenate them."""
+    if metadata.decode_only and _triton_decode_applies(key_cache):
+        from tandem.models.triton_decode_attention import triton_decode_attention
 
-            return triton_decode_attention(query, key_cache, value_cache, metadata.seq_lens, metadata.block_table, scale)
+        return triton_decode_attention(
+            query, key_cache, value_cache, metadata.seq_lens, metadata.block_table, scale, query_rope=query_rope
+        )
+    if query_rope is not None:
+        query = torch.cat((query, query_rope), dim=-1)
+    if metadata.decode_only:
         in_place = _in_place_decode_applies(query, key_cache, value_cache)
         return _decode_attention(query, key_cache, value_cache, metadata, scale, in_place=in_place)
     return _varlen_attention(query, key_cache, value_cache, metadata, scale)

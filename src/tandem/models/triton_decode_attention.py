@@ -62,8 +62,8 @@ def kv_splits_for(requests: int, head_programs: int, device: torch.device) -> in
 
 
 def _decode_split(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    q_ptr, q_rope_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
+    stride_qt, stride_qh, stride_qrt, stride_qrh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_table, stride_or, stride_oh, stride_os, stride_lr, stride_lh,
     kv_group, main_dim, rope_dim, value_dim,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -74,7 +74,9 @@ def _decode_split(
     split's normalised float32 partial to `out_ptr [R, H, S, Dv]` and its log-sum-exp to
     `lse_ptr [R, H, S]`; over one split the split is the whole softmax, so it writes the
     output itself (`[T, H, Dv]` in the output's dtype, zero for a request of length 0) and
-    `lse_ptr` is None. `UPCAST`: the interpreter multiplies bfloat16's raw bits in tl.dot
+    `lse_ptr` is None. The query's columns past `main_dim` (MLA's rope part) come through
+    their own pointer: MLA passes its absorbed latent and its rotated rope part apart, so
+    nothing concatenates them. `UPCAST`: the interpreter multiplies bfloat16's raw bits in tl.dot
     (triton-lang/triton#11584), so there operands are widened to float32 after the rounding
     the GPU path also does."""
     request = tl.program_id(0)
@@ -97,7 +99,8 @@ def _decode_split(
         if BLOCK_DR > 0:
             offs_r = tl.arange(0, BLOCK_DR)
             rope_ok = offs_r < rope_dim
-            q_rope = tl.load(q_rows + main_dim + offs_r[None, :], mask=head_ok[:, None] & rope_ok[None, :], other=0.0)
+            q_rope_rows = q_rope_ptr + request * stride_qrt + heads[:, None] * stride_qrh
+            q_rope = tl.load(q_rope_rows + offs_r[None, :], mask=head_ok[:, None] & rope_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
             if BLOCK_DR > 0:
@@ -258,6 +261,21 @@ def _split_outputs(out: torch.Tensor, requests: int, num_kv_splits: int):
     return partial, lse, partial.stride()[:3], lse.stride()[:2]
 
 
+def _query_parts(query: torch.Tensor, query_rope: torch.Tensor | None, value_dim: int, dtype: torch.dtype):
+    """The query's first `min(Dk, Dv)` columns and the rest (MLA's rope part; none for GQA),
+    in the cache's dtype with unit column stride: views of `query` when it comes whole."""
+    if query_rope is None:
+        main_dim = min(query.shape[-1], value_dim)
+        query, query_rope = query[..., :main_dim], query[..., main_dim:]
+    elif query.shape[-1] != value_dim or query_rope.shape[:2] != query.shape[:2]:
+        raise ValueError(
+            f"a query given in parts needs its first part as wide as V ({value_dim}) and both parts of one "
+            f"[tokens, heads] shape, got {tuple(query.shape)} and {tuple(query_rope.shape)}"
+        )
+    parts = [part.to(dtype) for part in (query, query_rope)]
+    return [part if part.stride(-1) == 1 else part.contiguous() for part in parts]
+
+
 def triton_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -266,29 +284,29 @@ def triton_decode_attention(
     block_table: torch.Tensor,
     scale: float,
     num_kv_splits: int | None = None,
+    query_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of `query [T, Hq, Dk]` (row r is request r's one query; rows past
     `block_table.shape[0]` are padding) over K `[blocks, block_size, Hkv, Dk]` and V
     `[.., Hkv, Dv]`, each request reading its first `seq_lens[r]` tokens through
     `block_table[r]`. Returns `[T, Hq, Dv]` in the query's dtype, zero on padding rows and
-    on requests of length 0."""
+    on requests of length 0. `query_rope [T, Hq, Dk - Dv]`: the query's columns past `Dv`
+    given apart (MLA's rotated part; `query` is then `Dv` wide), so the caller need not
+    concatenate them."""
     _check_operands(query, key_cache, value_cache, seq_lens, block_table)
-    num_tokens, num_heads, key_dim = query.shape
+    num_tokens, num_heads = query.shape[:2]
     requests = block_table.shape[0]
     _, page_size, kv_heads, _ = key_cache.shape
     value_dim = value_cache.shape[-1]
     kv_group = num_heads // kv_heads
-    # Key columns past the value width (MLA's rope part) take their own, narrower dot.
-    main_dim = min(key_dim, value_dim)
-    rope_dim = key_dim - main_dim
     out = query.new_empty((num_tokens, num_heads, value_dim))
     if num_tokens > requests:
         out[requests:].zero_()
     if requests == 0:
         return out
-    q = query.to(key_cache.dtype)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, q_rope = _query_parts(query, query_rope, value_dim, key_cache.dtype)
+    # Key columns past the value width (MLA's rope part) take their own, narrower dot.
+    main_dim, rope_dim = q.shape[-1], q_rope.shape[-1]
     head_programs = kv_heads * triton.cdiv(kv_group, HEADS_PER_PROGRAM)
     if num_kv_splits is None:
         num_kv_splits = kv_splits_for(requests, head_programs, query.device)
@@ -300,8 +318,8 @@ def triton_decode_attention(
     kernels = _kernels(interpret)
     split_out, lse, split_out_strides, lse_strides = _split_outputs(out, requests, num_kv_splits)
     kernels.decode_split[grid](
-        q, key_cache, value_cache, block_table, seq_lens, split_out, lse, scale,
-        q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
+        q, q_rope, key_cache, value_cache, block_table, seq_lens, split_out, lse, scale,
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_table.stride(0), *split_out_strides, *lse_strides,
         kv_group, main_dim, rope_dim, value_dim, **split_meta,
     )
