@@ -55,11 +55,11 @@ class ExpertTiles:
             )
 
     @classmethod
-    def both(cls, tile: TileConfig) -> "ExpertTiles":
+    def both(cls, tile: TileConfig) -> ExpertTiles:
         return cls(tile, tile)
 
     @classmethod
-    def from_dict(cls, entry: dict) -> "ExpertTiles":
+    def from_dict(cls, entry: dict) -> ExpertTiles:
         if set(entry) != {"gemm1", "gemm2"}:
             raise ValueError(
                 f"a tile-table entry holds a 'gemm1' and a 'gemm2' tile, got keys {sorted(entry)}: "
