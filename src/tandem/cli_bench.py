@@ -157,7 +157,7 @@ def write_thresholds(output: str, decisions: list, document: dict) -> None:
     from tandem.bench.tune import NEVER, format_decisions
 
     simulated = "simulated" in document["config"]
-    print(format_decisions(decisions, speedup="simulated" if simulated else "median of paired runs"))
+    print(format_decisions(decisions, speedups_from="simulated" if simulated else "median of paired runs"))
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2) + "\n")

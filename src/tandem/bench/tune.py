@@ -78,12 +78,12 @@ def tune_document(decisions: list[Decision], margin: float, config: dict) -> dic
     }
 
 
-def format_decisions(decisions: list[Decision], *, speedup: str = "median of paired runs") -> str:
-    """The verdicts as a table; `speedup` says where the speed-ups come from."""
+def format_decisions(decisions: list[Decision], *, speedups_from: str = "median of paired runs") -> str:
+    """The verdicts as a table; `speedups_from` says where the speed-ups come from."""
     lines = []
     for d in decisions:
         lines.append(f"{d.phase}: {d.reason}")
-        lines.append(f"  {'tokens':>7}{'none ms':>10}{'dbo ms':>10}{'speedup':>9}  verdict (speedup: {speedup})")
+        lines.append(f"  {'tokens':>7}{'none ms':>10}{'dbo ms':>10}{'speedup':>9}  verdict (speedup: {speedups_from})")
         for tokens, none_ms, dbo_ms, speedup, wins in d.table:
             verdict = "DBO" if tokens >= d.threshold else ("wins, but not from here on" if wins else "no overlap")
             lines.append(f"  {tokens:>7}{none_ms:>10.2f}{dbo_ms:>10.2f}{speedup:>8.2f}x  {verdict}")
