@@ -92,13 +92,23 @@ class HardwareProfile:
         if ep <= 1 or bytes_per_rank <= 0:
             return 0.0
         if low_latency:
-            table = self.rdma_low_latency
-            rate = _nearest(table, ep)[f"{kind}_bytes_per_s"]
-        elif ep <= self.gpus_per_node:
+            return self.comm_latency_s + self.low_latency_call(_nearest(self.rdma_low_latency, ep), kind, bytes_per_rank)
+        if ep <= self.gpus_per_node:
             rate = self.nvlink_bytes_per_s[kind]
         else:
             rate = _nearest(self.rdma_normal_bytes_per_s, ep)[kind]
         return self.comm_latency_s + bytes_per_rank / rate
+
+    def low_latency_call(self, row: dict[str, float], kind: str, bytes_: float) -> float:
+        """A low-latency call (`row`: DeepEP's published latency and achieved bandwidth at one
+        payload): a fixed part plus the bytes at the NIC's line rate (`rdma_line_bytes_per_s`),
+        the two through the published point. The part of the published latency the line rate
+        does not explain is fixed per call, so a smaller payload (a ubatch's) saves only the
+        wire time. Without a line rate, or where the call beats it (NVLink inside a node), time
+        scales with bytes alone."""
+        rate = row[f"{kind}_bytes_per_s"]
+        line = max(float(self.figures.get("rdma_line_bytes_per_s", rate)), rate)
+        return row[f"{kind}_us"] * 1e-6 * (1.0 - rate / line) + bytes_ / line
 
     def comm_sms(self, low_latency: bool) -> int:
         return self.comm_sms_low_latency if low_latency else self.comm_sms_normal
