@@ -155,3 +155,34 @@ def test_kernel_counts_split_aten_and_triton_and_the_gpu_pass_is_skipped_on_cpu(
     assert "| kernels | of which Triton |" in stdout
     assert " ATen + 0 Triton)" in stdout
     assert stdout.rstrip().splitlines()[-1] == "GPU kernels (torch.profiler): skipped, the device is not CUDA"
+
+
+def test_the_compiled_step_reads_the_weights_the_eager_step_reads(monkeypatch):
+    """The weight-bandwidth floor is what a step must read, whatever runs it: module hooks do
+    not fire inside the compiled graph, yet the compiled profile's weight bytes, per row and per
+    step, equal the eager profile's. Compile is forced on with dynamo's aot_eager backend (the
+    same graph and hooks as inductor, no code generation, so the test stays fast)."""
+    from tandem.bench.profile_step import run_profile
+    from tandem.config import EngineConfig
+    from tandem.models.compiled import CompiledModel
+
+    def profile() -> dict:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return run_profile(EngineConfig(model="tiny-moe", device="cpu"), batch=2, prompt_len=8, decode_steps=1,
+                               repeat=1, roofline_sizes={"copy_mib": 8, "matmul_size": 256})
+        finally:
+            torch.set_num_threads(threads)
+
+    eager = profile()
+    monkeypatch.setattr(CompiledModel, "for_config", classmethod(lambda cls, model, config, device: cls(model, backend="aot_eager")))
+    compiled = profile()
+    assert not eager["compiled"] and compiled["compiled"]
+    for name, phase in compiled["phases"].items():
+        rows = {r["row"]: r for r in phase["rows"]}
+        assert rows["layers.*.self_attn"]["calls"] == 0  # not timed: its hooks are inside the graph
+        assert phase["weight_bytes"] == eager["phases"][name]["weight_bytes"], name
+        for row in eager["phases"][name]["rows"]:
+            for column in ("weight_bytes", "kv_bytes", "flops"):
+                assert rows[row["row"]][column] == row[column], (name, row["row"], column)

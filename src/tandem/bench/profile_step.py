@@ -3,13 +3,16 @@ per module, next to what the modules must move and compute (`step_cost`) and wha
 device can do (`roofline`, measured in the same run).
 
 One rank, the normal engine loop (scheduler → plan → inputs → forward → sample → read →
-apply, in sequence, so every row is this step's own). Per phase, `repeat` rounds: each adds
-`batch` requests of `prompt_len` random tokens, runs their prefill as one step and then
-`decode_steps` decode steps, and aborts them. Rounds alternate between hooked (rows timed)
-and plain (the step alone, to show what the hooks cost); one last round counts kernels with
-an `OpCounter` (ATen ops and Triton launches; its times are not used: the dispatch mode slows
-every op). On CUDA a final round runs its first prefill and decode step under
-`torch.profiler` for the real GPU kernels by name (`gpu_kernels`).
+apply, in sequence, so every row is this step's own). A round adds `batch` requests of
+`prompt_len` random tokens, runs their prefill as one step and then `decode_steps` decode
+steps, and aborts them. The first round runs the model's eager forward with the hooks in, only
+to record what each region's step moves and computes (`step_cost`): the bytes, FLOPs and
+weight floor are a property of the model and the batch, so a compiled step, whose graph no
+hook sees inside, reports the same ones. Then per phase `repeat` timed rounds alternate
+between hooked (rows timed) and plain (the step alone, to show what the hooks cost); one last
+round counts kernels with an `OpCounter` (ATen ops and Triton launches; its times are not
+used: the dispatch mode slows every op). On CUDA a final round runs its first prefill and
+decode step under `torch.profiler` for the real GPU kernels by name (`gpu_kernels`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import json
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -63,6 +67,8 @@ class StepProfiler:
         self.hooked = {p: [] for p in PHASES}
         self.rows = {p: [] for p in PHASES}
         self.records: dict[str, StepRecord] = {}
+        #: Per phase: the eager step's record, whose shapes, calls and routing give the costs.
+        self.cost_records: dict[str, StepRecord] = {}
         self.kernels: dict[str, OpCounter] = {}
         #: Per phase, on CUDA: `gpu_kernels.summarise_kernels` of one profiled step.
         self.gpu_kernels: dict[str, dict] = {}
@@ -92,6 +98,8 @@ class StepProfiler:
         return time.perf_counter() - start
 
     def run(self, repeat: int) -> None:
+        with self.instrument.installed(), _eager_forward(self.engine.runner.model):
+            self._round_of_steps(self._cost_step)
         self._round_of_steps(lambda phase, step: step())  # warm-up: allocation, JIT, caches
         for _ in range(repeat):
             self._round_of_steps(lambda phase, step: self.plain[phase].append(self._timed_step(phase, step)))
@@ -110,6 +118,10 @@ class StepProfiler:
             self.gpu_kernels[phase] = gpu_kernels.profile_step(step, self.device)
         except RuntimeError as error:  # no CUPTI: the rest of the profile still stands
             self.gpu_kernels[phase] = {"error": f"{type(error).__name__}: {error}"}
+
+    def _cost_step(self, phase: str, step) -> None:
+        self.instrument.record = self.cost_records[phase] = StepRecord()  # decode: the round's last step
+        step()
 
     def _hooked_step(self, phase: str, step) -> None:
         self.instrument.record = record = StepRecord()
@@ -134,13 +146,7 @@ class StepProfiler:
 
     def phase_report(self, phase: str, roofline: Roofline) -> dict:
         record, regions = self.records[phase], self.instrument.regions
-        touched = {block_id: distinct_experts(ids) for block_id, ids in record.topk_ids.items()}
-        lm_weight = _logits_weight(self.engine.runner.model)
-        costs = {key: _region_cost(region, record, touched, lm_weight) for key, region in regions.items()}
-        for key in _children_first(regions):
-            if regions[key].cost == "children":
-                kids = [k for k, r in regions.items() if r.parent == key]
-                costs[key] = sum((costs[k] for k in kids), Cost(activation_bytes=record.activation_bytes[key]))
+        costs = self._costs(phase)
         step_s = statistics.median(self.hooked[phase])
         counter = self.kernels.get(phase)
         rows = []
@@ -171,6 +177,31 @@ class StepProfiler:
             **step_kernels(counter, "layers.*", layers),
             "decoder_layers": layers, "rows": rows, "gpu_kernels": self.gpu_kernels.get(phase),
         }
+
+    def _costs(self, phase: str) -> dict[str, Cost]:
+        """Per region, what the eager step of `phase` moved and computed."""
+        record, regions = self.cost_records[phase], self.instrument.regions
+        touched = {block_id: distinct_experts(ids) for block_id, ids in record.topk_ids.items()}
+        lm_weight = _logits_weight(self.engine.runner.model)
+        costs = {key: _region_cost(region, record, touched, lm_weight) for key, region in regions.items()}
+        for key in _children_first(regions):
+            if regions[key].cost == "children":
+                kids = [k for k, r in regions.items() if r.parent == key]
+                costs[key] = sum((costs[k] for k in kids), Cost(activation_bytes=record.activation_bytes[key]))
+        return costs
+
+
+@contextmanager
+def _eager_forward(model):
+    """Inside, `model` runs its class's forward: `CompiledModel` compiles in place by setting
+    the instance's `forward`, so taking that attribute away for a while is the eager step, the
+    one whose module hooks fire."""
+    compiled = vars(model).pop("forward", None)
+    try:
+        yield
+    finally:
+        if compiled is not None:
+            model.forward = compiled
 
 
 def _region_cost(region, record: StepRecord, touched: dict[int, int], lm_weight: torch.Tensor) -> Cost:
@@ -276,8 +307,9 @@ def format_report(report: dict) -> str:
     ]
     if report.get("compiled"):
         lines.append("compiled step (--compile): module hooks do not fire inside the compiled graph, so the rows "
-                     "under 'forward', the kernel counts and the weight floor are empty or partial; the step and forward "
-                     "totals are right "
+                     "under 'forward' have calls and times only where the opaque MoE op runs them eagerly, and the "
+                     "kernel counts are partial; the step and forward totals are right, and every row's bytes, FLOPs "
+                     "and the weight floor come from one unmeasured eager pass of the step, as without --compile "
                      "(per-setting step times: benchmarks/compiled_step.py)")
     for phase in PHASES:
         lines += _phase_lines(phase, report["phases"][phase])
