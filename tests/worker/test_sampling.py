@@ -3,6 +3,7 @@ import random
 import pytest
 import torch
 
+from tandem.platform import cpu_kernels
 from tandem.worker.sampling import SamplingParams, sample, sample_one
 
 
@@ -116,3 +117,25 @@ def test_logit_bias_values_are_checked(bias, match):
 
     with pytest.raises(ValueError, match=match):
         SamplingParams(logit_bias=bias)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="tandem's CPU kernels did not build here")
+def test_the_cpu_kernel_draws_the_tokens_the_torch_ops_draw():
+    """A step with only temperatures runs tandem's sampling kernel on the CPU: for the same
+    uniforms it picks the torch path's tokens (greedy rows and tiny temperatures included),
+    and it never picks a token without mass, even at the end of the unit interval."""
+    torch.manual_seed(3)
+    logits = torch.randn(64, 2048) * 4
+    logits[:, 100:200] = float("-inf")
+    params = [SamplingParams(temperature=t) for t in (0.0, 1e-30, 0.3, 1.0, 2.5) * 12 + (1.0,) * 4]
+    draws = [random.Random(1000 + r) for r in range(len(params))]
+    states = [random.Random(1000 + r) for r in range(len(params))]
+    kernel = sample(logits, params, draws)
+    with cpu_kernels.switched_off():
+        torch_ops = sample(logits, params, states)
+    assert kernel == torch_ops
+    assert len(set(kernel)) > 20 and not any(100 <= t < 200 for t in kernel)
+    edge = torch.tensor([[2.0, 1.0, float("-inf"), float("-inf")], [float("-inf"), 0.0, float("-inf"), 1.0]])
+    assert cpu_kernels.sample(edge, [1.0, 1.0], [1 - 2**-53] * 2).tolist() == [1, 3]
+    with pytest.raises(ValueError, match="2 rows of logits need as many temperatures and uniforms, got 1 and 2"):
+        cpu_kernels.sample(edge, [1.0], [0.5, 0.5])

@@ -266,6 +266,27 @@ def _topk_softmax(router_logits, top_k, renormalize):
     return weights, ids
 
 
+def sample(logits: torch.Tensor, temperatures: list[float], uniforms: list[float]) -> torch.Tensor:
+    """A token id per row of `logits [R, V]` (float32): drawn from the row's softmax at its
+    temperature by inverse CDF at its uniform in [0, 1), or its first maximum where the
+    temperature is 0 (see `tandem_sample`); `[R]` int64 (the op `tandem::cpu_sample`)."""
+    return torch.ops.tandem.cpu_sample(logits, temperatures, uniforms)
+
+
+def _sample(logits, temperatures, uniforms):
+    rows = logits.contiguous()
+    count, vocab = rows.shape
+    if len(temperatures) != count or len(uniforms) != count:
+        raise ValueError(f"{count} rows of logits need as many temperatures and uniforms, "
+                         f"got {len(temperatures)} and {len(uniforms)}")
+    temperature = torch.tensor(temperatures, dtype=torch.float32)
+    uniform = torch.tensor(uniforms, dtype=torch.float64)
+    out = torch.empty(count, dtype=torch.int64)
+    _library().tandem_sample(rows.data_ptr(), count, vocab, vocab, temperature.data_ptr(), uniform.data_ptr(),
+                             out.data_ptr())  # fmt: skip
+    return out
+
+
 # Registered through the dispatcher directly (as `tandem::cpu_linear` is): `custom_op`'s Python
 # wrappers cost ~100 us a call, and a decode step calls these once per layer.
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")
@@ -289,6 +310,8 @@ _LIBRARY.define("cpu_add_rms_norm(Tensor x, Tensor residual, Tensor weight, floa
 _LIBRARY.impl("cpu_add_rms_norm", _add_rms_norm, "CPU")
 _LIBRARY.define("cpu_topk_softmax(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)")
 _LIBRARY.impl("cpu_topk_softmax", _topk_softmax, "CPU")
+_LIBRARY.define("cpu_sample(Tensor logits, float[] temperatures, float[] uniforms) -> Tensor")
+_LIBRARY.impl("cpu_sample", _sample, "CPU")
 
 
 @torch.library.register_fake("tandem::cpu_panel_linear", lib=_LIBRARY)
@@ -329,5 +352,5 @@ def _(router_logits, top_k, renormalize):
 
 __all__ = [
     "add_rms_norm", "available", "cache_dir", "decode_attention", "linear", "moe", "pack", "rms_norm",
-    "rope_and_cache", "switched_off", "takes", "takes_eager", "topk_softmax", "uses_amx",
+    "rope_and_cache", "sample", "switched_off", "takes", "takes_eager", "topk_softmax", "uses_amx",
 ]  # fmt: skip

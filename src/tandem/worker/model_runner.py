@@ -288,9 +288,12 @@ class ModelRunner:
 
     def _sample_rows(self, hidden, inputs: StepInputs, sampling, samplers, rows: list[int]) -> SampleOutput:
         """The samples of requests `rows`, on the device."""
-        # The last row of each sampling request, found on the host: no device read.
-        ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[to_device_async(ends[rows], self.device)])
+        if inputs.uniform_decode and len(rows) == len(inputs.num_scheduled_tokens):
+            last = hidden[: len(rows)]  # request r's one token is row r
+        else:  # the last row of each sampling request, found on the host: no device read
+            ends = torch.tensor(inputs.num_scheduled_tokens, dtype=torch.int64).cumsum(0) - 1
+            last = hidden[to_device_async(ends[rows], self.device)]
+        logits = self.model.compute_logits(last)
         return sample_step(logits, [sampling[r] for r in rows], [samplers[r] for r in rows])
 
     def _read_samples(self, sampled: SampleOutput, params: Sequence[SamplingParams],

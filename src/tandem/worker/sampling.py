@@ -25,6 +25,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from tandem.platform import cpu_kernels
 from tandem.worker.grammar import GrammarConstraint, mask_logits
 
 #: Most top log-probabilities one token may ask for (vLLM's default `max_logprobs`).
@@ -226,10 +227,15 @@ def _apply_penalties(logits: torch.Tensor, params, samplers: list[RequestSampler
     logits[index] = picked
 
 
-def _sample_rows(logits: torch.Tensor, greedy_ids: torch.Tensor, params, samplers) -> torch.Tensor:
-    """Temperature, min_p, top_k, top_p and a draw, batched; greedy rows keep `greedy_ids`."""
+def _sample_rows(logits: torch.Tensor, params, samplers) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p and a draw, batched; greedy rows take their argmax."""
     device, vocab = logits.device, logits.shape[-1]
     greedy = [p.greedy for p in params]
+    if _only_temperature(params, vocab) and cpu_kernels.takes(logits):
+        # One kernel call for the whole draw, where the torch ops below are ~15 calls of a few
+        # microseconds each on rows this small (a tenth of a tiny model's decode step).
+        temperatures = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
+        return cpu_kernels.sample(logits, temperatures, _uniforms(greedy, samplers))
     temperature = _to_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device)
     scores = logits / temperature[:, None]
     if any(p.min_p > 0 for p in params):
@@ -249,14 +255,24 @@ def _sample_rows(logits: torch.Tensor, greedy_ids: torch.Tensor, params, sampler
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         outside[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(outside, 0.0))
-    return _draw(probs, greedy_ids, greedy, samplers)
+    return _draw(probs, _argmax(logits), greedy, samplers)
+
+
+def _only_temperature(params, vocab: int) -> bool:
+    """No row cuts its distribution (min_p, top_k, top_p): a softmax at a temperature is all."""
+    return not any(p.min_p > 0 or 0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
+
+
+def _uniforms(greedy: list[bool], samplers) -> list[float]:
+    """Each sampled row's draw from its request's stream (0 for greedy rows, which draw none)."""
+    streams = [random if s.stream is None else s.stream for s in samplers]
+    return [0.0 if g else st.random() for g, st in zip(greedy, streams)]
 
 
 def _draw(probs: torch.Tensor, greedy_ids: torch.Tensor, greedy: list[bool], samplers) -> torch.Tensor:
     """Each row's token by inverse CDF: the first whose cumulative mass passes the row's uniform
     draw (scaled by the row's total, which top-p leaves below 1)."""
-    streams = [random if s.stream is None else s.stream for s in samplers]
-    uniforms = _to_device([0.0 if g else st.random() for g, st in zip(greedy, streams)], torch.float32, probs.device)
+    uniforms = _to_device(_uniforms(greedy, samplers), torch.float32, probs.device)
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     # A uniform near 1 times the total may round to the total: stay strictly below it, so the
@@ -307,8 +323,7 @@ def sample_step(
         _apply_penalties(logits, params, states)
         if constrained:
             mask_logits(logits, constrained, [states[r].constraint for r in constrained])
-    greedy_ids = _argmax(logits)
-    tokens = greedy_ids if all(p.greedy for p in params) else _sample_rows(logits.float(), greedy_ids, params, states)
+    tokens = _argmax(logits) if all(p.greedy for p in params) else _sample_rows(logits.float(), params, states)
     for r, (p, s) in enumerate(zip(params, states)):
         s.num_sampled += 1
         if p.penalized:
