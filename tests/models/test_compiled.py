@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.models.compiled import CompiledModel, cache_dir_for, resolve_compile
+from tandem.models.compiled import CompiledModel, cache_dir_for, inductor_patches, resolve_compile
 from tandem.models.tiny_moe import build_tiny_moe
 from tandem.testing.model_harness import GreedyHarness
 
@@ -74,6 +74,15 @@ def test_compile_setting_is_checked_and_resolved_per_device():
     # measured (benchmarks/README.md, "The compiled step"): bfloat16 on the CPU serves faster compiled
     assert resolve_compile("auto", cpu, bf16) is True and resolve_compile("auto", cpu, f32) is False
     assert resolve_compile("auto", torch.device("cuda"), bf16) is False  # no GPU measurement yet
+
+
+def test_the_cpu_step_compiles_with_a_cpp_wrapper():
+    """Measured on the CPU (a C++ wrapper around the kernels saves the Python wrapper's share of
+    a decode step); CUDA keeps inductor's default until a GPU measures it."""
+    assert inductor_patches(torch.device("cpu")) == {"cpp_wrapper": True}
+    assert inductor_patches(torch.device("cuda")) == {}
+    compiled = CompiledModel(build_tiny_moe().model, backend="aot_eager")
+    assert compiled.config_patches == {"cpp_wrapper": True}
 
 
 def test_cache_directory_is_keyed_by_model_dtype_and_source(tmp_path, monkeypatch):
