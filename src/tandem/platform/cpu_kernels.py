@@ -74,6 +74,16 @@ def takes_eager(*tensors: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and takes(*tensors)
 
 
+def _run(op, implementation, *args):
+    """`op(*args)` through the dispatcher while anything may watch the ops (torch.compile
+    tracing, a dispatch mode: fake tensors, an op counter; the profiler), else the op's
+    `implementation` called directly: the dispatcher's round trip into a Python kernel took
+    ~9 us a call, a tenth of the tiny Mixtral's decode step over its ~20 calls."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._autograd._profiler_enabled() or torch.compiler.is_compiling():
+        return op(*args)
+    return implementation(*args)
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight [N, K]` or stacked experts `[E, N, K]` into column panels (`[..., panels*K*P]`)."""
     library = _library()
@@ -96,7 +106,7 @@ def uses_amx() -> bool:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x [..., K] @ W^T` for the weight `packed` holds (`pack`); x's dtype out (the op
     `tandem::cpu_panel_linear`)."""
-    return torch.ops.tandem.cpu_panel_linear(x, packed, out_features)
+    return _run(torch.ops.tandem.cpu_panel_linear, _linear, x, packed, out_features)
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -117,8 +127,8 @@ def moe(
 ) -> torch.Tensor:
     """The routed experts' output `[T, K]` for `x [T, K]` (see `tandem_moe`); `w13` / `w2` the
     packed `[E, 2I, K]` / `[E, K, I]` weights. An id outside `[0, E)` adds nothing. One
-    dispatcher op (`tandem::cpu_moe`), so profilers and op counters see it."""
-    return torch.ops.tandem.cpu_moe(x, topk_ids, topk_weights, w13, w2, intermediate)
+    dispatcher op (`tandem::cpu_moe`) whenever profilers and op counters watch (`_run`)."""
+    return _run(torch.ops.tandem.cpu_moe, _moe, x, topk_ids, topk_weights, w13, w2, intermediate)
 
 
 def _moe(x, topk_ids, topk_weights, w13, w2, intermediate):
@@ -149,7 +159,8 @@ def decode_attention(
         return None
     if query.shape[1] % key_cache.shape[2]:
         raise ValueError(f"{query.shape[1]} query heads do not group over {key_cache.shape[2]} KV heads")
-    return torch.ops.tandem.cpu_decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale)
+    return _run(torch.ops.tandem.cpu_decode_attention, _decode_attention, query, key_cache, value_cache, block_table,
+                seq_lens, scale)
 
 
 def _decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale):
@@ -180,8 +191,8 @@ def rope_and_cache(
     views) at `slot_mapping` (rows past it or at slot -1 write nothing): `RotaryEmbedding.
     rotate_and_cache`'s torch path in one call, with the same bits. Returns the rotated query,
     a new contiguous tensor (the op `tandem::cpu_rope_and_cache`)."""
-    return torch.ops.tandem.cpu_rope_and_cache(positions, query, key, value, table, slot_mapping, key_cache,
-                                               value_cache, interleaved)
+    return _run(torch.ops.tandem.cpu_rope_and_cache, _rope_and_cache, positions, query, key, value, table, slot_mapping,
+                key_cache, value_cache, interleaved)
 
 
 def _rope_and_cache(positions, query, key, value, table, slot_mapping, key_cache, value_cache, interleaved):
@@ -212,13 +223,13 @@ def _rope_and_cache(positions, query, key, value, table, slot_mapping, key_cache
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`F.rms_norm(x, (H,), weight, eps)` as torch computes it (normalised in float32, cast
     back, then scaled by the weight) in one call (the op `tandem::cpu_rms_norm`)."""
-    return torch.ops.tandem.cpu_rms_norm(x, weight, eps)
+    return _run(torch.ops.tandem.cpu_rms_norm, _rms_norm, x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rms_norm(x + residual), x + residual)`, the sum rounded to the dtype (the op
     `tandem::cpu_add_rms_norm`)."""
-    return torch.ops.tandem.cpu_add_rms_norm(x, residual, weight, eps)
+    return _run(torch.ops.tandem.cpu_add_rms_norm, _add_rms_norm, x, residual, weight, eps)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -253,7 +264,7 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     """`(weights float32 [T, K], ids int64 [T, K])`: each row's top-k experts by logit, best
     first (ties to the lower expert), weighted by their softmax probabilities, renormalised to
     sum to 1 if asked (the op `tandem::cpu_topk_softmax`)."""
-    return torch.ops.tandem.cpu_topk_softmax(router_logits, top_k, renormalize)
+    return _run(torch.ops.tandem.cpu_topk_softmax, _topk_softmax, router_logits, top_k, renormalize)
 
 
 def _topk_softmax(router_logits, top_k, renormalize):
@@ -270,7 +281,7 @@ def sample(logits: torch.Tensor, temperatures: list[float], uniforms: list[float
     """A token id per row of `logits [R, V]` (float32): drawn from the row's softmax at its
     temperature by inverse CDF at its uniform in [0, 1), or its first maximum where the
     temperature is 0 (see `tandem_sample`); `[R]` int64 (the op `tandem::cpu_sample`)."""
-    return torch.ops.tandem.cpu_sample(logits, temperatures, uniforms)
+    return _run(torch.ops.tandem.cpu_sample, _sample, logits, temperatures, uniforms)
 
 
 def _sample(logits, temperatures, uniforms):
