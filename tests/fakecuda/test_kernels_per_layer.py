@@ -8,9 +8,10 @@ Both halves come from the one `OpCounter` (the Triton launches the stub reports 
 `tandem.platform.triton_launches`, as the real launcher does for `tandem profile`), checked
 against the stub's own log. The goal (issue 24) is <= 40 kernels per layer, and the bound asserted here: before the fused
 kernels and the Triton decode attention a MoE layer launched 138 (DeepSeek-V2-Lite shape) and
-145 (Qwen3-MoE shape); now 22 and 18 (issue 30: the pair sum replaced a zero fill, a sum and
+145 (Qwen3-MoE shape); now 21 and 18 (issue 30: the pair sum replaced a zero fill, a sum and
 a cast; MLA's value projection writes its output in token order, with no copy; MLA's decode
-query reaches the kernel in two parts, with no `cat`).
+query reaches the kernel in two parts, with no `cat`; MLA's latent is normalised inside the
+RoPE + cache-write kernel).
 The counts are printed and written to benchmarks/results/kernels_per_layer.json. Run: `python -m pytest -m fakecuda tests/fakecuda -s`.
 """
 
@@ -70,7 +71,7 @@ def count_decode_step(name: str, launches: list, requests: int = REQUESTS) -> di
     return {
         "model": name, "layers": len(per_layer), "per_layer": per_layer, "aten_per_layer": aten,
         "triton_per_layer": triton_per_layer, "per_moe_layer": max(moe), "top_ops_per_step": dict(counter.by_op.most_common(12)),
-        "cat_per_step": counter.by_op["cat"],
+        "cat_per_step": counter.by_op["cat"], "rms_norm_per_step": counter.by_op["_fused_rms_norm"],
         "triton_by_kernel_per_moe_layer": dict(counter.triton_by_scope_kernel.get(moe_layer, {})),
     }
 
@@ -113,6 +114,16 @@ def test_mla_decode_concatenates_no_query(triton_launches):
     report = count_decode_step("deepseek-v2-lite", triton_launches)
     assert report["cat_per_step"] == 0
     assert report["per_moe_layer"] <= 22
+
+
+def test_mla_latent_is_normalised_in_the_rope_kernel(triton_launches):
+    """gpu-review-3 G9: `kv_a_layernorm` runs inside the RoPE + cache-write kernel, so the
+    step's only norms outside Triton are each layer's input norm and the model's final one
+    (before, one more per layer: 7 in the 3-layer step, the MoE layer 22 kernels)."""
+    report = count_decode_step("deepseek-v2-lite", triton_launches)
+    assert report["rms_norm_per_step"] == report["layers"] + 1
+    assert report["triton_by_kernel_per_moe_layer"]["rope_cache_kernel"] == 1
+    assert report["per_moe_layer"] <= 21
 
 
 def _write(name: str, report: dict) -> None:

@@ -1,6 +1,7 @@
 """RoPE: the cos/sin table against the per-position formula, the per-step gather shared by
 layers, and the fused RoPE + cache-write Triton kernel (under the interpreter) against the
-torch path, both pair layouts, float32 and bfloat16."""
+torch path, both pair layouts, float32 and bfloat16; MLA's latent normalised inside that
+kernel against the norm run first."""
 
 import os
 
@@ -11,6 +12,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from tandem.models.norm import rms_norm  # noqa: E402
 from tandem.models.paged_attention import write_to_cache  # noqa: E402
 from tandem.models.rope import RopeConfig, RotaryEmbedding, rope_frequencies  # noqa: E402
 from tandem.models.rope_kernel import rope_and_cache_triton  # noqa: E402
@@ -106,3 +108,60 @@ def test_triton_mla_row_matches_torch(dtype):
     torch.testing.assert_close(q_rope, want_q, **TOL[dtype])
     torch.testing.assert_close(cache, want_cache, **TOL[dtype])
     assert torch.equal(cache[..., :rank].flatten(0, 1)[slots], latent.unsqueeze(1))
+
+
+def _mla_rows(dtype, rank=24, rope_dim=8, tokens=3):
+    """`(q, latent, k_rope, norm weight)`: the latent a strided view of the `kv_a` output,
+    as MLA's `prepare` leaves it."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(tokens, 2, 16 + rope_dim, generator=g).to(dtype)
+    kv = (3 * torch.randn(tokens, rank + rope_dim, generator=g)).to(dtype)
+    weight = (1 + 0.5 * torch.randn(rank, generator=g)).to(dtype)
+    return q, kv[:, :rank], kv[:, rank:].unsqueeze(1), weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_latent_norm_in_the_cache_write_matches_the_norm_first(dtype):
+    """gpu-review-3 G9: `kv_a_layernorm` inside the RoPE + cache-write kernel writes the
+    same cache row as `rms_norm` run first and its output copied (the unfused path), float32
+    to its last bits, bfloat16 within the file's tolerance (the interpreter's casts to
+    bfloat16 truncate where a GPU rounds to nearest); a padding row writes nothing."""
+    rank, rope_dim, eps = 24, 8, 1e-6
+    rotary = RotaryEmbedding(rope_dim, YARN, interleaved=True)
+    q, latent, k_rope, weight = _mla_rows(dtype)
+    positions, slots = torch.tensor([2, 40, 41]), torch.tensor([5, -1, 2])
+    cache = torch.zeros(2, 4, 1, rank + rope_dim, dtype=dtype)
+    unfused_cache, unfused_q = cache.clone(), q.clone()
+    rope_and_cache_triton(
+        rotary.cos_sin_cache, positions, unfused_q[..., 16:], k_rope, interleaved=True, slot_mapping=slots,
+        k_cache=unfused_cache[..., rank:], copy=(rms_norm(latent, weight, eps).unsqueeze(1), unfused_cache[..., :rank]),
+    )
+    rope_and_cache_triton(
+        rotary.cos_sin_cache, positions, q[..., 16:], k_rope, interleaved=True, slot_mapping=slots,
+        k_cache=cache[..., rank:], copy=(latent.unsqueeze(1), cache[..., :rank]), normalise_copy=(weight, eps),
+    )
+    assert torch.equal(q, unfused_q)
+    torch.testing.assert_close(cache, unfused_cache, **(dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else TOL[dtype]))
+    assert cache.flatten(0, 2)[[0, 1, 3, 4, 6, 7]].eq(0).all(), "a slot no token maps to was written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_latent_norm_with_the_cache_write_matches_the_norm_first(dtype):
+    """The CPU path of `rotate_and_cache(normalise_copy=...)` normalises before its kernel:
+    the same bits as the norm run first."""
+    rank, rope_dim, eps = 24, 8, 1e-6
+    rotary = RotaryEmbedding(rope_dim, YARN, interleaved=True)
+    q, latent, k_rope, weight = _mla_rows(dtype)
+    positions, slots = torch.tensor([2, 40, 41]), torch.tensor([5, 1, 2])
+    cache = torch.zeros(2, 4, 1, rank + rope_dim, dtype=dtype)
+    unfused_cache = cache.clone()
+    want_q = rotary.rotate_and_cache(
+        positions, q[..., 16:].clone(), k_rope, slots, unfused_cache[..., rank:],
+        copy=(rms_norm(latent, weight, eps).unsqueeze(1), unfused_cache[..., :rank]),
+    )
+    got_q = rotary.rotate_and_cache(
+        positions, q[..., 16:].clone(), k_rope, slots, cache[..., rank:],
+        copy=(latent.unsqueeze(1), cache[..., :rank]), normalise_copy=(weight, eps),
+    )
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(cache, unfused_cache)

@@ -33,6 +33,7 @@ from tandem.models.norm import RMSNorm
 from tandem.models.paged_attention import paged_attention, write_to_cache
 from tandem.models.rope import RotaryEmbedding, yarn_mscale
 from tandem.models.linear import Linear
+from tandem.platform import triton_utils
 from tandem.platform.cpu_gemm import linear
 
 KV_CACHE_MODES = ("latent", "expanded")
@@ -85,7 +86,8 @@ class MLAttention(nn.Module):
 
     def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Query and latent projections (TBO's attention prepare): `(positions, q_nope,
-        q_rope, latent, k_rope)`, the rope parts not yet rotated."""
+        q_rope, latent, k_rope)`, the rope parts not yet rotated, the latent normalised
+        unless the RoPE kernel normalises it as it writes the cache (`attend`)."""
         c, T, nh = self.cfg, x.shape[0], self.num_heads
         if c.q_lora_rank is None:
             q = self.q_proj(x)
@@ -93,8 +95,15 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(T, nh, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
+        if not self._cache_write_normalises(latent):
+            latent = self.kv_a_layernorm(latent)
         return positions, q_nope, q_rope, latent, k_rope.unsqueeze(1)  # k_rope [T, 1, rope]
+
+    def _cache_write_normalises(self, latent: torch.Tensor) -> bool:
+        """Whether `kv_a_layernorm` runs inside the Triton RoPE + cache-write kernel (the
+        latent cache on CUDA: the normalised latent is read from the cache only) rather
+        than as its own kernel in `prepare`."""
+        return self.kv_cache_mode == "latent" and triton_utils.use_triton(latent)
 
     def core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """`attend`, then the output projection (TBO's attention core)."""
@@ -117,9 +126,11 @@ class MLAttention(nn.Module):
             cache = self.kv_cache["kv_latent"]
             rank = c.kv_lora_rank
             # The cache row is [normalised latent, rotated shared key].
+            norm = self.kv_a_layernorm
             q_rope = self.rotary.rotate_and_cache(
                 positions, q_rope, k_rope, metadata.slot_mapping, cache[..., rank:],
                 copy=(latent.unsqueeze(1), cache[..., :rank]),
+                normalise_copy=(norm.weight, norm.eps) if self._cache_write_normalises(latent) else None,
             )  # fmt: skip
             out = mla_latent_attention(self, q_nope, q_rope, cache, metadata)
         else:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tandem.models.hf_config import config_value
+from tandem.models.norm import rms_norm
 from tandem.models.paged_attention import write_to_cache
 from tandem.models.rope_kernel import rope_and_cache_triton
 from tandem.platform import cpu_kernels, triton_utils
@@ -164,18 +165,22 @@ class RotaryEmbedding(nn.Module):
         slot_mapping: torch.Tensor,
         k_cache: torch.Tensor,
         copy: tuple[torch.Tensor, torch.Tensor] | None = None,
+        normalise_copy: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """Rotate `q` and `k`, write the rotated `k` to `k_cache` (a `[blocks, block_size,
-        Hk, D]` view) at `slot_mapping`, and `copy = (rows [T, ...], cache)` to the same slots;
+        Hk, D]` view) at `slot_mapping`, and `copy = (rows [T, ...], cache)` to the same slots,
+        the rows RMS-normalised first with `normalise_copy = (weight, eps)` when given;
         returns the rotated `q`. One Triton kernel on CUDA (q rotated in place: pass a
-        tensor nothing else reads), one of tandem's kernels on the CPU (a new `q`, the same
-        bits as the torch path), torch ops and `write_to_cache` elsewhere."""
+        tensor nothing else reads; the norm inside it), one of tandem's kernels on the CPU (a
+        new `q`, the same bits as the torch path), torch ops and `write_to_cache` elsewhere."""
         if triton_utils.use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             rope_and_cache_triton(
                 self.cos_sin_cache, positions, q, k, interleaved=self.interleaved,
-                slot_mapping=slot_mapping, k_cache=k_cache, copy=copy,
+                slot_mapping=slot_mapping, k_cache=k_cache, copy=copy, normalise_copy=normalise_copy,
             )  # fmt: skip
             return q
+        if normalise_copy is not None:
+            copy = (rms_norm(copy[0], *normalise_copy), copy[1])
         if copy is not None and cpu_kernels.takes(q, k, copy[0], k_cache, copy[1]):
             return cpu_kernels.rope_and_cache(positions, q, k, copy[0], self.cos_sin_cache, slot_mapping, k_cache,
                                               copy[1], self.interleaved)

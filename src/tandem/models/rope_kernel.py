@@ -1,6 +1,8 @@
 """RoPE and the KV-cache write as one Triton kernel (CUDA): per token, the queries are
 rotated in place, the rotated key goes straight to its cache slot, and an optional second
-row (GQA's value, MLA's normalised latent) is copied to its slot alongside. cos and sin are
+row (GQA's value, MLA's latent) is copied to its slot alongside, RMS-normalised on the way
+where asked (MLA's `kv_a_layernorm`: no norm kernel, and no copy of the strided latent
+that torch's CUDA norm makes first). cos and sin are
 read from the model's cache at each token's position, in float32; rows whose slot is
 negative (padding) write nothing.
 
@@ -23,11 +25,12 @@ def _define(triton) -> SimpleNamespace:
 
     @triton.jit
     def rope_cache_kernel(
-        q_ptr, k_ptr, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, src_ptr, src_cache_ptr,
+        q_ptr, k_ptr, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, src_ptr, src_cache_ptr, src_norm_ptr,
         num_q_heads, num_k_heads, src_width, num_slots,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-        stride_kc_slot, stride_kc_h, stride_src_t, stride_src_slot,
+        stride_kc_slot, stride_kc_h, stride_src_t, stride_src_slot, src_norm_eps,
         HALF: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE_CACHE: tl.constexpr, COPY_SRC: tl.constexpr,
+        NORM_SRC: tl.constexpr,
         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SRC: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
@@ -67,7 +70,14 @@ def _define(triton) -> SimpleNamespace:
                 tl.store(c_ptrs + HALF + d[None, :], k2.to(c_ty), mask=k_ok)
                 if COPY_SRC:
                     cols = tl.arange(0, BLOCK_SRC)
-                    row = tl.load(src_ptr + token * stride_src_t + cols, mask=cols < src_width)
+                    row = tl.load(src_ptr + token * stride_src_t + cols, mask=cols < src_width, other=0.0)
+                    if NORM_SRC:
+                        # rms_norm's roundings: normalised in float32, cast back, then weighted.
+                        x = row.to(tl.float32)
+                        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / src_width + src_norm_eps)
+                        normed = (x * inv_rms).to(src_ptr.dtype.element_ty).to(tl.float32)
+                        weight = tl.load(src_norm_ptr + cols, mask=cols < src_width, other=0.0).to(tl.float32)
+                        row = (normed * weight).to(src_ptr.dtype.element_ty)
                     dst = src_cache_ptr + slot * stride_src_slot + cols
                     tl.store(dst, row.to(src_cache_ptr.dtype.element_ty), mask=cols < src_width)
         else:
@@ -93,12 +103,14 @@ def rope_and_cache_triton(
     slot_mapping: torch.Tensor | None = None,
     k_cache: torch.Tensor | None = None,
     copy: tuple[torch.Tensor, torch.Tensor] | None = None,
+    normalise_copy: tuple[torch.Tensor, float] | None = None,
 ) -> None:
     """Rotate `q [T, Hq, D]` in place; then either rotate `k [T, Hk, D]` in place, or (given
     `slot_mapping` and `k_cache [blocks, block_size, Hk, >=D]`, a view ending at the rotary
     dims) write the rotated key to its slot and copy `copy = (rows [T, W], cache)` to the
     same slot (`rows [T, ...]` and `cache [blocks, block_size, ...]` with the same trailing
-    shape, each row's elements contiguous). Last dims contiguous."""
+    shape, each row's elements contiguous), RMS-normalised over the whole row first with
+    `normalise_copy = (weight, eps)` when given. Last dims contiguous."""
     num_tokens, num_q_heads, dim = q.shape
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("rope_and_cache_triton needs the rotary dims contiguous in q and k")
@@ -110,15 +122,19 @@ def rope_and_cache_triton(
             raise ValueError("rope_and_cache_triton copies rows whose elements are contiguous")
     else:
         src, src_rows = q, q  # unread: nothing to copy
+    if normalise_copy is not None and copy is None:
+        raise ValueError("rope_and_cache_triton normalises only rows it copies")
+    norm_weight, norm_eps = normalise_copy if normalise_copy is not None else (q, 0.0)  # unread without a norm
     if num_tokens == 0:
         return
     next_pow2 = triton_utils.next_power_of_2
     triton_utils.kernels(_define).rope_cache[(num_tokens,)](
-        q, k, positions, cos_sin_cache, slot_mapping if write else positions, k_rows, src, src_rows,
+        q, k, positions, cos_sin_cache, slot_mapping if write else positions, k_rows, src, src_rows, norm_weight,
         num_q_heads, k.shape[1], src.shape[-1], slot_mapping.shape[0] if write else 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        k_rows.stride(0), k_rows.stride(1), src.stride(0), src_rows.stride(0),
+        k_rows.stride(0), k_rows.stride(1), src.stride(0), src_rows.stride(0), norm_eps,
         HALF=dim // 2, INTERLEAVED=interleaved, WRITE_CACHE=write, COPY_SRC=copy is not None,
+        NORM_SRC=normalise_copy is not None,
         BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(k.shape[1]), BLOCK_D=next_pow2(dim // 2),
         BLOCK_SRC=next_pow2(src.shape[-1]),
     )  # fmt: skip
