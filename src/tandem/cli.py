@@ -311,7 +311,11 @@ def _threshold_decision(result: dict, phase: str, dbo_mode: str, margin: float):
 @app.command(short_help="Predict each overlap mode's step on a cluster you don't have (no GPU, no weights).")
 def simulate(
     model: str = typer.Option("deepseek-v3", help="A preset (deepseek-v3, tiny-moe, small-moe, ...), a config.json or a model directory."),
-    hardware: str = typer.Option("h800", help="A hardware profile: h800, h100, h200, b200, or a profile .json file."),
+    hardware: str = typer.Option(
+        "h800",
+        help="A hardware profile: h800, h100, h200, b200, a profile .json file, or 'here': this CPU with --ep gloo "
+        "ranks, measured now (matmul rates, bandwidth, ubatch hand-over), as tune --simulate here does.",
+    ),
     ep: int = typer.Option(32, help="Expert-parallel ranks (DP attention on as many ranks)."),
     phase: str = typer.Option("prefill", help="prefill or decode."),
     tokens_per_rank: int = typer.Option(4096, help="Tokens per rank in the step (decode: requests per rank)."),
@@ -324,10 +328,15 @@ def simulate(
     """One step per rank under each overlap mode: step time, tokens/s/GPU, speed-up over none,
     and the floor max(compute, comm). The layer structure comes from the model config as the
     runtime reads it, the schedules from the runtime's own operation lists and MoE kernel, the
-    hardware from a profile of public figures (each cited in its file). See docs/simulate.md."""
+    hardware from a profile of public figures (each cited in its file) or, with --hardware here,
+    from this host measured in the same run. See docs/simulate.md."""
     from tandem.simulate import format_table, format_validation, simulate as run, validation_rows, write_timelines, write_trace
+    from tandem.simulate.hardware import HERE
 
     try:
+        if validate and hardware == HERE:
+            raise ValueError("--validate compares DeepSeek-V3 with DeepSeek's published H800 throughput, not this "
+                             "host; benchmarks/simulate_here.py checks --hardware here against tandem bench")
         sim = run(model, hardware, ep=ep, phase=phase, tokens_per_rank=tokens_per_rank, context=context,
                   modes=[m for m in modes.split(",") if m.strip()])
     except (ValueError, OSError) as exc:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 PROFILES = ("h800", "h100", "h200", "b200")
+#: The hardware name of the host this runs on (`tandem.simulate.host.resolve_hardware` measures it).
+HERE = "here"
 
 
 def _profile_text(name: str) -> str:
@@ -25,7 +27,8 @@ def _profile_text(name: str) -> str:
         return path.read_text(encoding="utf-8")
     key = name.lower()
     if key not in PROFILES:
-        raise ValueError(f"unknown hardware {name!r}; built-in profiles: {', '.join(PROFILES)} (or a profile .json file)")
+        raise ValueError(f"unknown hardware {name!r}; built-in profiles: {', '.join(PROFILES)}, a profile .json file, "
+                         f"or {HERE!r} (this host, measured now)")
     return resources.files("tandem.simulate").joinpath("hardware", f"{key}.json").read_text(encoding="utf-8")
 
 
@@ -124,4 +127,4 @@ def load_hardware(name: str) -> HardwareProfile:
     return HardwareProfile.load(name)
 
 
-__all__ = ["PROFILES", "HardwareProfile", "load_hardware"]
+__all__ = ["HERE", "PROFILES", "HardwareProfile", "load_hardware"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tandem.bench.roofline import Roofline, device_timer, measure_roofline
-from tandem.simulate.hardware import HardwareProfile
+from tandem.simulate.hardware import HERE, HardwareProfile, load_hardware
 
 #: Rows of the small GEMM that prices short GEMMs (a decode ubatch's size).
 SMALL_M = 32
@@ -106,4 +106,11 @@ def host_profile(
     return HardwareProfile("here (CPU, gloo)", {k: v for k, (v, _) in figures.items()}, {k: s for k, (_, s) in figures.items()})
 
 
-__all__ = ["SMALL_M", "gemm_m_half", "host_profile", "measure_switch_s"]
+def resolve_hardware(name: str, ranks: int) -> HardwareProfile:
+    """A built-in profile or profile file, or `here` (this CPU with `ranks` gloo ranks, measured now)."""
+    if name == HERE:
+        return host_profile(ranks)
+    return load_hardware(name)
+
+
+__all__ = ["SMALL_M", "gemm_m_half", "host_profile", "measure_switch_s", "resolve_hardware"]

@@ -13,20 +13,9 @@ from __future__ import annotations
 from tandem.bench.modes import PHASES
 from tandem.bench.moe_stack import MOE_STACK
 from tandem.bench.tune import Decision, choose_threshold, tune_document
-from tandem.simulate.hardware import HardwareProfile, load_hardware
+from tandem.simulate.hardware import HERE, HardwareProfile
+from tandem.simulate.host import resolve_hardware
 from tandem.simulate.run import simulate
-
-#: The hardware name of the host this runs on.
-HERE = "here"
-
-
-def resolve_hardware(name: str, ranks: int) -> HardwareProfile:
-    """A built-in profile or profile file, or `here` (this CPU with `ranks` gloo ranks, measured now)."""
-    if name == HERE:
-        from tandem.simulate.host import host_profile
-
-        return host_profile(ranks)
-    return load_hardware(name)
 
 
 def simulated_decisions(
@@ -42,12 +31,11 @@ def simulated_decisions(
     """`tandem tune`'s verdict per phase from the simulator: `grids` maps each phase to its
     token counts per rank, `contexts` each phase to its context (decode: cached tokens per
     request; prefill: prompt length). On a host whose cores do the transfers, the low-latency
-    kernels are not modelled (gloo's all-to-all is the normal path)."""
+    kernels are not modelled (`simulate`'s default there: gloo's all-to-all is the normal path)."""
     if num_ubatches < 2:
         raise ValueError(f"a DBO prior needs at least 2 ubatches, got {num_ubatches}")
     if sorted(grids) != sorted(PHASES):
         raise ValueError(f"a tune document has a sweep for each phase ({', '.join(PHASES)}), got {sorted(grids)}")
-    low_latency = False if hardware.figures.get("transfers_on_compute") else None
     dbo = f"dbo{num_ubatches}"
     decisions = []
     for phase, tokens_list in grids.items():
@@ -57,7 +45,7 @@ def simulated_decisions(
         for tokens in tokens_list:
             none, split = simulate(
                 model, hardware, ep=ranks, phase=phase, tokens_per_rank=tokens, context=context,
-                modes=("none", dbo), low_latency=low_latency,
+                modes=("none", dbo),
             ).results
             sizes.append((tokens, round(none.step_s * 1e3, 4), round(split.step_s * 1e3, 4)))
         decisions.append(choose_threshold(phase, sizes, margin))

@@ -17,9 +17,12 @@ PUBLISHED = (
 
 def format_table(sim: Simulation) -> str:
     w, lay = sim.workload, sim.layout
-    kernels = "low-latency" if lay.low_latency else "normal"
+    if sim.hardware.figures.get("transfers_on_compute"):
+        kernels = "gloo transfers on the computing cores"
+    else:
+        kernels = f"{'low-latency' if lay.low_latency else 'normal'} DeepEP kernels"
     head = (
-        f"{sim.model.name} on {sim.hardware.name}, DP-attention x EP{lay.ep} ({kernels} DeepEP kernels), "
+        f"{sim.model.name} on {sim.hardware.name}, DP-attention x EP{lay.ep} ({kernels}), "
         f"{w.phase}: {w.tokens_per_rank} tokens/rank, context {w.context}"
     )
     rows = [f"{'mode':<22}{'step ms':>10}{'tok/s/GPU':>12}{'vs none':>9}{'compute ms':>12}{'comm ms':>10}{'floor ms':>10}{'vs floor':>9}"]

@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from tandem.simulate.hardware import HardwareProfile, load_hardware
+from tandem.simulate.hardware import HardwareProfile
+from tandem.simulate.host import resolve_hardware
 from tandem.simulate.model_shape import ModelShape, model_shape
 from tandem.simulate.ops import Layout, OpCosts, UBatchWork
 from tandem.simulate.schedule import Span, Step, issue_order, layer_steps, play, tbo_program
@@ -152,7 +153,7 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
 
 def simulate(
     model: str | dict = "deepseek-v3",
-    hardware: str = "h800",
+    hardware: str | HardwareProfile = "h800",
     *,
     ep: int = 32,
     phase: str = "prefill",
@@ -161,12 +162,18 @@ def simulate(
     modes: tuple[str, ...] | list[str] = ("none", "dbo", "tbo"),
     low_latency: bool | None = None,
 ) -> Simulation:
-    """Simulate one step per mode. `low_latency` (DeepEP's low-latency kernels) defaults to
-    the decode phase, as DeepSeek deploys them; prefill uses the normal kernels."""
+    """Simulate one step per mode. `hardware` is a profile, a profile name or file, or `here`
+    (this CPU with `ep` gloo ranks, measured now). `low_latency` (DeepEP's low-latency kernels)
+    defaults to the decode phase, as DeepSeek deploys them; prefill uses the normal kernels, and
+    so does a host whose cores do the transfers (gloo has no low-latency path)."""
     shape = model_shape(model)
-    hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
     workload = Workload(phase, tokens_per_rank, context)
-    layout = Layout(ep=ep, decode=workload.decode, low_latency=workload.decode if low_latency is None else low_latency)
+    hw = hardware if isinstance(hardware, HardwareProfile) else resolve_hardware(hardware, ep)
+    gloo = bool(hw.figures.get("transfers_on_compute", False))
+    if low_latency and gloo:
+        raise ValueError(f"{hw.name} moves its transfers with gloo: DeepEP's low-latency kernels are not modelled there")
+    low_latency = (workload.decode and not gloo) if low_latency is None else low_latency
+    layout = Layout(ep=ep, decode=workload.decode, low_latency=low_latency)
     results = [simulate_mode(m.strip(), shape, hw, layout, workload) for m in modes if m.strip()]
     return Simulation(shape, hw, layout, workload, results)
 
