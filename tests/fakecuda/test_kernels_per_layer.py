@@ -8,10 +8,10 @@ Both halves come from the one `OpCounter` (the Triton launches the stub reports 
 `tandem.platform.triton_launches`, as the real launcher does for `tandem profile`), checked
 against the stub's own log. The goal (issue 24) is <= 40 kernels per layer, and the bound asserted here: before the fused
 kernels and the Triton decode attention a MoE layer launched 138 (DeepSeek-V2-Lite shape) and
-145 (Qwen3-MoE shape); now 21 and 18 (issue 30: the pair sum replaced a zero fill, a sum and
+145 (Qwen3-MoE shape); now 20 and 18 (issue 30: the pair sum replaced a zero fill, a sum and
 a cast; MLA's value projection writes its output in token order, with no copy; MLA's decode
 query reaches the kernel in two parts, with no `cat`; MLA's latent is normalised inside the
-RoPE + cache-write kernel).
+RoPE + cache-write kernel; its two input projections are one GEMM).
 The counts are printed and written to benchmarks/results/kernels_per_layer.json. Run: `python -m pytest -m fakecuda tests/fakecuda -s`.
 """
 
@@ -72,6 +72,7 @@ def count_decode_step(name: str, launches: list, requests: int = REQUESTS) -> di
         "model": name, "layers": len(per_layer), "per_layer": per_layer, "aten_per_layer": aten,
         "triton_per_layer": triton_per_layer, "per_moe_layer": max(moe), "top_ops_per_step": dict(counter.by_op.most_common(12)),
         "cat_per_step": counter.by_op["cat"], "rms_norm_per_step": counter.by_op["_fused_rms_norm"],
+        "mm_per_step": counter.by_op["mm"],
         "triton_by_kernel_per_moe_layer": dict(counter.triton_by_scope_kernel.get(moe_layer, {})),
     }
 
@@ -132,3 +133,13 @@ def _write(name: str, report: dict) -> None:
                   "torch": torch.__version__}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def test_mla_input_projections_are_one_gemm(triton_launches):
+    """gpu-review-3 G9: `q_proj` and `kv_a_proj_with_mqa` are one GEMM over their joined
+    weight, so the 3-layer V2-Lite step's GEMMs are each layer's input projection and
+    `o_proj`, the dense MLP's two and each MoE layer's router and two shared-expert ones
+    (17 before, the MoE layer 21 kernels)."""
+    report = count_decode_step("deepseek-v2-lite", triton_launches)
+    assert report["mm_per_step"] == 3 * 2 + 2 + 2 * 3
+    assert report["per_moe_layer"] <= 20

@@ -39,9 +39,10 @@ class CausalLM(nn.Module, ABC):
     def prepare_weights_after_loading(self) -> None:
         """Called once every weight is in place (by the loader and the built-in builders): each
         MoE layer's experts backend may convert its weights (deep_gemm quantizes them to block
-        fp8 and the model-dtype copies are freed), so no forward converts them later."""
+        fp8 and the model-dtype copies are freed), MLA on CUDA joins its two input projections
+        into one weight, so no forward converts them later."""
         for module in self.modules():
-            prepare = getattr(module, "prepare_expert_weights", None)
+            prepare = getattr(module, "prepare_loaded_weights", None)
             if callable(prepare):
                 prepare()
 

@@ -305,7 +305,7 @@ class MoEBlock(nn.Module):
     def shared_experts_forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no shared experts")
 
-    def prepare_expert_weights(self) -> None:
+    def prepare_loaded_weights(self) -> None:
         """Once the weights are loaded: let the kernel's experts put them in the form they
         compute with (deep_gemm: block fp8), freeing the loaded ones."""
         if not self.experts.quantized:

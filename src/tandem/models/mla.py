@@ -5,7 +5,9 @@ signature every attention here has: `forward(positions, x)`, split into `prepare
 Queries come either straight from `q_proj` or through the low-rank `q_a_proj` ->
 `q_a_layernorm` -> `q_b_proj`; keys and values from the shared latent `kv_a_proj_with_mqa`
 (`kv_lora_rank` latent + one `qk_rope_head_dim` rotary key shared by all heads), normalised
-by `kv_a_layernorm` and expanded per head by `kv_b_proj`. RoPE touches only the rope part.
+by `kv_a_layernorm` and expanded per head by `kv_b_proj`. RoPE touches only the rope part. On CUDA the two projections of the hidden
+state (`q_proj` or `q_a_proj`, and `kv_a_proj_with_mqa`) are one GEMM over their weights
+joined (`join_input_projections`).
 The softmax scale is `qk_head_dim ** -0.5`, times `mscale(factor, mscale_all_dim) ** 2`
 under YaRN.
 
@@ -74,6 +76,8 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
         self.kv_cache: dict[str, torch.Tensor] | None = None
+        #: `[query (or its low-rank part) rows; latent + rope rows]`, set by `join_input_projections`.
+        self.joined_input_weight: torch.Tensor | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.cfg
@@ -89,15 +93,41 @@ class MLAttention(nn.Module):
         q_rope, latent, k_rope)`, the rope parts not yet rotated, the latent normalised
         unless the RoPE kernel normalises it as it writes the cache (`attend`)."""
         c, T, nh = self.cfg, x.shape[0], self.num_heads
-        if c.q_lora_rank is None:
-            q = self.q_proj(x)
+        query_input, kv_a = self._input_projections()
+        if self.joined_input_weight is not None:
+            q, kv = linear(x, self.joined_input_weight).split([query_input.out_features, kv_a.out_features], dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q, kv = query_input(x), kv_a(x)
+        if c.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(T, nh, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         if not self._cache_write_normalises(latent):
             latent = self.kv_a_layernorm(latent)
         return positions, q_nope, q_rope, latent, k_rope.unsqueeze(1)  # k_rope [T, 1, rope]
+
+    def _input_projections(self) -> tuple[Linear, Linear]:
+        """The two projections of the hidden state: the query's (`q_proj`, or `q_a_proj`
+        under a query LoRA) and the latent's."""
+        return (self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj), self.kv_a_proj_with_mqa
+
+    def prepare_loaded_weights(self) -> None:
+        """On CUDA, one GEMM for both input projections: a decode step's few rows make each
+        a launch of its own (on the CPU the two packed GEMMs stay as they are)."""
+        if self.kv_a_proj_with_mqa.weight.device.type == "cuda":
+            self.join_input_projections()
+
+    def join_input_projections(self) -> None:
+        """Join the two input projections' weights into `joined_input_weight`, the modules'
+        weights becoming views of its rows (no second copy; a later load into them lands in
+        it). Left apart where either has a bias."""
+        projections = self._input_projections()
+        if self.joined_input_weight is not None or any(p.bias is not None for p in projections):
+            return
+        joined = torch.cat([p.weight.detach() for p in projections])
+        for projection, rows in zip(projections, joined.split([p.out_features for p in projections])):
+            projection.weight.data = rows
+        self.joined_input_weight = joined
 
     def _cache_write_normalises(self, latent: torch.Tensor) -> bool:
         """Whether `kv_a_layernorm` runs inside the Triton RoPE + cache-write kernel (the
