@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_mla_prefill import CHUNKED, SHAPES, _config, _layer, _run
+from tests.support.mla_layers import CHUNKED, SHAPES
+from tests.support.mla_layers import mla_config as _config
+from tests.support.mla_layers import mla_layer as _layer
+from tests.support.mla_layers import run_mla_steps as _run
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
