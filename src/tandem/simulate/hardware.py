@@ -73,8 +73,10 @@ class HardwareProfile:
             return 0.0
         peak = (self.fp8_flops if fp8 else self.bf16_flops) * sm_share
         flops = 2.0 * m * n * k * groups
-        width = 1 if fp8 else 2
-        bytes_ = groups * (n * k * width + m * k * width + m * n * 2)
+        # A profile that computes in one dtype throughout (a CPU host: float32) names its width.
+        element = self.figures.get("element_bytes")
+        width, out_width = (element, element) if element else (1 if fp8 else 2, 2)
+        bytes_ = groups * (n * k * width + m * k * width + m * n * out_width)
         return max(flops / (peak * self.gemm_efficiency(m)), bytes_ / self.hbm_rate())
 
     def memory_time(self, bytes_: float) -> float:

@@ -83,6 +83,7 @@ def host_profile(
         "hbm_efficiency": (1.0, "derived: the bandwidth is what this host achieved, not a datasheet peak"),
         "bf16_flops": (flops, f"{measured})"),
         "fp8_flops": (flops, f"{measured}; the CPU ranks compute in float32, there is no faster 8-bit path)"),
+        "element_bytes": (4, "derived: the CPU ranks keep weights and activations in float32 (4 bytes), not fp8 or bf16"),
         "gemm_efficiency_max": (1.0 + half / size, f"derived: the {size}-wide matmul's rate is reached at m = {size}"),
         "gemm_m_half": (half, f"derived: efficiency m / (m + h) through the {size}-wide and a {SMALL_M}-row matmul measured in this run"),
         "attention_prefill_efficiency": (1.0, "derived: the stand-in attention is matmuls at the measured rate"),
