@@ -293,8 +293,10 @@ def _sample(logits, temperatures, uniforms):
     temperature = torch.tensor(temperatures, dtype=torch.float32)
     uniform = torch.tensor(uniforms, dtype=torch.float64)
     out = torch.empty(count, dtype=torch.int64)
-    _library().tandem_sample(rows.data_ptr(), count, vocab, vocab, temperature.data_ptr(), uniform.data_ptr(),
-                             out.data_ptr())  # fmt: skip
+    status = _library().tandem_sample(rows.data_ptr(), count, vocab, vocab, temperature.data_ptr(),
+                                      uniform.data_ptr(), out.data_ptr())  # fmt: skip
+    if status:
+        raise MemoryError("tandem_sample could not allocate its scratch")
     return out
 
 

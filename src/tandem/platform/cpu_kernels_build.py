@@ -109,5 +109,5 @@ def library() -> ctypes.CDLL | None:
     library.tandem_topk_softmax.argtypes = [c_void_p, c_int, c_long, c_long, c_long, c_int, c_void_p, c_void_p]
     library.tandem_topk_softmax.restype = None
     library.tandem_sample.argtypes = [c_void_p, c_long, c_long, c_long, c_void_p, c_void_p, c_void_p]
-    library.tandem_sample.restype = None
+    library.tandem_sample.restype = c_int
     return library

@@ -878,19 +878,26 @@ static long first_max(const float *row, long V) {
  * chunk by chunk; a search that rounding carries past its chunk takes the chunk's last token
  * with mass, so the token drawn always has mass. Scores more than 87 below the row's best get
  * none (expf would give a denormal). A row with temperature <= 0, or whose mass is not finite
- * (a temperature so small the scores overflow), takes its first maximum: greedy. */
-void tandem_sample(const float *logits, long R, long V, long ld, const float *temperature, const double *uniform,
-                   int64_t *out) {
+ * (a temperature so small the scores overflow), takes its first maximum: greedy. Returns 0, or
+ * -1 when scratch could not be allocated. */
+int tandem_sample(const float *logits, long R, long V, long ld, const float *temperature, const double *uniform,
+                  int64_t *out) {
     long chunks = (V + VL - 1) / VL;
-#pragma omp parallel for schedule(static) if (R * V >= (1L << 16))
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(|:failed) if (R * V >= (1L << 16))
     for (long r = 0; r < R; r++) {
         const float *row = logits + r * ld;
         long best = first_max(row, V);
         out[r] = best;
-        float t = temperature[r], top = row[best] / t;
+        float t = temperature[r];
+        if (!(t > 0.0f)) continue;
         float *mass = scratch(0, (size_t)(chunks * VL));
         double *sums = (double *)scratch(1, (size_t)(2 * chunks));
-        if (!(t > 0.0f) || !mass || !sums) continue;
+        if (!mass || !sums) {
+            failed = 1;
+            continue;
+        }
+        float top = row[best] / t;
         double total = 0.0;
         for (long c = 0; c < chunks; c++) {
             long v = c * VL;
@@ -917,4 +924,5 @@ void tandem_sample(const float *logits, long R, long V, long ld, const float *te
         }
         if (pick >= 0) out[r] = pick;
     }
+    return failed ? -1 : 0;
 }
