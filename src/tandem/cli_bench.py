@@ -131,7 +131,8 @@ def simulated_thresholds(model: str, hardware: str, *, ranks: int, num_ubatches:
                          contexts: dict[str, int], margin: float) -> tuple[list, dict]:
     """`tandem tune --simulate`'s verdicts and document (the format `tandem tune` writes), from
     the simulator: `hardware` a profile name or file, or `here`."""
-    from tandem.simulate.prior import resolve_hardware, simulated_tune
+    from tandem.simulate.host import resolve_hardware
+    from tandem.simulate.prior import simulated_tune
 
     return simulated_tune(model, resolve_hardware(hardware, ranks), ranks=ranks, num_ubatches=num_ubatches, grids=grids,
                           contexts=contexts, margin=margin)
@@ -176,7 +177,7 @@ def auto_prior(flags: dict, modes: list[str], phase: str, tokens: list[int], *, 
     simulator's prediction for this host (`here`, measured now) in a temporary tune file;
     else none (a modelled fabric's transfers are not this host's to predict)."""
     from tandem.platform.device import resolve_device
-    from tandem.simulate.prior import HERE
+    from tandem.simulate.hardware import HERE
 
     check_device(flags["device"])  # a device that is not there is the one error, before anything is measured
     given = flags["thresholds_file"]

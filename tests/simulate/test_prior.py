@@ -12,7 +12,8 @@ import pytest
 from tandem.bench.roofline import Roofline
 from tandem.simulate import simulate
 from tandem.simulate.host import gemm_m_half, host_profile
-from tandem.simulate.prior import HERE, simulated_tune
+from tandem.simulate.hardware import HERE
+from tandem.simulate.prior import simulated_tune
 from tandem.simulate.schedule import YIELD, Step, issue_order, play
 from tandem.ubatch.planner import OverlapPlanner, StepShape, TunePrior, overlap_choices
 
@@ -133,7 +134,7 @@ def test_bench_keeps_a_given_file_and_predicts_nothing_it_cannot(over, modes):
 
 
 def test_here_is_measured_when_asked_for():
-    from tandem.simulate.prior import resolve_hardware
+    from tandem.simulate.host import resolve_hardware
 
     hw = resolve_hardware(HERE, 2)
     assert hw.transfers_on_compute and hw.gpus_per_node == 2

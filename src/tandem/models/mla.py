@@ -5,9 +5,9 @@ signature every attention here has: `forward(positions, x)`, split into `prepare
 Queries come either straight from `q_proj` or through the low-rank `q_a_proj` ->
 `q_a_layernorm` -> `q_b_proj`; keys and values from the shared latent `kv_a_proj_with_mqa`
 (`kv_lora_rank` latent + one `qk_rope_head_dim` rotary key shared by all heads), normalised
-by `kv_a_layernorm` and expanded per head by `kv_b_proj`. RoPE touches only the rope part. On CUDA the two projections of the hidden
-state (`q_proj` or `q_a_proj`, and `kv_a_proj_with_mqa`) are one GEMM over their weights
-joined (`join_input_projections`).
+by `kv_a_layernorm` and expanded per head by `kv_b_proj`. RoPE touches only the rope part.
+On CUDA the two projections of the hidden state (`q_proj` or `q_a_proj`, and
+`kv_a_proj_with_mqa`) are one GEMM over their weights joined (`join_input_projections`).
 The softmax scale is `qk_head_dim ** -0.5`, times `mscale(factor, mscale_all_dim) ** 2`
 under YaRN.
 

@@ -50,6 +50,12 @@ class HardwareProfile:
             figures[key], sources[key] = figure["value"], figure["source"]
         return cls(str(data["name"]), figures, sources)
 
+    @property
+    def transfers_on_compute(self) -> bool:
+        """The ranks' own cores move the transfers (gloo on a CPU host): a transfer holds
+        compute in every mode, and there are no low-latency kernels."""
+        return bool(self.figures.get("transfers_on_compute", False))
+
     def __getattr__(self, key: str) -> Any:
         figures = self.__dict__.get("figures", {})
         if key in figures:

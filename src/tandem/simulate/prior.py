@@ -13,8 +13,7 @@ from __future__ import annotations
 from tandem.bench.modes import PHASES
 from tandem.bench.moe_stack import MOE_STACK
 from tandem.bench.tune import Decision, choose_threshold, tune_document
-from tandem.simulate.hardware import HERE, HardwareProfile
-from tandem.simulate.host import resolve_hardware
+from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.run import simulate
 
 
@@ -62,4 +61,4 @@ def simulated_tune(model: str, hardware: HardwareProfile, *, ranks: int, num_uba
     return decisions, tune_document(decisions, margin, {"num_ubatches": num_ubatches, "simulated": simulated})
 
 
-__all__ = ["HERE", "resolve_hardware", "simulated_decisions", "simulated_tune"]
+__all__ = ["simulated_decisions", "simulated_tune"]

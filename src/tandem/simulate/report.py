@@ -17,7 +17,7 @@ PUBLISHED = (
 
 def format_table(sim: Simulation) -> str:
     w, lay = sim.workload, sim.layout
-    if sim.hardware.figures.get("transfers_on_compute"):
+    if sim.hardware.transfers_on_compute:
         kernels = "gloo transfers on the computing cores"
     else:
         kernels = f"{'low-latency' if lay.low_latency else 'normal'} DeepEP kernels"

@@ -143,7 +143,7 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
         return costs.compute(step.name, works[u])
 
     # On a host whose cores do the transfers (gloo on a CPU) a transfer holds compute in every mode.
-    sync = not overlapped or bool(hw.figures.get("transfers_on_compute", False))
+    sync = not overlapped or hw.transfers_on_compute
     spans = play(order, cost, sync_comm=sync, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)))
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
@@ -169,7 +169,7 @@ def simulate(
     shape = model_shape(model)
     workload = Workload(phase, tokens_per_rank, context)
     hw = hardware if isinstance(hardware, HardwareProfile) else resolve_hardware(hardware, ep)
-    gloo = bool(hw.figures.get("transfers_on_compute", False))
+    gloo = hw.transfers_on_compute
     if low_latency and gloo:
         raise ValueError(f"{hw.name} moves its transfers with gloo: DeepEP's low-latency kernels are not modelled there")
     low_latency = (workload.decode and not gloo) if low_latency is None else low_latency
