@@ -1,7 +1,8 @@
 """`tandem simulate --hardware here` against `tandem bench` on this host, in the same run (#31).
 
 One run: this host's profile is measured (`tandem.simulate.host`: the roofline's matmul rate and
-bandwidth on one thread, a 32-row matmul, the ubatch hand-over), then `tandem bench --model
+bandwidth on one thread, a 32-row matmul on a warm weight and over cold weights, the ubatch
+hand-over, gloo's dispatch and combine between two real ranks), then `tandem bench --model
 moe-stack` runs on 2 gloo ranks over loopback (modes none and dbo, decode and prefill, a few
 token counts), then the simulator predicts the same rows on the measured profile. Nothing is
 fitted to the bench: every figure of the profile is the host's own measurement.
@@ -12,7 +13,9 @@ the terms of the model, measured against predicted, so a miss names the term tha
 
 - compute: the unsplit step's computation (bench: the floor's compute-only step);
 - transfer CPU: the all-to-all's time on the cores (bench: the floor's communication-only step);
-- split loss: what the ubatches' smaller GEMMs add to compute (bench: the mode's compute minus none's);
+- split loss: what the split adds beyond its hand-overs (the halves' shorter GEMMs, each weight read
+  again, each transfer's fixed cost paid per ubatch): the mode's step minus none's minus the
+  switch cost, on both sides;
 - switch cost: the hand-overs between ubatches (bench: the time model's switch time);
 - imbalance and waits: the step minus the terms above (the model has none: its ranks are equal).
 
@@ -72,7 +75,7 @@ def predict_terms(hw: HardwareProfile, phase: str, tokens: int) -> dict[str, dic
             "step": 1e3 * result.step_s,
             "compute": 1e3 * none.compute_s,
             "transfer CPU": 1e3 * none.comm_s,
-            "split loss": 1e3 * (unswitched.compute_s - none.compute_s),
+            "split loss": 1e3 * (unswitched.step_s - none.step_s),
             "switch cost": 1e3 * (result.step_s - unswitched.step_s),
         }
     return out
@@ -80,13 +83,13 @@ def predict_terms(hw: HardwareProfile, phase: str, tokens: int) -> dict[str, dic
 
 def measured_terms(row: dict, none_row: dict) -> dict[str, float]:
     """The same terms from the bench's row of a mode and of none (same phase and size)."""
-    split = row["time_model"]["compute_ms"] - none_row["time_model"]["compute_ms"]
+    switch = row["time_model"]["switch_ms"]
     return {
         "step": row["step_ms"],
         "compute": row["compute_ms"],
         "transfer CPU": row["comm_ms"],
-        "split loss": split if row["mode"] != "none" else 0.0,
-        "switch cost": row["time_model"]["switch_ms"],
+        "split loss": row["step_ms"] - none_row["step_ms"] - switch if row["mode"] != "none" else 0.0,
+        "switch cost": switch,
     }
 
 
@@ -110,6 +113,7 @@ def compare(rows: list[dict], hw: HardwareProfile) -> list[dict]:
                 out.append({
                     "phase": phase, "tokens_per_rank": tokens, "mode": mode,
                     "measured_ms": round(measured["step"], 3), "predicted_ms": round(model["step"], 3),
+                    "measured_min_ms": cell[mode]["step_ms_min"], "measured_max_ms": cell[mode]["step_ms_max"],
                     "error": round(error, 4), "met": abs(error) <= TOLERANCE,
                     "sign_measured": _sign(measured["step"] - cell["none"]["step_ms"]) if mode != "none" else None,
                     "sign_predicted": _sign(model["step"] - predicted["none"]["step"]) if mode != "none" else None,
@@ -125,20 +129,31 @@ def _sign(delta_ms: float) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'phase':<8}{'tokens':>7} {'mode':<5}{'measured ms':>12}{'predicted ms':>13}{'error':>9}"
-             f"{'sign (mode-none) meas/pred':>28}  verdict"]
+    lines = [f"{'phase':<8}{'tokens':>7} {'mode':<5}{'measured ms':>12}{'[min, max]':>17}{'predicted ms':>13}{'error':>9}"
+             f"{'+-10%':>6}{'sign (mode-none) meas/pred':>28}  verdict"]
     for r in rows:
         sign = "" if r["sign_measured"] is None else f"{r['sign_measured']} / {r['sign_predicted']}"
         sign += "" if r["sign_measured"] == r["sign_predicted"] else " (wrong)"
         verdict = "met" if r["met"] else f"MISSED: {r['term_off']} off by " \
             f"{r['predicted_terms_ms'][r['term_off']] - r['measured_terms_ms'][r['term_off']]:+.1f} ms"
-        lines.append(f"{r['phase']:<8}{r['tokens_per_rank']:>7} {r['mode']:<5}{r['measured_ms']:>12.1f}"
-                     f"{r['predicted_ms']:>13.1f}{r['error']:>+9.1%}{sign:>28}  {verdict}")
+        spread = f"[{r['measured_min_ms']:.0f}, {r['measured_max_ms']:.0f}]"
+        lines.append(f"{r['phase']:<8}{r['tokens_per_rank']:>7} {r['mode']:<5}{r['measured_ms']:>12.1f}{spread:>17}"
+                     f"{r['predicted_ms']:>13.1f}{r['error']:>+9.1%}{'yes' if r['met'] else 'no':>6}{sign:>28}  {verdict}")
     lines.append("\nterms, measured / predicted ms: " + ", ".join(TERMS))
     for r in rows:
         cells = ", ".join(f"{r['measured_terms_ms'][t]:.1f} / {r['predicted_terms_ms'][t]:.1f}" for t in TERMS)
         lines.append(f"{r['phase']:<8}{r['tokens_per_rank']:>7} {r['mode']:<5} {cells}")
     return "\n".join(lines)
+
+
+def format_profile(hw: HardwareProfile) -> str:
+    """The profile's figures the prediction turns on, as measured in this run."""
+    f = hw.figures
+    link = ", ".join(f"{k} {1e3 * f['comm_latency_s'][k]:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s"
+                     for k in f["nvlink_bytes_per_s"])
+    return (f"profile: matmul {f['bf16_flops'] / 1e9:.0f} GFLOP/s (gemm_m_half {f['gemm_m_half']:.1f} rows), "
+            f"cold weights read at {f['cold_weight_bytes_per_s'] / 1e9:.2f} GB/s, gloo {link}, "
+            f"hand-over {1e6 * f['ubatch_switch_s']:.1f} us")
 
 
 def main() -> None:
@@ -152,6 +167,7 @@ def main() -> None:
     table = compare(rows, hw)
     print(f"{MODEL}, {RANKS} gloo ranks over loopback: tandem bench (median of {repeat}) against "
           f"tandem simulate --hardware here (measured in this run)")
+    print(format_profile(hw))
     print(format_table(table))
     met = sum(r["met"] for r in table)
     signs = [r for r in table if r["sign_measured"] is not None]

@@ -83,7 +83,15 @@ class HardwareProfile:
         element = self.figures.get("element_bytes")
         width, out_width = (element, element) if element else (1 if fp8 else 2, 2)
         bytes_ = groups * (n * k * width + m * k * width + m * n * out_width)
-        return max(flops / (peak * self.gemm_efficiency(m)), bytes_ / self.hbm_rate())
+        return max(flops / (peak * self.gemm_efficiency(m)), bytes_ / self.hbm_rate()) + self.cold_weight_time(groups * n * k * width)
+
+    def cold_weight_time(self, weight_bytes: float) -> float:
+        """What a GEMM adds for reading weights that are not in cache (a profile's measured
+        `cold_weight_bytes_per_s`; a CPU host streams every weight from memory once a step,
+        on top of the arithmetic). None in a profile without the figure (the GPUs: the HBM
+        roofline already covers the weights)."""
+        rate = self.figures.get("cold_weight_bytes_per_s")
+        return weight_bytes / rate if rate else 0.0
 
     def memory_time(self, bytes_: float) -> float:
         return bytes_ / self.hbm_rate()
@@ -99,16 +107,18 @@ class HardwareProfile:
     def transfer_time(self, kind: str, bytes_per_rank: float, *, ep: int, low_latency: bool) -> float:
         """One dispatch or combine (`kind`) moving `bytes_per_rank` over the EP layout's
         bottleneck link: NVLink inside a node, RDMA across nodes (DeepEP's normal or
-        low-latency table at the nearest published EP size)."""
+        low-latency table at the nearest published EP size). `comm_latency_s` is one figure for
+        every call, or one per kind (a host's measured fixed cost of a dispatch and a combine)."""
         if ep <= 1 or bytes_per_rank <= 0:
             return 0.0
+        latency = self.comm_latency_s[kind] if isinstance(self.comm_latency_s, dict) else self.comm_latency_s
         if low_latency:
-            return self.comm_latency_s + self.low_latency_call(_nearest(self.rdma_low_latency, ep), kind, bytes_per_rank)
+            return latency + self.low_latency_call(_nearest(self.rdma_low_latency, ep), kind, bytes_per_rank)
         if ep <= self.gpus_per_node:
             rate = self.nvlink_bytes_per_s[kind]
         else:
             rate = _nearest(self.rdma_normal_bytes_per_s, ep)[kind]
-        return self.comm_latency_s + bytes_per_rank / rate
+        return latency + bytes_per_rank / rate
 
     def low_latency_call(self, row: dict[str, float], kind: str, bytes_: float) -> float:
         """A low-latency call (`row`: DeepEP's published latency and achieved bandwidth at one

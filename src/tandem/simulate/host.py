@@ -1,23 +1,38 @@
 """`here`: the CPU host this runs on as a hardware profile, measured in the same run.
 
 The rates are `tandem.bench.roofline`'s (the copy and read bandwidth, the matmul rate in
-float32 on one thread, as each bench rank computes) plus one small matmul that prices a
-short GEMM, so a split batch's smaller GEMMs cost what they cost here. Its ranks talk over
-gloo on the same host: a transfer is copies and TCP work done by the cores that compute
-(`transfers_on_compute`), so overlapping a transfer with compute hides only waiting on the
-peer, never the transfer's own work; the simulator then runs every mode with transfers
-blocking compute, as `none` does.
+float32 on one thread, as each bench rank computes) plus what a step on this host pays
+beyond them, each measured here:
+
+- a short GEMM: one 32-row matmul on one warm weight prices the GEMM curve's small end, so a
+  split batch's smaller GEMMs cost what they cost here;
+- cold weights: the same matmul cycled over more distinct weights than the last-level cache
+  holds; its extra time per weight byte (`cold_weight_bytes_per_s`) is what every GEMM adds
+  for reading its weights from memory, as a step does (each weight is read once a step, and
+  the ubatches of a split step read it again);
+- gloo's transfers (`simulate.host_link`): the runtime's dispatch and combine between real
+  gloo ranks on this host at a few sizes, a fixed cost per call plus a cost per byte.
+
+Its ranks talk over gloo on the same host: a transfer is copies and TCP work done by the cores
+that compute (`transfers_on_compute`), so overlapping a transfer with compute hides only
+waiting on the peer, never the transfer's own work; the simulator then runs every mode with
+transfers blocking compute, as `none` does.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from tandem.bench.roofline import Roofline, device_timer, measure_roofline
 from tandem.simulate.hardware import HERE, HardwareProfile, load_hardware
+from tandem.simulate.host_link import LinkFit, measure_link
 
 #: Rows of the small GEMM that prices short GEMMs (a decode ubatch's size).
 SMALL_M = 32
+#: Weights the cold-weight matmul cycles over: at least this much, and 1.5x the last-level cache.
+COLD_MIN_BYTES = 256 * 2**20
 
 
 def _small_gemm_rate(size: int, repeat: int = 5) -> float:
@@ -28,6 +43,39 @@ def _small_gemm_rate(size: int, repeat: int = 5) -> float:
     torch.mm(a, b, out=out)
     seconds = min(timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeat))
     return 2.0 * SMALL_M * size * size / seconds
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this host reports (sysfs), 0 when it reports none."""
+    from pathlib import Path
+
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=0)
+
+
+def cold_weight_rate(size: int, warm_s: float, *, passes: int = 2) -> tuple[float, int]:
+    """(bytes per second, bytes cycled): the extra time per weight byte of a [SMALL_M, size] x
+    [size, size] float32 matmul whose weight comes from memory, over its time on one warm
+    weight (`warm_s`): the matmul runs over distinct weights, more of them than the last-level
+    cache holds (the best of `passes` passes after one that pages them in)."""
+    weight_bytes = size * size * 4
+    total = max(COLD_MIN_BYTES, int(1.5 * last_level_cache_bytes()))
+    weights = [torch.empty(size, size).fill_(0.01) for _ in range(-(-total // weight_bytes))]
+    a, out = torch.randn(SMALL_M, size), torch.empty(SMALL_M, size)
+
+    def cycle() -> float:
+        start = time.perf_counter()
+        for w in weights:
+            torch.mm(a, w, out=out)
+        return (time.perf_counter() - start) / len(weights)
+
+    cycle()
+    extra = min(cycle() for _ in range(passes)) - warm_s
+    return (weight_bytes / extra if extra > 0 else float("inf")), weight_bytes * len(weights)
 
 
 def measure_switch_s(executor: str = "thread", yields: int = 200) -> float:
@@ -61,11 +109,12 @@ def gemm_m_half(big_m: int, small_m: int, rate_ratio: float) -> float:
 
 def host_profile(
     ranks: int, *, executor: str = "thread", roofline: Roofline | None = None, small_rate: float | None = None,
-    switch_s: float | None = None,
+    switch_s: float | None = None, cold_rate: float | None = None, link: LinkFit | None = None,
 ) -> HardwareProfile:
     """This CPU with `ranks` gloo ranks on it, one intra-op thread each, its ubatches on the
-    runtime's `executor`. `roofline`, `small_rate` (FLOP/s of the small GEMM) and `switch_s`
-    (one hand-over) are measured here when not given."""
+    runtime's `executor`. `roofline`, `small_rate` (FLOP/s of the small GEMM), `switch_s` (one
+    hand-over), `cold_rate` (bytes/s of a cold weight's read) and `link` (gloo's dispatch and
+    combine) are measured here when not given."""
     if ranks < 1:
         raise ValueError(f"a host profile needs at least one rank, got {ranks}")
     if roofline is None:
@@ -73,7 +122,12 @@ def host_profile(
         roofline = measure_roofline(torch.device("cpu"), torch.float32)
     size = roofline.matmul_size
     small_rate = small_rate if small_rate is not None else _small_gemm_rate(size)
+    cycled = None
+    if cold_rate is None:
+        cold_rate, cycled = cold_weight_rate(size, 2.0 * SMALL_M * size * size / small_rate)
     switch_s = switch_s if switch_s is not None else measure_switch_s(executor)
+    if link is None:
+        link = measure_link(ranks) if ranks > 1 else LinkFit.copies(roofline.bandwidth_bytes_per_s)
     half = gemm_m_half(size, SMALL_M, small_rate / roofline.matmul_flops_per_s)
     measured = f"measured in this run (tandem.bench.roofline, float32, one thread; {size}-wide matmul"
     flops, read = roofline.matmul_flops_per_s, roofline.read_bandwidth_bytes_per_s
@@ -86,15 +140,12 @@ def host_profile(
         "element_bytes": (4, "derived: the CPU ranks keep weights and activations in float32 (4 bytes), not fp8 or bf16"),
         "gemm_efficiency_max": (1.0 + half / size, f"derived: the {size}-wide matmul's rate is reached at m = {size}"),
         "gemm_m_half": (half, f"derived: efficiency m / (m + h) through the {size}-wide and a {SMALL_M}-row matmul measured in this run"),
+        "cold_weight_bytes_per_s": (cold_rate, _cold_source(size, cycled)),
         "attention_prefill_efficiency": (1.0, "derived: the stand-in attention is matmuls at the measured rate"),
         "attention_decode_flops": (flops, f"{measured})"),
         "attention_decode_bytes_per_s": (read, "measured in this run: tandem.bench.roofline's read bandwidth"),
         "gpus_per_node": (ranks, "derived: every rank on this one host"),
-        "nvlink_bytes_per_s": (
-            {"dispatch": roofline.bandwidth_bytes_per_s, "combine": roofline.bandwidth_bytes_per_s},
-            "measured in this run: loopback gloo moves bytes by copies, at best tandem.bench.roofline's copy bandwidth",
-        ),
-        "comm_latency_s": (0.0, "derived: not measured; a per-transfer latency only adds to the modes that split"),
+        **_link_figures(link),
         "comm_sms_normal": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
         "comm_sms_low_latency": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
         "ubatch_switch_s": (switch_s, f"measured in this run: mean hand-over of two ubatches on the {executor} executor"),
@@ -107,6 +158,29 @@ def host_profile(
     return HardwareProfile("here (CPU, gloo)", {k: v for k, (v, _) in figures.items()}, {k: s for k, (_, s) in figures.items()})
 
 
+def _cold_source(size: int, cycled: int | None) -> str:
+    if cycled is None:
+        return "given by the caller, not measured in this run"
+    return (f"measured in this run: a {SMALL_M}-row x {size}-wide float32 matmul cycled over {cycled / 2**20:.0f} MiB of "
+            f"distinct weights (more than the {last_level_cache_bytes() / 2**20:.0f} MiB last-level cache), its time "
+            f"over the same matmul's on one warm weight, per weight byte: what a GEMM adds reading its weights from memory")
+
+
+def _link_figures(link: LinkFit) -> dict:
+    if not any(link.points.values()):
+        return {
+            "nvlink_bytes_per_s": (link.bytes_per_s, "given by the caller (bytes at a copy's rate), not measured in this run"),
+            "comm_latency_s": (link.fixed_s, "given by the caller (no cost per call), not measured in this run"),
+        }
+    how = ("measured in this run (simulate.host_link): the runtime's torch_a2a dispatch and combine between gloo ranks "
+           "on this host, float32, median time on rank 0 at a few sizes, a least-squares line through ")
+    points = "; ".join(link.describe(kind) for kind in link.points)
+    return {
+        "nvlink_bytes_per_s": (link.bytes_per_s, f"{how}({points}): its slope, per byte sent per rank"),
+        "comm_latency_s": (link.fixed_s, f"{how}({points}): its intercept, fixed per call"),
+    }
+
+
 def resolve_hardware(name: str, ranks: int) -> HardwareProfile:
     """A built-in profile or profile file, or `here` (this CPU with `ranks` gloo ranks, measured now)."""
     if name == HERE:
@@ -114,4 +188,4 @@ def resolve_hardware(name: str, ranks: int) -> HardwareProfile:
     return load_hardware(name)
 
 
-__all__ = ["SMALL_M", "gemm_m_half", "host_profile", "measure_switch_s", "resolve_hardware"]
+__all__ = ["SMALL_M", "cold_weight_rate", "gemm_m_half", "host_profile", "last_level_cache_bytes", "measure_switch_s", "resolve_hardware"]

@@ -149,8 +149,11 @@ class OpCosts:
         return min(expected, float(s.topk_group)) if s.topk_group and ep > per_node else expected
 
     def transfer_bytes(self, kind: str, work: UBatchWork) -> float:
-        hidden = self.shape.hidden
-        per_copy = hidden + hidden // 128 * 4 if kind == "dispatch" else hidden * BF16  # FP8 + scales / BF16
+        hidden, element = self.shape.hidden, self.hw.figures.get("element_bytes")
+        if element:  # a profile that computes in one dtype throughout (a CPU host) sends it unquantized
+            per_copy = hidden * element
+        else:
+            per_copy = hidden + hidden // 128 * 4 if kind == "dispatch" else hidden * BF16  # FP8 + scales / BF16
         return work.tokens * self.destinations() * per_copy
 
     def transfer(self, kind: str, work: UBatchWork) -> float:

@@ -1,0 +1,93 @@
+"""The terms `--hardware here` measures beyond the roofline (#31), each pinned on a profile
+whose figures are given: cold weights (every GEMM adds its weight bytes at the cold read
+rate), gloo's transfers (a fixed cost per call plus bytes at a rate, per kind), and the split
+loss they make (a split step reads every weight again and pays every call's fixed cost per
+ubatch). The real measurements run in the slow tier."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.simulate import load_hardware, simulate
+from tandem.simulate.host_link import KINDS, LinkFit, fit_line, measure_link
+from tests.support.host_profiles import ROOFLINE, given_host
+
+#: Float32 weight bytes one rank of the MoE stack reads a step: per layer the attention
+#: stand-in (2 x 1024 x 1024), the router (1024 x 8), 4 local experts (3 x 512 x 1024 each) and
+#: the shared expert (3 x 512 x 1024); 4 layers.
+STACK_WEIGHT_BYTES = 4 * 4 * (2 * 2**20 + 8 * 1024 + 5 * 3 * 512 * 1024)
+#: Float32 bytes one transfer of 128 tokens moves per rank: 1.5 ranks per token (top-2 of 2 ranks) x 4 KiB.
+TRANSFER_BYTES = 128 * 1.5 * 4096
+
+
+def _stack(hw, tokens=128):
+    return simulate("moe-stack", hw, ep=2, phase="decode", tokens_per_rank=tokens, context=1,
+                    modes=["none", "dbo"], low_latency=False).results
+
+
+def test_a_cold_weight_adds_its_bytes_at_the_cold_rate_to_every_gemm():
+    warm = given_host(small_rate=100e9, switch_s=0.0)
+    cold = given_host(small_rate=100e9, switch_s=0.0, cold_rate=8e9)
+    assert cold.gemm_time(32, 1024, 1024) - warm.gemm_time(32, 1024, 1024) == pytest.approx(2**22 / 8e9)
+    assert cold.gemm_time(4, 1024, 512, groups=4) - warm.gemm_time(4, 1024, 512, groups=4) == pytest.approx(4 * 2**21 / 8e9)
+    (none_w, dbo_w), (none_c, dbo_c) = _stack(warm), _stack(cold)
+    assert STACK_WEIGHT_BYTES == 159_514_624
+    assert none_c.step_s - none_w.step_s == pytest.approx(STACK_WEIGHT_BYTES / 8e9)  # 19.94 ms: each weight once
+    # Split loss: each ubatch reads every weight again.
+    assert (dbo_c.step_s - none_c.step_s) - (dbo_w.step_s - none_w.step_s) == pytest.approx(STACK_WEIGHT_BYTES / 8e9)
+
+
+def test_a_gloo_transfer_costs_its_fixed_part_per_call_and_its_bytes_at_the_rate():
+    link = LinkFit({"dispatch": 1e-3, "combine": 0.5e-3}, {"dispatch": 1e9, "combine": 2e9}, {k: [] for k in KINDS})
+    free = given_host(small_rate=100e9, switch_s=0.0)
+    hw = given_host(small_rate=100e9, switch_s=0.0, link=link)
+    assert hw.comm_latency_s == {"dispatch": 1e-3, "combine": 0.5e-3}
+    (none_f, dbo_f), (none, dbo) = _stack(free), _stack(hw)
+    per_layer = 1e-3 + TRANSFER_BYTES / 1e9 + 0.5e-3 + TRANSFER_BYTES / 2e9
+    assert none.comm_s == pytest.approx(4 * per_layer)  # 4 layers, one dispatch and one combine each
+    # On the computing cores nothing is hidden: the step is the free one plus the transfers' time.
+    assert none.step_s == pytest.approx(none_f.step_s - none_f.comm_s + 4 * per_layer)
+    # Split loss: each ubatch pays each call's fixed part (the bytes are split, not repeated).
+    assert dbo.comm_s - none.comm_s == pytest.approx(4 * 1.5e-3)
+    assert (dbo.step_s - none.step_s) - (dbo_f.step_s - none_f.step_s) == pytest.approx(4 * 1.5e-3)
+
+
+def test_the_link_fit_is_the_least_squares_line_through_the_measured_points():
+    assert fit_line([(1.0, 3.0), (2.0, 5.0), (3.0, 7.0)]) == pytest.approx((1.0, 2.0))
+    assert fit_line([(0.0, 0.0), (1.0, 1.0), (2.0, 1.0)]) == pytest.approx((1 / 6, 0.5))
+    fit = LinkFit.from_points({"dispatch": [(1e5, 1.1e-3), (1e6, 2e-3)], "combine": [(1e5, 0.5e-3), (1e6, 0.5e-3)]})
+    assert fit.fixed_s["dispatch"] == pytest.approx(1e-3) and fit.bytes_per_s["dispatch"] == pytest.approx(1e9)
+    assert fit.fixed_s["combine"] == pytest.approx(0.5e-3) and math.isinf(fit.bytes_per_s["combine"])
+    # A line through the origin's far side (a negative intercept) costs nothing fixed, never less.
+    assert LinkFit.from_points({"dispatch": [(1e5, 0.05e-3), (1e6, 1e-3)]}).fixed_s["dispatch"] == 0.0
+    assert "0.10 MB 1.10 ms" in fit.describe("dispatch")
+
+
+def test_the_profile_names_each_measured_term_and_how_it_was_measured():
+    link = LinkFit.from_points({"dispatch": [(1e5, 1.1e-3), (1e6, 2e-3)], "combine": [(1e5, 0.6e-3), (1e6, 1.5e-3)]})
+    hw = given_host(small_rate=100e9, switch_s=0.0, cold_rate=8e9, link=link)
+    assert hw.cold_weight_bytes_per_s == 8e9 and "given by the caller" in hw.sources["cold_weight_bytes_per_s"]
+    assert hw.nvlink_bytes_per_s == pytest.approx({"dispatch": 1e9, "combine": 1e9})
+    for figure in ("comm_latency_s", "nvlink_bytes_per_s"):
+        assert "torch_a2a dispatch and combine between gloo ranks" in hw.sources[figure]
+        assert "0.10 MB 1.10 ms" in hw.sources[figure]
+    assert ROOFLINE.matmul_size == 1024
+
+
+@pytest.mark.parametrize("name", ["h800", "h100", "h200", "b200"])
+def test_the_gpu_profiles_have_none_of_the_host_terms(name):
+    """Their GEMMs keep the HBM roofline and their transfers one latency: nothing above moves them."""
+    hw = load_hardware(name)
+    assert not hw.transfers_on_compute and "cold_weight_bytes_per_s" not in hw.figures
+    assert hw.cold_weight_time(2**30) == 0.0 and not isinstance(hw.comm_latency_s, dict)
+
+
+@pytest.mark.slow
+def test_gloo_transfers_are_measured_between_two_real_ranks():
+    fit = measure_link(2, tokens=(8, 64), repeat=2, warmup=1)
+    for kind in KINDS:
+        assert [b for b, _ in fit.points[kind]] == sorted(b for b, _ in fit.points[kind])
+        assert len(fit.points[kind]) == 2 and all(s > 0 for _, s in fit.points[kind])
+        assert fit.fixed_s[kind] >= 0 and fit.bytes_per_s[kind] > 0
