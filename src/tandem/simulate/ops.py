@@ -18,16 +18,28 @@ from tandem.simulate.model_shape import ModelShape
 SENDS = {"dispatch_send": "dispatch", "combine_send": "combine"}
 RECEIVES = {"dispatch_recv": "dispatch", "combine_recv": "combine"}
 BF16 = 2
+#: Hidden-sized BF16 passes per token of a MoE layer's norm ops as written below (2 + 3 + 3 + 3);
+#: a profile's `elementwise_passes` (every kernel besides attention, GEMMs and the experts)
+#: scales them to its measured total.
+NORM_PASSES = 11
+#: The payload of DeepEP's low-latency table rows (tokens per call).
+LOW_LATENCY_TABLE_TOKENS = 128
 
 
 @dataclass(frozen=True)
 class UBatchWork:
     """One ubatch on one rank: its tokens, requests, and the attention work of its tokens
-    (`attended`: the sum over its query tokens of the keys each attends to)."""
+    (`attended`: the sum over its query tokens of the keys each attends to; `keys_read`: the
+    cached keys decode reads, once per request however many of its tokens attend to them)."""
 
     tokens: int
     requests: int
     attended: int
+    keys_read: int | None = None
+
+    @property
+    def kv_keys(self) -> int:
+        return self.attended if self.keys_read is None else self.keys_read
 
 
 @dataclass(frozen=True)
@@ -43,14 +55,15 @@ class Layout:
 class OpCosts:
     """Seconds of each operation of a layer for a ubatch, on one hardware profile."""
 
-    def __init__(self, shape: ModelShape, hw: HardwareProfile, layout: Layout, *, sm_share: float = 1.0):
-        self.shape, self.hw, self.layout, self.sm_share = shape, hw, layout, sm_share
+    def __init__(self, shape: ModelShape, hw: HardwareProfile, layout: Layout, *, sm_share: float = 1.0, overlapped: bool = False):
+        self.shape, self.hw, self.layout, self.sm_share, self.overlapped = shape, hw, layout, sm_share, overlapped
+        self.elementwise_scale = float(hw.figures.get("elementwise_passes", NORM_PASSES)) / NORM_PASSES
 
     def _gemm(self, m: float, n: int, k: int, groups: int = 1, fp8: bool = True) -> float:
         return self.hw.gemm_time(m, n, k, groups=groups, fp8=fp8, sm_share=self.sm_share)
 
     def _norm(self, tokens: int, passes: int = 2) -> float:
-        return self.hw.memory_time(tokens * self.shape.hidden * BF16 * passes)
+        return self.hw.memory_time(tokens * self.shape.hidden * BF16 * passes * self.elementwise_scale)
 
     def compute(self, name: str, work: UBatchWork) -> float:
         method = getattr(self, f"_op_{name}", None)
@@ -79,17 +92,21 @@ class OpCosts:
     def _op_attn_core(self, w: UBatchWork) -> float:
         s, t = self.shape, w.tokens
         o_proj = self._gemm(t, s.hidden, s.heads * s.v_dim)
+        if self.layout.decode and s.attention == "mla":  # FlashMLA on the latent cache, then W_UV per head
+            o_proj += self._gemm(t, s.v_dim, s.kv_lora, groups=s.heads, fp8=False)
+        return self.attention_kernel(w) + o_proj
+
+    def attention_kernel(self, w: UBatchWork) -> float:
+        """The attention kernel alone (FlashAttention / FlashMLA), without the projections."""
+        s = self.shape
         if not self.layout.decode:
-            flops = 2.0 * s.heads * (s.head_dim + s.v_dim) * w.attended
-            return self.hw.prefill_attention_time(flops, self.sm_share) + o_proj
-        if s.attention == "mla":  # FlashMLA on the latent cache, then W_UV per head
+            return self.hw.prefill_attention_time(2.0 * s.heads * (s.head_dim + s.v_dim) * w.attended, self.sm_share)
+        if s.attention == "mla":
             width = s.kv_lora + s.rope
             flops = 2.0 * s.heads * (width + s.kv_lora) * w.attended
-            core = self.hw.decode_attention_time(flops, w.attended * width * BF16, self.sm_share)
-            return core + self._gemm(t, s.v_dim, s.kv_lora, groups=s.heads, fp8=False) + o_proj
-        flops = 4.0 * s.heads * s.head_dim * w.attended
-        kv_bytes = w.attended * 2 * s.kv_heads * s.head_dim * BF16
-        return self.hw.decode_attention_time(flops, kv_bytes, self.sm_share) + o_proj
+            return self.hw.decode_attention_time(flops, w.kv_keys * width * BF16, self.sm_share)
+        kv_bytes = w.kv_keys * 2 * s.kv_heads * s.head_dim * BF16
+        return self.hw.decode_attention_time(4.0 * s.heads * s.head_dim * w.attended, kv_bytes, self.sm_share)
 
     def _op_comm_prepare_mlp(self, w: UBatchWork) -> float:
         return self._norm(w.tokens, passes=3)
@@ -132,7 +149,8 @@ class OpCosts:
     def _op_head(self, w: UBatchWork) -> float:
         """Final norm and lm_head on the last token of each request (prefill) or every token (decode)."""
         rows = w.tokens if self.layout.decode else w.requests
-        return self._norm(w.tokens) + self._gemm(rows, self.shape.vocab, self.shape.hidden, fp8=False)
+        norm = self.hw.memory_time(w.tokens * self.shape.hidden * BF16 * 2)
+        return norm + self._gemm(rows, self.shape.vocab, self.shape.hidden, fp8=False)
 
     # -- communication -------------------------------------------------------------------
 
@@ -157,8 +175,29 @@ class OpCosts:
         return work.tokens * self.destinations() * per_copy
 
     def transfer(self, kind: str, work: UBatchWork) -> float:
-        layout = self.layout
-        return self.hw.transfer_time(kind, self.transfer_bytes(kind, work), ep=layout.ep, low_latency=layout.low_latency)
+        """The transfer's time on the comm stream: a low-latency call less its kernels' SM
+        time (`send_kernel`, on the compute stream); a normal call across nodes at the share
+        of its table bandwidth it keeps while compute overlaps (`normal_overlap_bandwidth`),
+        plus its barrier (`normal_barrier_share` of its time at the table's bandwidth), both
+        measured in DeepSeek's prefill profile."""
+        layout, figures = self.layout, self.hw.figures
+        seconds = self.hw.transfer_time(kind, self.transfer_bytes(kind, work), ep=layout.ep, low_latency=layout.low_latency)
+        if not seconds or layout.low_latency:
+            return seconds - self.send_kernel(kind, work)
+        if layout.ep <= self.hw.gpus_per_node:
+            return seconds
+        barrier = seconds * figures.get("normal_barrier_share", {}).get(kind, 0.0)
+        if self.overlapped:
+            seconds /= figures.get("normal_overlap_bandwidth", {}).get(kind, 1.0)
+        return seconds + barrier
+
+    def send_kernel(self, kind: str, work: UBatchWork) -> float:
+        """A low-latency call's SM time (packing, sending, receiving) on the compute stream:
+        the profile's `rdma_low_latency_sm_s` at the table's payload, in proportion to tokens."""
+        if not self.layout.low_latency or self.layout.ep <= 1:
+            return 0.0
+        per_call = self.hw.figures.get("rdma_low_latency_sm_s", {}).get(kind, 0.0)
+        return per_call * work.tokens / LOW_LATENCY_TABLE_TOKENS
 
 
 __all__ = ["RECEIVES", "SENDS", "Layout", "OpCosts", "UBatchWork"]

@@ -2,7 +2,8 @@
 
 The workload is one step per rank: prefill (`tokens_per_rank` tokens of prompts of
 `context` tokens, causal attention) or decode (`tokens_per_rank` requests, one token each,
-attending to `context` cached tokens). Every rank does the same (balanced routing, as in
+attending to `context` cached tokens; with `draft_tokens` d each request runs 1 + d tokens, as
+MTP verification does, reads its cache once, and yields 1 + d x `acceptance` tokens). Every rank does the same (balanced routing, as in
 DeepSeek's published profile), so one rank's timeline is the cluster's.
 
 Modes: `none` (transfers complete before the next op: compute + comm in sequence), `dboN`
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host import resolve_hardware
 from tandem.simulate.model_shape import ModelShape, model_shape
-from tandem.simulate.ops import Layout, OpCosts, UBatchWork
+from tandem.simulate.ops import SENDS, Layout, OpCosts, UBatchWork
 from tandem.simulate.schedule import Span, Step, issue_order, layer_steps, play, tbo_program
 from tandem.ubatch import split_by_tokens
 
@@ -34,20 +35,33 @@ class Workload:
     phase: str  # "prefill" or "decode"
     tokens_per_rank: int
     context: int
+    draft_tokens: int = 0  # decode: tokens per request beyond the first (MTP's draft)
+    acceptance: float = 0.0  # decode: share of the draft tokens kept
 
     def __post_init__(self) -> None:
         if self.phase not in ("prefill", "decode"):
             raise ValueError(f"phase must be prefill or decode, got {self.phase!r}")
         if self.tokens_per_rank < 1 or self.context < 1:
             raise ValueError("tokens per rank and context must be >= 1")
+        if self.draft_tokens < 0 or not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError("draft tokens must be >= 0 and acceptance in [0, 1]")
+        if self.draft_tokens and not self.decode:
+            raise ValueError("draft tokens are a decode setting")
 
     @property
     def decode(self) -> bool:
         return self.phase == "decode"
 
+    @property
+    def output_tokens(self) -> float:
+        """Tokens a step yields: prefill's prompt tokens, decode's 1 + kept drafts per request."""
+        if not self.decode:
+            return self.tokens_per_rank
+        return self.tokens_per_rank * (1.0 + self.draft_tokens * self.acceptance)
+
     def request_lengths(self) -> list[int]:
         if self.decode:
-            return [1] * self.tokens_per_rank
+            return [1 + self.draft_tokens] * self.tokens_per_rank
         full, rest = divmod(self.tokens_per_rank, self.context)
         return [self.context] * full + ([rest] if rest else [])
 
@@ -64,9 +78,10 @@ class Workload:
                 if b <= a:
                     continue
                 requests += 1
-                # Prefill: query p attends to p + 1 keys; decode: the single query attends to the context.
+                # Prefill: query p attends to p + 1 keys; decode: each query attends to the context.
                 attended += self.context * (b - a) if self.decode else (b * (b + 1) - a * (a + 1)) // 2
-            out.append(UBatchWork(hi - lo, requests, attended))
+            # Decode reads each request's cache once, however many of its queries attend to it.
+            out.append(UBatchWork(hi - lo, requests, attended, requests * self.context if self.decode else attended))
         return out
 
 
@@ -74,7 +89,7 @@ class Workload:
 class ModeResult:
     mode: str
     step_s: float
-    tokens: int
+    tokens: float
     compute_s: float
     comm_s: float
     spans: list[Span] = field(repr=False)
@@ -135,7 +150,7 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     share = 1.0
     if overlapped:
         share = (hw.sms - hw.comm_sms(layout.low_latency)) / hw.sms
-    costs = OpCosts(shape, hw, layout, sm_share=share)
+    costs = OpCosts(shape, hw, layout, sm_share=share, overlapped=overlapped)
 
     def cost(u: int, step: Step) -> float:
         if step.name in ("dispatch_send", "combine_send"):
@@ -144,11 +159,12 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
 
     # On a host whose cores do the transfers (gloo on a CPU) a transfer holds compute in every mode.
     sync = not overlapped or hw.transfers_on_compute
-    spans = play(order, cost, sync_comm=sync, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)))
+    spans = play(order, cost, sync_comm=sync, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
+                 kernel=lambda u, step: costs.send_kernel(SENDS[step.name], works[u]))
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
     comm = sum(s.end - s.start for s in spans if s.lane == "comm")
-    return ModeResult(mode, end, workload.tokens_per_rank, compute, comm, spans)
+    return ModeResult(mode, end, workload.output_tokens, compute, comm, spans)
 
 
 def simulate(
@@ -161,13 +177,16 @@ def simulate(
     context: int = 4096,
     modes: tuple[str, ...] | list[str] = ("none", "dbo", "tbo"),
     low_latency: bool | None = None,
+    draft_tokens: int = 0,
+    acceptance: float = 0.0,
 ) -> Simulation:
     """Simulate one step per mode. `hardware` is a profile, a profile name or file, or `here`
     (this CPU with `ep` gloo ranks, measured now). `low_latency` (DeepEP's low-latency kernels)
     defaults to the decode phase, as DeepSeek deploys them; prefill uses the normal kernels, and
-    so does a host whose cores do the transfers (gloo has no low-latency path)."""
+    so does a host whose cores do the transfers (gloo has no low-latency path). `draft_tokens`
+    and `acceptance`: MTP in decode (see `Workload`)."""
     shape = model_shape(model)
-    workload = Workload(phase, tokens_per_rank, context)
+    workload = Workload(phase, tokens_per_rank, context, draft_tokens, acceptance)
     hw = hardware if isinstance(hardware, HardwareProfile) else resolve_hardware(hardware, ep)
     gloo = hw.transfers_on_compute
     if low_latency and gloo:

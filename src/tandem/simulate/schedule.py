@@ -15,7 +15,8 @@
   compute, a receive holds its ubatch until the transfer lands. With `sync_comm` every send
   also blocks the compute stream until it lands (the runtime with no overlap). Each hand-over
   from one ubatch to another in the issue order costs the host `switch_s`, which delays the
-  next compute op (a profile's `ubatch_switch_s`).
+  next compute op (a profile's `ubatch_switch_s`). A send with a `kernel` time runs that
+  kernel on the compute stream first (a low-latency call's SM part), then its transfer.
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ class Span:
 
 
 def play(
-    order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool, switch_s: float = 0.0
+    order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool, switch_s: float = 0.0,
+    kernel: Callable[[int, Step], float] | None = None,
 ) -> list[Span]:
     """Time an issue order on one compute and one comm stream (see the module docstring)."""
     compute_free = comm_free = 0.0
@@ -213,6 +215,12 @@ def play(
             compute_free, issuing = compute_free + switch_s, u
         at = ready.get(u, 0.0)
         if step.name in SENDS:
+            sm_time = kernel(u, step) if kernel else 0.0
+            if sm_time:
+                at = max(compute_free, at)
+                compute_free = ready[u] = at + sm_time
+                spans.append(Span(u, "compute", step, at, at + sm_time))
+                at += sm_time
             start = max(comm_free, at)
             end = start + cost(u, step)
             comm_free = landing[(u, SENDS[step.name])] = end
