@@ -108,7 +108,10 @@ def test_a_figure_without_a_source_is_refused(tmp_path):
 
 
 def test_the_gemm_curve_meets_deepgemm_anchors_within_15_percent():
-    hw = load_hardware("h800")
+    from tandem.simulate.hardware import HardwareProfile
+
+    full = load_hardware("h800")  # without its table, which prices these shapes exactly
+    hw = HardwareProfile(full.name, {k: v for k, v in full.figures.items() if k != "gemm_table"}, full.sources)
     for a in hw.gemm_anchors:
         seconds = hw.gemm_time(a["m"], a["n"], a["k"], groups=a["groups"])
         achieved = 2 * a["m"] * a["n"] * a["k"] * a["groups"] / seconds / 1e12
@@ -169,10 +172,11 @@ def test_a_low_latency_call_has_a_fixed_part_beside_the_line_rate(tmp_path):
 
 
 def test_the_validation_figures_this_model_gives():
-    """The figures docs/simulate.md reports: with the terms read off DeepSeek's per-layer profile
-    (h800.json) and decode's published workload (one MTP draft per request, 60 % kept), prefill
-    +0.9 % and decode +9.4 %, both inside ±10 % (were +29.4 % and +13.3 %)."""
+    """The figures docs/simulate.md reports: with the terms read off DeepSeek's per-layer profile,
+    DeepGEMM's published rates at DeepSeek's own GEMM shapes (h800.json) and decode's published
+    workload (one MTP draft per request, 60 % kept), prefill -1.5 % and decode +7.6 %, both
+    inside ±10 % (were +29.4 % and +13.3 %)."""
     from tandem.simulate import validation_rows
 
     errors = {r["phase"]: r["error"] for r in validation_rows()}
-    assert errors == {"prefill": pytest.approx(0.009, abs=0.001), "decode": pytest.approx(0.094, abs=0.001)}
+    assert errors == {"prefill": pytest.approx(-0.015, abs=0.001), "decode": pytest.approx(0.076, abs=0.001)}

@@ -11,6 +11,7 @@ bottleneck link of the EP layout).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -83,7 +84,30 @@ class HardwareProfile:
         element = self.figures.get("element_bytes")
         width, out_width = (element, element) if element else (1 if fp8 else 2, 2)
         bytes_ = groups * (n * k * width + m * k * width + m * n * out_width)
-        return max(flops / (peak * self.gemm_efficiency(m)), bytes_ / self.hbm_rate()) + self.cold_weight_time(groups * n * k * width)
+        rate = self.gemm_table_rate(m, n, k) if fp8 and not element else None
+        rate = peak * self.gemm_efficiency(m) if rate is None else rate * sm_share
+        return max(flops / rate, bytes_ / self.hbm_rate()) + self.cold_weight_time(groups * n * k * width)
+
+    def gemm_table_rate(self, m: float, n: int, k: int) -> float | None:
+        """The published FP8 rate (FLOP/s) of a GEMM of this [k, n] weight at `m` rows per group,
+        where the profile's `gemm_table` has rows for that weight (DeepGEMM's README: DeepSeek's
+        own shapes): linear in log m between its rows, the first row's time below it, the last
+        row's rate above it. None for a weight the table lacks (the fitted curve prices it)."""
+        points: dict[int, list[float]] = {}
+        for row in self.figures.get("gemm_table", ()):
+            if (row["n"], row["k"]) == (n, k):
+                points.setdefault(row["m"], []).append(row["tflops"] * 1e12)
+        if not points:
+            return None
+        ms = sorted(points)
+        rates = [sum(points[x]) / len(points[x]) for x in ms]
+        if m <= ms[0]:
+            return rates[0] * m / ms[0]
+        if m >= ms[-1]:
+            return rates[-1]
+        i = next(j for j in range(1, len(ms)) if m <= ms[j])
+        t = math.log(m / ms[i - 1]) / math.log(ms[i] / ms[i - 1])
+        return rates[i - 1] + t * (rates[i] - rates[i - 1])
 
     def cold_weight_time(self, weight_bytes: float) -> float:
         """What a GEMM adds for reading weights that are not in cache (a profile's measured
