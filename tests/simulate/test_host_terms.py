@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tandem.simulate import load_hardware, simulate
-from tandem.simulate.host_link import KINDS, LinkFit, fit_line, measure_link
+from tandem.simulate.host_link import KINDS, LinkFit, fit_line, measure_ranks
 from tests.support.host_profiles import ROOFLINE, given_host
 
 #: Float32 weight bytes one rank of the MoE stack reads a step: per layer the attention
@@ -86,7 +86,9 @@ def test_the_gpu_profiles_have_none_of_the_host_terms(name):
 
 @pytest.mark.slow
 def test_gloo_transfers_are_measured_between_two_real_ranks():
-    fit = measure_link(2, tokens=(8, 64), repeat=2, warmup=1)
+    measured = measure_ranks(2, matmul_size=0, tokens=(8, 64), repeat=2, warmup=1)
+    assert (measured.ranks, measured.cold_rate, measured.cycled) == (2, 0.0, 0)  # size 0: no cold-weight matmul
+    fit = measured.link
     for kind in KINDS:
         assert [b for b, _ in fit.points[kind]] == sorted(b for b, _ in fit.points[kind])
         assert len(fit.points[kind]) == 2 and all(s > 0 for _, s in fit.points[kind])

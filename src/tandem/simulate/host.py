@@ -7,9 +7,10 @@ beyond them, each measured here:
 - a short GEMM: one 32-row matmul on one warm weight prices the GEMM curve's small end, so a
   split batch's smaller GEMMs cost what they cost here;
 - cold weights: the same matmul cycled over more distinct weights than the last-level cache
-  holds; its extra time per weight byte (`cold_weight_bytes_per_s`) is what every GEMM adds
-  for reading its weights from memory, as a step does (each weight is read once a step, and
-  the ubatches of a split step read it again);
+  holds, on every rank at once as a step runs (`simulate.host_link`); its extra time per
+  weight byte (`cold_weight_bytes_per_s`) is what every GEMM adds for reading its weights
+  from memory, as a step does (each weight is read once a step, and the ubatches of a split
+  step read it again);
 - gloo's transfers (`simulate.host_link`): the runtime's dispatch and combine between real
   gloo ranks on this host at a few sizes, a fixed cost per call plus a cost per byte.
 
@@ -21,61 +22,12 @@ transfers blocking compute, as `none` does.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from tandem.bench.roofline import Roofline, device_timer, measure_roofline
+from tandem.bench.roofline import Roofline, measure_roofline
 from tandem.simulate.hardware import HERE, HardwareProfile, load_hardware
-from tandem.simulate.host_link import LinkFit, measure_link
-
-#: Rows of the small GEMM that prices short GEMMs (a decode ubatch's size).
-SMALL_M = 32
-#: Weights the cold-weight matmul cycles over: at least this much, and 1.5x the last-level cache.
-COLD_MIN_BYTES = 256 * 2**20
-
-
-def _small_gemm_rate(size: int, repeat: int = 5) -> float:
-    """FLOP/s of a [SMALL_M, size] x [size, size] float32 matmul (the best of `repeat`)."""
-    timed = device_timer(torch.device("cpu"))
-    a, b = torch.randn(SMALL_M, size), torch.randn(size, size)
-    out = torch.empty(SMALL_M, size)
-    torch.mm(a, b, out=out)
-    seconds = min(timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeat))
-    return 2.0 * SMALL_M * size * size / seconds
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache this host reports (sysfs), 0 when it reports none."""
-    from pathlib import Path
-
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = entry.read_text().strip().upper()
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=0)
-
-
-def cold_weight_rate(size: int, warm_s: float, *, passes: int = 2) -> tuple[float, int]:
-    """(bytes per second, bytes cycled): the extra time per weight byte of a [SMALL_M, size] x
-    [size, size] float32 matmul whose weight comes from memory, over its time on one warm
-    weight (`warm_s`): the matmul runs over distinct weights, more of them than the last-level
-    cache holds (the best of `passes` passes after one that pages them in)."""
-    weight_bytes = size * size * 4
-    total = max(COLD_MIN_BYTES, int(1.5 * last_level_cache_bytes()))
-    weights = [torch.empty(size, size).fill_(0.01) for _ in range(-(-total // weight_bytes))]
-    a, out = torch.randn(SMALL_M, size), torch.empty(SMALL_M, size)
-
-    def cycle() -> float:
-        start = time.perf_counter()
-        for w in weights:
-            torch.mm(a, w, out=out)
-        return (time.perf_counter() - start) / len(weights)
-
-    cycle()
-    extra = min(cycle() for _ in range(passes)) - warm_s
-    return (weight_bytes / extra if extra > 0 else float("inf")), weight_bytes * len(weights)
+from tandem.simulate.host_gemm import SMALL_M, cold_weight_rate, last_level_cache_bytes, small_gemm_rate
+from tandem.simulate.host_link import LinkFit, measure_ranks
 
 
 def measure_switch_s(executor: str = "thread", yields: int = 200) -> float:
@@ -121,13 +73,18 @@ def host_profile(
         torch.set_num_threads(1)
         roofline = measure_roofline(torch.device("cpu"), torch.float32)
     size = roofline.matmul_size
-    small_rate = small_rate if small_rate is not None else _small_gemm_rate(size)
-    cycled = None
+    small_rate = small_rate if small_rate is not None else small_gemm_rate(size)
+    switch_s = switch_s if switch_s is not None else measure_switch_s(executor)
+    cold_how = "given by the caller, not measured in this run"
+    if ranks > 1 and (link is None or cold_rate is None):
+        on_ranks = measure_ranks(ranks, matmul_size=size if cold_rate is None else 0)
+        link = link or on_ranks.link
+        if cold_rate is None:
+            cold_rate, cold_how = on_ranks.cold_rate, _cold_source(size, on_ranks.cycled, ranks)
+    link = link or LinkFit.copies(roofline.bandwidth_bytes_per_s)
     if cold_rate is None:
         cold_rate, cycled = cold_weight_rate(size, 2.0 * SMALL_M * size * size / small_rate)
-    switch_s = switch_s if switch_s is not None else measure_switch_s(executor)
-    if link is None:
-        link = measure_link(ranks) if ranks > 1 else LinkFit.copies(roofline.bandwidth_bytes_per_s)
+        cold_how = _cold_source(size, cycled, 1)
     half = gemm_m_half(size, SMALL_M, small_rate / roofline.matmul_flops_per_s)
     measured = f"measured in this run (tandem.bench.roofline, float32, one thread; {size}-wide matmul"
     flops, read = roofline.matmul_flops_per_s, roofline.read_bandwidth_bytes_per_s
@@ -140,7 +97,7 @@ def host_profile(
         "element_bytes": (4, "derived: the CPU ranks keep weights and activations in float32 (4 bytes), not fp8 or bf16"),
         "gemm_efficiency_max": (1.0 + half / size, f"derived: the {size}-wide matmul's rate is reached at m = {size}"),
         "gemm_m_half": (half, f"derived: efficiency m / (m + h) through the {size}-wide and a {SMALL_M}-row matmul measured in this run"),
-        "cold_weight_bytes_per_s": (cold_rate, _cold_source(size, cycled)),
+        "cold_weight_bytes_per_s": (cold_rate, cold_how),
         "attention_prefill_efficiency": (1.0, "derived: the stand-in attention is matmuls at the measured rate"),
         "attention_decode_flops": (flops, f"{measured})"),
         "attention_decode_bytes_per_s": (read, "measured in this run: tandem.bench.roofline's read bandwidth"),
@@ -158,12 +115,12 @@ def host_profile(
     return HardwareProfile("here (CPU, gloo)", {k: v for k, (v, _) in figures.items()}, {k: s for k, (_, s) in figures.items()})
 
 
-def _cold_source(size: int, cycled: int | None) -> str:
-    if cycled is None:
-        return "given by the caller, not measured in this run"
-    return (f"measured in this run: a {SMALL_M}-row x {size}-wide float32 matmul cycled over {cycled / 2**20:.0f} MiB of "
-            f"distinct weights (more than the {last_level_cache_bytes() / 2**20:.0f} MiB last-level cache), its time "
-            f"over the same matmul's on one warm weight, per weight byte: what a GEMM adds reading its weights from memory")
+def _cold_source(size: int, cycled: int, ranks: int) -> str:
+    who = "one process" if ranks == 1 else f"each of {ranks} gloo ranks at once (rank 0's figure)"
+    return (f"measured in this run by {who}: a {SMALL_M}-row x {size}-wide float32 matmul cycled over "
+            f"{cycled / 2**20:.0f} MiB of distinct weights (more than the {last_level_cache_bytes() / 2**20:.0f} MiB "
+            f"last-level cache), its time over the same matmul's on one warm weight, per weight byte: what a GEMM "
+            f"adds reading its weights from memory")
 
 
 def _link_figures(link: LinkFit) -> dict:
@@ -188,4 +145,4 @@ def resolve_hardware(name: str, ranks: int) -> HardwareProfile:
     return load_hardware(name)
 
 
-__all__ = ["SMALL_M", "cold_weight_rate", "gemm_m_half", "host_profile", "last_level_cache_bytes", "measure_switch_s", "resolve_hardware"]
+__all__ = ["SMALL_M", "gemm_m_half", "host_profile", "measure_switch_s", "resolve_hardware"]

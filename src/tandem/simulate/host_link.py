@@ -1,8 +1,9 @@
-"""The transfer figures of `here`: gloo's dispatch and combine between ranks on this host,
-measured in the same run.
+"""What `here` measures on its gloo ranks, in the same run: gloo's dispatch and combine between
+them, and the rate a GEMM reads cold weights while every rank streams its own.
 
 Two (or `ranks`) processes join a gloo group over loopback, as `tandem bench` ranks do (one
-intra-op thread each), and run the runtime's own `torch_a2a` dispatch and combine
+intra-op thread each). Each first times `host_gemm.cold_weight_rate` at once (the ranks of a step
+stream their weights together, sharing the memory system), then they run the runtime's own `torch_a2a` dispatch and combine
 (`TorchAllToAllPrepareAndFinalize`: the counts exchange, the payload, ids and weights, the
 combine back) at a few token counts, float32 payloads, uniform top-k routing. The time of
 each call on rank 0 (median of its repeats) against the bytes it moves per rank (rows sent x
@@ -26,6 +27,17 @@ from tandem.bench.moe_stack import STACK_SHAPE
 KINDS = ("dispatch", "combine")
 #: Tokens per rank of the measured calls: a decode ubatch to a large prefill.
 TOKENS = (16, 128, 512)
+
+
+@dataclass(frozen=True)
+class RankMeasurements:
+    """What `measure_ranks` measured: the transfer line, and rank 0's cold-weight read rate
+    (bytes/s) over `cycled` bytes of weights while every rank cycled its own."""
+
+    link: "LinkFit"
+    cold_rate: float
+    cycled: int
+    ranks: int
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,18 @@ def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
     return torch.full((tokens, top_k), 1.0 / top_k), ids
 
 
+def _rank_cold_rate(size: int) -> tuple[float, int]:
+    """This rank's `host_gemm.cold_weight_rate`, every rank at once (a barrier before each part)."""
+    import torch.distributed as dist
+
+    from tandem.simulate.host_gemm import SMALL_M, cold_weight_rate, small_gemm_rate
+
+    dist.barrier()
+    warm_s = 2.0 * SMALL_M * size * size / small_gemm_rate(size)
+    dist.barrier()
+    return cold_weight_rate(size, warm_s)
+
+
 def _rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warmup: int) -> dict:
     """One rank: (bytes sent per rank, seconds) of each dispatch and combine size, median of `repeat`."""
     import torch.distributed as dist
@@ -105,11 +129,12 @@ def _rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, war
     return out
 
 
-def measure_link(ranks: int, *, tokens: tuple[int, ...] = TOKENS, repeat: int = 9, warmup: int = 3,
-                 timeout_s: float = 120.0) -> LinkFit:
-    """Fit this host's gloo dispatch and combine from `ranks` processes (rank 0's times). The
-    ranks are fresh interpreters (`python -m tandem.simulate.host_link`), so a caller's own
-    script is never re-run in them."""
+def measure_ranks(ranks: int, *, matmul_size: int = 1024, tokens: tuple[int, ...] = TOKENS, repeat: int = 9,
+                  warmup: int = 3, timeout_s: float = 120.0) -> RankMeasurements:
+    """Measure on `ranks` gloo processes (rank 0's figures): the cold-weight read rate of a
+    `matmul_size`-wide matmul (0: not measured) and the dispatch and combine line. The ranks are
+    fresh interpreters (`python -m tandem.simulate.host_link`), so a caller's own script is
+    never re-run in them."""
     import os
     import subprocess
     import sys
@@ -119,7 +144,8 @@ def measure_link(ranks: int, *, tokens: tuple[int, ...] = TOKENS, repeat: int = 
     world = max(ranks, 2)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": "1",
            "WORLD_SIZE": str(world)}
-    argv = [sys.executable, "-m", "tandem.simulate.host_link", ",".join(map(str, tokens)), str(repeat), str(warmup)]
+    argv = [sys.executable, "-m", "tandem.simulate.host_link", ",".join(map(str, tokens)), str(repeat), str(warmup),
+            str(matmul_size)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     outputs = []
@@ -136,11 +162,13 @@ def measure_link(ranks: int, *, tokens: tuple[int, ...] = TOKENS, repeat: int = 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=5)
-    return LinkFit.from_points({k: [tuple(p) for p in v] for k, v in json.loads(outputs[0]).items()})
+    doc = json.loads(outputs[0])
+    link = LinkFit.from_points({k: [tuple(p) for p in v] for k, v in doc["points"].items()})
+    return RankMeasurements(link, doc["cold"][0], doc["cold"][1], world)
 
 
 def _main(argv: list[str]) -> None:
-    """One rank of `measure_link` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); rank 0
+    """One rank of `measure_ranks` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); rank 0
     prints its points as JSON."""
     import os
 
@@ -151,11 +179,13 @@ def _main(argv: list[str]) -> None:
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
+        size = int(argv[3])
+        cold = _rank_cold_rate(size) if size else (0.0, 0)
         points = _rank_calls(rank, world, tuple(int(t) for t in argv[0].split(",")), int(argv[1]), int(argv[2]))
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps(points))
+        print(json.dumps({"points": points, "cold": cold}))
 
 
 if __name__ == "__main__":
@@ -164,4 +194,4 @@ if __name__ == "__main__":
     _main(sys.argv[1:])
 
 
-__all__ = ["KINDS", "LinkFit", "TOKENS", "fit_line", "measure_link"]
+__all__ = ["KINDS", "LinkFit", "RankMeasurements", "TOKENS", "fit_line", "measure_ranks"]

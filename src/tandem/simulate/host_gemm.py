@@ -1,0 +1,62 @@
+"""The GEMM figures of `here` (`simulate.host`): a short matmul on one warm weight, and the
+same matmul over more distinct weights than the last-level cache holds (the cold read a step
+pays, since a step reads each weight once). `simulate.host_link` runs the cold one on every
+gloo rank at once."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.bench.roofline import device_timer
+
+#: Rows of the small GEMM that prices short GEMMs (a decode ubatch's size).
+SMALL_M = 32
+#: Weights the cold-weight matmul cycles over: at least this much, and 1.5x the last-level cache.
+COLD_MIN_BYTES = 256 * 2**20
+
+
+def small_gemm_rate(size: int, repeat: int = 5) -> float:
+    """FLOP/s of a [SMALL_M, size] x [size, size] float32 matmul (the best of `repeat`)."""
+    timed = device_timer(torch.device("cpu"))
+    a, b = torch.randn(SMALL_M, size), torch.randn(size, size)
+    out = torch.empty(SMALL_M, size)
+    torch.mm(a, b, out=out)
+    seconds = min(timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeat))
+    return 2.0 * SMALL_M * size * size / seconds
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this host reports (sysfs), 0 when it reports none."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=0)
+
+
+def cold_weight_rate(size: int, warm_s: float, *, passes: int = 2) -> tuple[float, int]:
+    """(bytes per second, bytes cycled): the extra time per weight byte of a [SMALL_M, size] x
+    [size, size] float32 matmul whose weight comes from memory, over its time on one warm
+    weight (`warm_s`): the matmul runs over distinct weights, more of them than the last-level
+    cache holds (the best of `passes` passes after one that pages them in)."""
+    weight_bytes = size * size * 4
+    total = max(COLD_MIN_BYTES, int(1.5 * last_level_cache_bytes()))
+    weights = [torch.empty(size, size).fill_(0.01) for _ in range(-(-total // weight_bytes))]
+    a, out = torch.randn(SMALL_M, size), torch.empty(SMALL_M, size)
+
+    def cycle() -> float:
+        start = time.perf_counter()
+        for w in weights:
+            torch.mm(a, w, out=out)
+        return (time.perf_counter() - start) / len(weights)
+
+    cycle()
+    extra = min(cycle() for _ in range(passes)) - warm_s
+    return (weight_bytes / extra if extra > 0 else float("inf")), weight_bytes * len(weights)
+
+
+__all__ = ["COLD_MIN_BYTES", "SMALL_M", "cold_weight_rate", "last_level_cache_bytes", "small_gemm_rate"]
