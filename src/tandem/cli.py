@@ -320,6 +320,8 @@ def simulate(
     phase: str = typer.Option("prefill", help="prefill or decode."),
     tokens_per_rank: int = typer.Option(4096, help="Tokens per rank in the step (decode: requests per rank)."),
     context: int = typer.Option(4096, help="Prompt length (prefill) or cached tokens per request (decode)."),
+    draft_tokens: int = typer.Option(0, help="Decode: MTP draft tokens each request verifies per step (DeepSeek's profile: 1)."),
+    acceptance: float = typer.Option(0.0, help="Decode: share of the draft tokens kept, for tokens/s (the published figure: 0.6)."),
     modes: str = typer.Option("none,dbo,tbo", help="Comma-separated: none, dbo (2 ubatches), dboN, tbo, sbo-dispatch-shared, sbo-combine-shared."),
     trace: str = typer.Option(None, help="Write the simulated timelines as Chrome trace JSON to this file."),
     timeline: str = typer.Option(None, help="Draw each mode's timeline to PNG files named after this one (needs matplotlib)."),
@@ -338,7 +340,7 @@ def simulate(
             raise ValueError("--validate compares DeepSeek-V3 with DeepSeek's published H800 throughput, not this "
                              "host; benchmarks/simulate_here.py checks --hardware here against tandem bench")
         sim = run(model, hardware, ep=ep, phase=phase, tokens_per_rank=tokens_per_rank, context=context,
-                  modes=[m for m in modes.split(",") if m.strip()])
+                  modes=[m for m in modes.split(",") if m.strip()], draft_tokens=draft_tokens, acceptance=acceptance)
     except (ValueError, OSError) as exc:
         print(f"[tandem] error: {exc}", file=sys.stderr, flush=True)
         raise typer.Exit(code=2) from None

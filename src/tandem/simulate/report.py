@@ -28,7 +28,7 @@ def format_table(sim: Simulation) -> str:
     head = (
         f"{sim.model.name} on {sim.hardware.name}, DP-attention x EP{lay.ep} ({kernels}), "
         f"{w.phase}: {w.tokens_per_rank} tokens/rank, context {w.context}"
-    )
+    ) + (f", {w.draft_tokens} MTP draft/request ({w.acceptance:.0%} kept)" if w.draft_tokens else "")
     rows = [f"{'mode':<22}{'step ms':>10}{'tok/s/GPU':>12}{'vs none':>9}{'compute ms':>12}{'comm ms':>10}{'floor ms':>10}{'vs floor':>9}"]
     for r in sim.results:
         speed = sim.speedup(r)
