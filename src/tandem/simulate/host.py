@@ -7,7 +7,7 @@ beyond them, each measured here:
 - a short GEMM: one 32-row matmul on one warm weight prices the GEMM curve's small end, so a
   split batch's smaller GEMMs cost what they cost here;
 - cold weights: the same matmul cycled over more distinct weights than the last-level cache
-  holds, on every rank at once as a step runs (`simulate.host_link`); its extra time per
+  holds against as many on one warm weight, on every rank at once as a step runs (`simulate.host_link`); its extra time per
   weight byte (`cold_weight_bytes_per_s`) is what every GEMM adds for reading its weights
   from memory, as a step does (each weight is read once a step, and the ubatches of a split
   step read it again);
@@ -83,7 +83,7 @@ def host_profile(
             cold_rate, cold_how = on_ranks.cold_rate, _cold_source(size, on_ranks.cycled, ranks)
     link = link or LinkFit.copies(roofline.bandwidth_bytes_per_s)
     if cold_rate is None:
-        cold_rate, cycled = cold_weight_rate(size, 2.0 * SMALL_M * size * size / small_rate)
+        cold_rate, cycled = cold_weight_rate(size)
         cold_how = _cold_source(size, cycled, 1)
     half = gemm_m_half(size, SMALL_M, small_rate / roofline.matmul_flops_per_s)
     measured = f"measured in this run (tandem.bench.roofline, float32, one thread; {size}-wide matmul"

@@ -38,24 +38,27 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def cold_weight_rate(size: int, warm_s: float, *, passes: int = 2) -> tuple[float, int]:
+def cold_weight_rate(size: int, *, passes: int = 2) -> tuple[float, int]:
     """(bytes per second, bytes cycled): the extra time per weight byte of a [SMALL_M, size] x
-    [size, size] float32 matmul whose weight comes from memory, over its time on one warm
-    weight (`warm_s`): the matmul runs over distinct weights, more of them than the last-level
-    cache holds (the best of `passes` passes after one that pages them in)."""
+    [size, size] float32 matmul whose weight comes from memory. The matmul runs once per weight
+    over more distinct weights than the last-level cache holds, and half as many times over the
+    first weight alone (warm): the best of `passes` interleaved passes each, after one that
+    pages the weights in, so a passing load slows both alike."""
     weight_bytes = size * size * 4
     total = max(COLD_MIN_BYTES, int(1.5 * last_level_cache_bytes()))
     weights = [torch.empty(size, size).fill_(0.01) for _ in range(-(-total // weight_bytes))]
     a, out = torch.randn(SMALL_M, size), torch.empty(SMALL_M, size)
 
-    def cycle() -> float:
+    def cycle(over: list[torch.Tensor]) -> float:
         start = time.perf_counter()
-        for w in weights:
+        for w in over:
             torch.mm(a, w, out=out)
-        return (time.perf_counter() - start) / len(weights)
+        return (time.perf_counter() - start) / len(over)
 
-    cycle()
-    extra = min(cycle() for _ in range(passes)) - warm_s
+    warm_only = [weights[0]] * (len(weights) // 2)
+    cycle(weights)
+    cold, warm = zip(*((cycle(weights), cycle(warm_only)) for _ in range(passes)))
+    extra = min(cold) - min(warm)
     return (weight_bytes / extra if extra > 0 else float("inf")), weight_bytes * len(weights)
 
 

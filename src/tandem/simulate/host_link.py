@@ -86,15 +86,13 @@ def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
 
 
 def _rank_cold_rate(size: int) -> tuple[float, int]:
-    """This rank's `host_gemm.cold_weight_rate`, every rank at once (a barrier before each part)."""
+    """This rank's `host_gemm.cold_weight_rate`, every rank at once (after a barrier)."""
     import torch.distributed as dist
 
-    from tandem.simulate.host_gemm import SMALL_M, cold_weight_rate, small_gemm_rate
+    from tandem.simulate.host_gemm import cold_weight_rate
 
     dist.barrier()
-    warm_s = 2.0 * SMALL_M * size * size / small_gemm_rate(size)
-    dist.barrier()
-    return cold_weight_rate(size, warm_s)
+    return cold_weight_rate(size)
 
 
 def _rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warmup: int) -> dict:
