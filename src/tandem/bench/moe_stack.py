@@ -53,8 +53,9 @@ class _StackLayer(DecoderLayerOperations):
         self.expert_weights = (weights["w1"], weights["w2"])
 
     @staticmethod
-    def input_layernorm(x: torch.Tensor) -> torch.Tensor:
-        return x
+    def input_layernorm(x: torch.Tensor, residual: torch.Tensor | None = None):
+        """No norm; given the previous layer's residual, its add (as `post_attention_layernorm`)."""
+        return x if residual is None else _StackLayer.post_attention_layernorm(x, residual)
 
     @staticmethod
     def post_attention_layernorm(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,11 +165,13 @@ class MoEStack:
         decode = self.phase == "decode"
         strategy = OperationsStrategy.concat([layer.operations_strategy(decode=decode) for layer in layers])
         chunks = x.tensor_split(self.num_ubatches)
-        return self.executors["stages"].run(
+        outputs = self.executors["stages"].run(
             [{"hidden_states": chunk, "positions": None} for chunk in chunks],
             [strategy.operations] * len(chunks),
             [i * strategy.delta_stages for i in range(len(chunks))],
         )
+        # The last layer hands its output and residual on unsummed: the stack's last add.
+        return [out["residual"] + out["hidden_states"] for out in outputs]
 
     def step_overlap(self, overlap: OverlapConfig, tokens: int, fabric: FabricModel | None) -> StepTimes:
         """One step decided as the runtime decides it (`decide_overlap`: the DP all-reduce

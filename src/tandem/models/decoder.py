@@ -1,7 +1,13 @@
 """The decoder skeleton every family shares (embed → [norm, attention, norm, MLP or MoE] × L
 → norm → lm_head), and loading HF-named tensors into it. A family (`qwen_moe.py`,
 `mixtral.py`, `deepseek.py`) builds one layer's attention and MLP; the layer signature is
-`layer(positions, hidden)` and an attention's is `attention(positions, x)` for all of them."""
+`layer(positions, hidden, residual=None) -> (hidden, residual)` and an attention's is
+`attention(positions, x)` for all of them.
+
+A layer hands its MLP output and the residual on unsummed (as vLLM's decoder layers do): the
+next layer's input norm, or the model's final norm, adds them in its fused add + norm (one
+kernel on CUDA and on the CPU), with the same roundings as the add then the norm. A pipeline
+stage that is not the last hands the next stage the sum."""
 
 from __future__ import annotations
 
@@ -57,10 +63,18 @@ class DecoderLayer(DecoderLayerOperations, nn.Module):
     def attention_core(self, prepared: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return self.self_attn.core(prepared)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
-        normed, hidden = self.post_attention_layernorm(attn_out, hidden)
-        return hidden + self.feed_forward(normed)
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(MLP output, residual)`, unsummed. `residual` is the previous layer's (None for the
+        first layer, whose `hidden` is the residual): the input norm adds it to `hidden`."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        attn_out = self.self_attn(positions, hidden)
+        normed, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.feed_forward(normed), residual
 
 
 class DecoderBackbone(nn.Module):
@@ -181,9 +195,18 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """On a later pipeline stage `input_ids` are the previous stage's hidden states."""
         hidden = self.model.embed_tokens(input_ids) if self.stage.is_first else input_ids
+        residual = None
         for layer in self.model.layers[self.stage.start : self.stage.end]:
-            hidden = layer(positions, hidden)
-        return self.model.norm(hidden) if self.stage.is_last else hidden
+            hidden, residual = layer(positions, hidden, residual)
+        return self.finish_stage(hidden, residual)
+
+    def finish_stage(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's `(hidden, residual)` summed: through the final norm's fused add +
+        norm on the last stage, a plain add for the next stage to take (`residual + hidden`,
+        the add the layer used to end with)."""
+        if self.stage.is_last:
+            return self.model.norm(hidden) if residual is None else self.model.norm(hidden, residual)[0]
+        return hidden if residual is None else residual + hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

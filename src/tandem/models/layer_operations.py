@@ -2,8 +2,10 @@
 
 `DecoderLayerOperations` is mixed into a pre-norm MoE decoder layer (input norm →
 attention → residual → post-attention norm → MLP or MoE → residual). Its operations carry
-`{"hidden_states", "positions"}` from layer to layer and keep what a later stage needs in
-the ubatch's state; the MoE ones are the kernel's steps (`dispatch_send`, ...).
+`{"hidden_states", "residual", "positions"}` from layer to layer, the MLP output and the
+residual unsummed as the layer's forward hands them on (the next layer's input norm adds
+them, fused; the first layer gets no residual), and keep what a later stage needs in the
+ubatch's state; the MoE ones are the kernel's steps (`dispatch_send`, ...).
 
 Strategies, as SGLang cuts them (`|` is a `YieldOperation`; lists of consecutive layers are
 concatenated, so a layer's last stage and the next layer's first are one stage):
@@ -20,7 +22,8 @@ concatenated, so a layer's last stage and the next layer's first are one stage):
 
 `OperationsModel` gives a model the three methods `UBatchWrapper` runs TBO with: the
 embedding and the leading dense layers (`first_k_dense_replace`) on the whole batch, outside
-the overlap as in SGLang; the strategy of the remaining layers; the final norm.
+the overlap as in SGLang (their `hidden_states` and `residual` are cut by tokens like every
+input); the strategy of the remaining layers; the final norm, with the last add.
 """
 
 from __future__ import annotations
@@ -55,9 +58,15 @@ class DecoderLayerOperations:
 
     # -- attention -----------------------------------------------------------------------
 
-    def op_comm_prepare_attn(self, state: dict, hidden_states: torch.Tensor, positions: torch.Tensor) -> dict:
-        state["residual"], state["positions"] = hidden_states, positions
-        return {"hidden_states": self.input_layernorm(hidden_states)}
+    def op_comm_prepare_attn(
+        self, state: dict, hidden_states: torch.Tensor, positions: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> dict:
+        state["positions"] = positions
+        if residual is None:
+            state["residual"] = hidden_states
+            return {"hidden_states": self.input_layernorm(hidden_states)}
+        normed, state["residual"] = self.input_layernorm(hidden_states, residual)
+        return {"hidden_states": normed}
 
     def op_attn_prepare(self, state: dict, hidden_states: torch.Tensor) -> dict:
         state["attention"] = self.self_attn.prepare(state["positions"], hidden_states)
@@ -98,7 +107,7 @@ class DecoderLayerOperations:
         return {"mlp_output": self.feed_forward.kernel.output(state.pop("moe"))}
 
     def op_comm_postprocess_layer(self, state: dict, mlp_output: torch.Tensor) -> dict:
-        return {"hidden_states": state.pop("residual") + mlp_output, "positions": state.pop("positions")}
+        return {"hidden_states": mlp_output, "residual": state.pop("residual"), "positions": state.pop("positions")}
 
     # -- strategies ----------------------------------------------------------------------
 
@@ -149,7 +158,8 @@ class OperationsModel:
         return OperationsStrategy.concat([layer.operations_strategy(decode) for layer in layers])
 
     def operations_output(self, outputs: dict) -> torch.Tensor:
-        return self.model.norm(outputs["hidden_states"])
+        """The final norm, adding the last layer's residual as the forward does."""
+        return self.model.norm(outputs["hidden_states"], outputs["residual"])[0]
 
 
 __all__ = ["DECODE_DELTA_STAGES", "PREFILL_DELTA_STAGES", "DecoderLayerOperations", "OperationsModel"]
