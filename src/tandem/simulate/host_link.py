@@ -96,7 +96,8 @@ def _rank_cold_rate(size: int) -> tuple[float, int]:
 
 
 def _rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warmup: int) -> dict:
-    """One rank: (bytes sent per rank, seconds) of each dispatch and combine size, median of `repeat`."""
+    """One rank: (bytes sent per rank, seconds) of each dispatch and combine size, median of
+    `repeat`; the sizes take turns within each repeat, so a passing load touches them alike."""
     import torch.distributed as dist
 
     from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
@@ -104,14 +105,12 @@ def _rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, war
     hidden, experts, top_k = STACK_SHAPE["hidden"], STACK_SHAPE["experts"], STACK_SHAPE["top_k"]
     pf = TorchAllToAllPrepareAndFinalize(experts)
     gen = torch.Generator().manual_seed(rank)
-    out: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
-    for t in tokens:
-        x = torch.randn(t, hidden, generator=gen)
-        weights, ids = _routing(t, experts, top_k, gen)
-        times: dict[str, list[float]] = {k: [] for k in KINDS}
-        sent = 0
-        dist.barrier()
-        for i in range(warmup + repeat):
+    inputs = [(torch.randn(t, hidden, generator=gen), *_routing(t, experts, top_k, gen)) for t in tokens]
+    times = {(kind, t): [] for kind in KINDS for t in tokens}
+    sent = {}
+    dist.barrier()
+    for i in range(warmup + repeat):
+        for t, (x, weights, ids) in zip(tokens, inputs):
             start = time.perf_counter()
             _, receive = pf.prepare_async(x, weights, ids, use_fp8=False)
             received = receive()
@@ -119,12 +118,10 @@ def _rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, war
             _, back = pf.finalize_async(received.hidden, received, weights, ids)
             back()
             if i >= warmup:
-                times["dispatch"].append(dispatched - start)
-                times["combine"].append(time.perf_counter() - dispatched)
-            sent = sum(received.handle[1])  # rows this rank sent (and gets back)
-        for kind in KINDS:
-            out[kind].append((float(sent * hidden * 4), statistics.median(times[kind])))
-    return out
+                times["dispatch", t].append(dispatched - start)
+                times["combine", t].append(time.perf_counter() - dispatched)
+            sent[t] = sum(received.handle[1])  # rows this rank sent (and gets back)
+    return {kind: [(float(sent[t] * hidden * 4), statistics.median(times[kind, t])) for t in tokens] for kind in KINDS}
 
 
 def measure_ranks(ranks: int, *, matmul_size: int = 1024, tokens: tuple[int, ...] = TOKENS, repeat: int = 9,
