@@ -7,8 +7,11 @@ moe-stack` runs on 2 gloo ranks over loopback (modes none and dbo, decode and pr
 token counts), then the simulator predicts the same rows on the measured profile. Nothing is
 fitted to the bench: every figure of the profile is the host's own measurement.
 
-Per row: the measured step (median of the bench's repeats), the predicted step, the error, the
-sign of (mode - none) measured and predicted, and met / missed against +-10 %. Beside each row
+First the profile's figures the prediction turns on (matmul rate and short-GEMM curve, cold
+weight read rate, gloo's fixed cost and rate per dispatch and combine, hand-over), and the load
+average (the rows are only as good as the machine is quiet). Per row: the measured step (median
+of the bench's repeats, and their [min, max]), the predicted step, the error, within +-10 %
+yes / no, the sign of (mode - none) measured and predicted, and the verdict. Beside each row
 the terms of the model, measured against predicted, so a miss names the term that is off:
 
 - compute: the unsplit step's computation (bench: the floor's compute-only step);
@@ -19,7 +22,7 @@ the terms of the model, measured against predicted, so a miss names the term tha
 - switch cost: the hand-overs between ubatches (bench: the time model's switch time);
 - imbalance and waits: the step minus the terms above (the model has none: its ranks are equal).
 
-    python benchmarks/simulate_here.py          # ~2 min on 2 cores
+    python benchmarks/simulate_here.py          # ~80 s on 2 cores
     python benchmarks/simulate_here.py --quick  # smoke run: one size per phase, 2 repeats
 
 Prints the table and writes benchmarks/results/simulate_here.json.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -162,11 +166,14 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULT)
     args = parser.parse_args()
     tokens, repeat, warmup = (QUICK_TOKENS, 2, 1) if args.quick else (TOKENS, 5, 2)
+    load_before = os.getloadavg()[0]
     hw = resolve_hardware(HERE, RANKS)  # measured first, in this process, as tandem simulate --hardware here does
     rows = [row for phase, sizes in tokens.items() for row in measure_rows(phase, sizes, repeat, warmup)]
     table = compare(rows, hw)
+    load = (round(load_before, 2), round(os.getloadavg()[0], 2))
     print(f"{MODEL}, {RANKS} gloo ranks over loopback: tandem bench (median of {repeat}) against "
-          f"tandem simulate --hardware here (measured in this run)")
+          f"tandem simulate --hardware here (measured in this run); load average {load[0]:.1f} at the start, "
+          f"{load[1]:.1f} at the end ({os.cpu_count()} cores: above ~0.5 the rows are noisy)")
     print(format_profile(hw))
     print(format_table(table))
     met = sum(r["met"] for r in table)
@@ -176,7 +183,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     document = {"rows": table, "profile": {k: {"value": v, "source": hw.sources[k]} for k, v in hw.figures.items()},
                 "config": {"model": MODEL, "ranks": RANKS, "modes": list(MODES), "tokens": tokens, "repeat": repeat,
-                           "warmup": warmup, "tolerance": TOLERANCE}}
+                           "warmup": warmup, "tolerance": TOLERANCE, "load_average_start_end": list(load)}}
     args.output.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {args.output}", file=sys.stderr)
 
