@@ -1,11 +1,17 @@
 """RMSNorm, alone or fused with the residual add before it.
 
-`rms_norm` is `torch.nn.functional.rms_norm` (one fused op on CUDA; on the CPU, where torch
-runs it as ~10 ATen ops, one of tandem's kernels). `fused_add_rms_norm` returns
-`(rms_norm(x + residual), x + residual)`: one Triton kernel on CUDA, one of tandem's kernels
-on the CPU, the two torch ops elsewhere. Both keep the reference's roundings: the sum is
-rounded to the model dtype (it is the next residual), normalised in float32, cast back, then
-scaled by the weight.
+`rms_norm`: on CUDA one Triton kernel (the add + norm kernel without the add), on the CPU one
+of tandem's kernels (torch runs its `rms_norm` there as ~10 ATen ops), elsewhere
+`torch.nn.functional.rms_norm`. `fused_add_rms_norm` returns `(rms_norm(x + residual), x +
+residual)`: one Triton kernel on CUDA, one of tandem's kernels on the CPU, the two torch ops
+elsewhere. The kernels keep the reference's (HF's `LlamaRMSNorm`) roundings by construction:
+the sum is rounded to the model dtype (it is the next residual), normalised in float32, cast
+back, then scaled by the weight (tests: bit for bit against transformers' class in bfloat16).
+`F.rms_norm` does not (gpu-review-3 G15): torch 2.13 scales by the weight before its one cast
+back, which moves ~26 % of bfloat16 outputs by one ulp against HF's class, eager and under
+inductor alike (measured on the CPU). It is left where torch.compile traces the model (the
+compiled CPU step, whose tokens are kept as they are), in a CPU graph capture and for dtypes
+the kernels do not take.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from tandem.platform import cpu_kernels, triton_utils
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if triton_utils.use_triton(x) and weight.dtype == x.dtype:
+        return rms_norm_triton(x, weight, eps)
     if cpu_kernels.takes_eager(x, weight):
         return cpu_kernels.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -31,18 +39,25 @@ def _define(triton) -> SimpleNamespace:
     @triton.jit
     def add_rms_norm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-        H, stride_x, stride_res, eps,
-        BLOCK: tl.constexpr,
+        H, stride_x, stride_res, eps, inner, stride_x_inner,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """One row: `s = x + res` (rounded to the model dtype), `out = w * (s / rms(s))`."""
+        """One row: `s = x + res` rounded to the model dtype (without a residual `s = x`, and
+        `res_ptr`, `res_out_ptr` unused), `out = w * (s / rms(s))` with HF's roundings:
+        normalised in float32, cast to the model dtype, then scaled. Row r of `x` is at
+        `(r // inner) * stride_x + (r % inner) * stride_x_inner` (a [tokens, heads, dim] view
+        needs no copy)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-        res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
-        total = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * H + cols, total, mask=ok)
-        s = total.to(tl.float32)
+        x = tl.load(x_ptr + (row // inner) * stride_x + (row % inner) * stride_x_inner + cols, mask=ok, other=0.0)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+            total = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * H + cols, total, mask=ok)
+            s = total.to(tl.float32)
+        else:
+            s = x.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
         normed = (s * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -65,10 +80,32 @@ def fused_add_rms_norm_triton(
     both = torch.empty((2, rows, hidden), dtype=residual.dtype, device=x.device)
     if rows:
         triton_utils.kernels(_define).add_rms_norm[(rows,)](
-            x2, res2, weight, both[0], both[1], hidden, x2.stride(0), res2.stride(0), eps,
-            BLOCK=triton_utils.next_power_of_2(hidden),
+            x2, res2, weight, both[0], both[1], hidden, x2.stride(0), res2.stride(0), eps, 1, 0,
+            HAS_RESIDUAL=True, BLOCK=triton_utils.next_power_of_2(hidden),
         )  # fmt: skip
     return both[0].view(residual.shape), both[1].view(residual.shape)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The add + norm kernel without the add (any device the interpreter or a GPU runs it
+    on): `rms_norm(x)` with HF's roundings, a fresh contiguous output. Rows may be strided
+    (a [tokens, heads, dim] view too: Qwen3's per-head q/k norm), the last dim must be
+    contiguous."""
+    shape, hidden = x.shape, x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 3:  # [tokens, heads, dim]: rows on a two-level grid, whatever the strides
+        rows, inner, stride_x, stride_inner = x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+    else:
+        x = x.reshape(-1, hidden)  # a view for 1-D and 2-D
+        rows, inner, stride_x, stride_inner = x.shape[0], 1, x.stride(0), 0
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if rows:
+        triton_utils.kernels(_define).add_rms_norm[(rows,)](
+            x, x, weight, out, out, hidden, stride_x, 0, eps, inner, stride_inner,
+            HAS_RESIDUAL=False, BLOCK=triton_utils.next_power_of_2(hidden),
+        )  # fmt: skip
+    return out
 
 
 def fused_add_rms_norm(
@@ -98,4 +135,4 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-__all__ = ["RMSNorm", "fused_add_rms_norm", "fused_add_rms_norm_triton", "rms_norm"]
+__all__ = ["RMSNorm", "fused_add_rms_norm", "fused_add_rms_norm_triton", "rms_norm", "rms_norm_triton"]
