@@ -91,12 +91,13 @@ class HardwareProfile:
     def gemm_table_rate(self, m: float, n: int, k: int) -> float | None:
         """The published FP8 rate (FLOP/s) of a GEMM of this [k, n] weight at `m` rows per group,
         where the profile's `gemm_table` has rows for that weight (DeepGEMM's README: DeepSeek's
-        own shapes): linear in log m between its rows, the first row's time below it, the last
-        row's rate above it. None for a weight the table lacks (the fitted curve prices it)."""
+        own shapes), each at this profile's HBM (`_table_row_rate`): linear in log m between its
+        rows, the first row's time below it, the last row's rate above it. None for a weight the
+        table lacks (the fitted curve prices it)."""
         points: dict[int, list[float]] = {}
         for row in self.figures.get("gemm_table", ()):
             if (row["n"], row["k"]) == (n, k):
-                points.setdefault(row["m"], []).append(row["tflops"] * 1e12)
+                points.setdefault(row["m"], []).append(self._table_row_rate(row))
         if not points:
             return None
         ms = sorted(points)
@@ -108,6 +109,23 @@ class HardwareProfile:
         i = next(j for j in range(1, len(ms)) if m <= ms[j])
         t = math.log(m / ms[i - 1]) / math.log(ms[i] / ms[i - 1])
         return rates[i - 1] + t * (rates[i] - rates[i - 1])
+
+    def _table_row_rate(self, row: dict[str, float]) -> float:
+        """One `gemm_table` row's rate on this profile. The rows are measurements on a GPU with
+        `gemm_table_hbm_bytes_per_s` of HBM (H800's, for DeepGEMM's tables); on the same tensor
+        cores with other HBM, the part of a row's time that its bytes take beyond its compute
+        floor (the FLOPs at the curve's best rate) is taken at this profile's HBM instead: a
+        compute-bound row carries as published, a memory-bound one moves with the bandwidth."""
+        m, n, k, groups = row["m"], row["n"], row["k"], row.get("groups", 1)
+        flops, rate = 2.0 * m * n * k * groups, row["tflops"] * 1e12
+        measured_on = float(self.figures.get("gemm_table_hbm_bytes_per_s", self.hbm_bytes_per_s))
+        if measured_on == self.hbm_bytes_per_s:
+            return rate
+        bytes_ = groups * (n * k + m * k + m * n * 2)
+        floor = flops / (self.fp8_flops * self.gemm_efficiency_max)
+        excess_there = max(0.0, bytes_ / (measured_on * self.hbm_efficiency) - floor)
+        excess_here = max(0.0, bytes_ / self.hbm_rate() - floor)
+        return flops / (flops / rate - excess_there + excess_here)
 
     def cold_weight_time(self, weight_bytes: float) -> float:
         """What a GEMM adds for reading weights that are not in cache (a profile's measured
