@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import signal
@@ -57,6 +58,7 @@ def main() -> int:
     parser.add_argument("--grammar-cache-mb", type=int, default=512, help="The bound under test (512: the default).")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--every", type=int, default=5_000, help="Sample memory every this many requests.")
+    parser.add_argument("--note", default="", help="What else ran on the machine, for the JSON record.")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "grammar_flood.json")
     args = parser.parse_args()
     # A SIGTERM (a stopped job) unwinds like Ctrl-C, so the server this started is stopped too.
@@ -101,7 +103,7 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "command": "python benchmarks/grammar_flood.py " + " ".join(sys.argv[1:]),
-        "machine": {"python": platform.python_version(), "note": "2 cores, shared with the 2-hour soak"},
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "note": args.note},
         "grammar_cache_mb": bound, "schemas": sent, "flood_s": flood_s, "statuses": statuses,
         "rank_growth_mb": growth, "repeat_growth_mb": repeat_growth, "goal_met": met, "samples": rows,
     }, indent=2) + "\n")
