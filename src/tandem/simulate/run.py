@@ -150,17 +150,28 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     share = 1.0
     if overlapped:
         share = (hw.sms - hw.comm_sms(layout.low_latency)) / hw.sms
-    costs = OpCosts(shape, hw, layout, sm_share=share, overlapped=overlapped)
+    # Alone: all SMs, a transfer at its table bandwidth. Overlapped: compute at the SMs a normal
+    # DeepEP transfer leaves, a transfer at the bandwidth it keeps; `play` applies each only
+    # while the other stream is busy.
+    alone = OpCosts(shape, hw, layout)
+    shared = OpCosts(shape, hw, layout, sm_share=share, overlapped=True) if overlapped else alone
 
-    def cost(u: int, step: Step) -> float:
+    def priced(costs: OpCosts, u: int, step: Step) -> float:
         if step.name in ("dispatch_send", "combine_send"):
             return costs.transfer(step.name.split("_")[0], works[u])
         return costs.compute(step.name, works[u])
 
+    def overlap_rate(u: int, step: Step) -> float:
+        by_itself, overlapped_time = priced(alone, u, step), priced(shared, u, step)
+        return by_itself / overlapped_time if overlapped_time > by_itself > 0 else 1.0
+
     # On a host whose cores do the transfers (gloo on a CPU) a transfer holds compute in every mode.
     sync = not overlapped or hw.transfers_on_compute
-    spans = play(order, cost, sync_comm=sync, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
-                 kernel=lambda u, step: costs.send_kernel(SENDS[step.name], works[u]))
+    costs = shared if sync else alone
+    spans = play(order, lambda u, step: priced(costs, u, step), sync_comm=sync,
+                 switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
+                 kernel=lambda u, step: costs.send_kernel(SENDS[step.name], works[u]),
+                 overlap_rate=None if sync else overlap_rate)
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
     comm = sum(s.end - s.start for s in spans if s.lane == "comm")

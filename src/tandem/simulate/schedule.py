@@ -17,6 +17,13 @@
   from one ubatch to another in the issue order costs the host `switch_s`, which delays the
   next compute op (a profile's `ubatch_switch_s`). A send with a `kernel` time runs that
   kernel on the compute stream first (a low-latency call's SM part), then its transfer.
+- An op's `cost` is its time alone. With `overlap_rate`, its work progresses at that rate
+  (<= 1) while the other stream runs something and at 1 otherwise: a compute op at the SMs a
+  normal DeepEP transfer leaves it only while a transfer is in flight, a transfer at the
+  bandwidth it keeps under overlap only while compute runs. Exact, not only against the
+  transfers issued before a compute op: `play` first writes each op's start as the ends it
+  waits for (issue order), then runs both streams in time, so a transfer issued after a
+  compute op that starts during it (DBO's and TBO's next ubatch) slows it too.
 """
 
 from __future__ import annotations
@@ -200,42 +207,109 @@ class Span:
     end: float
 
 
-def play(
-    order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool, switch_s: float = 0.0,
-    kernel: Callable[[int, Step], float] | None = None,
-) -> list[Span]:
-    """Time an issue order on one compute and one comm stream (see the module docstring)."""
-    compute_free = comm_free = 0.0
-    ready: dict[int, float] = {}
-    landing: dict[tuple[int, str], float] = {}
-    spans: list[Span] = []
+class _At:
+    """A start not known yet: max(`base`, end of op i + delay for each i in `after`)."""
+
+    __slots__ = ("base", "after")
+
+    def __init__(self, base: float = 0.0, after: dict[int, float] | None = None):
+        self.base, self.after = base, after or {}
+
+    def __add__(self, delay: float) -> "_At":
+        return _At(self.base + delay, {i: d + delay for i, d in self.after.items()})
+
+    def join(self, other: "_At") -> "_At":
+        after = dict(self.after)
+        for i, d in other.after.items():
+            after[i] = max(after.get(i, d), d)
+        return _At(max(self.base, other.base), after)
+
+    def value(self, ends: dict[int, float]) -> float | None:
+        if any(i not in ends for i in self.after):
+            return None
+        return max([self.base] + [ends[i] + d for i, d in self.after.items()])
+
+
+@dataclass(frozen=True)
+class _Op:
+    ubatch: int
+    lane: str
+    step: Step
+    start: _At
+    work: float  # seconds alone
+    rate: float  # progress while the other lane runs an op
+
+
+def _issue(order, cost, sync_comm, switch_s, kernel, overlap_rate) -> list[_Op]:
+    """Each op of the issue order with its start as the ends of the ops it waits for."""
+    zero, ops = _At(0.0), []
+    compute_free = comm_free = zero
+    ready: dict[int, _At] = {}
+    landing: dict[tuple[int, str], _At] = {}
+    rate = overlap_rate or (lambda u, step: 1.0)
+
+    def add(u: int, lane: str, step: Step, start: _At, work: float, at_rate: float = 1.0) -> _At:
+        ops.append(_Op(u, lane, step, start, work, at_rate))
+        return _At(float("-inf"), {len(ops) - 1: 0.0})
+
     issuing = order[0][0] if order else 0
     for u, step in order:
         if u != issuing:
             compute_free, issuing = compute_free + switch_s, u
-        at = ready.get(u, 0.0)
+        at = ready.get(u, zero)
         if step.name in SENDS:
             sm_time = kernel(u, step) if kernel else 0.0
             if sm_time:
-                at = max(compute_free, at)
-                compute_free = ready[u] = at + sm_time
-                spans.append(Span(u, "compute", step, at, at + sm_time))
-                at += sm_time
-            start = max(comm_free, at)
-            end = start + cost(u, step)
+                at = compute_free = ready[u] = add(u, "compute", step, compute_free.join(at), sm_time)
+            end = add(u, "comm", step, comm_free.join(at), cost(u, step), rate(u, step))
             comm_free = landing[(u, SENDS[step.name])] = end
-            spans.append(Span(u, "comm", step, start, end))
             if sync_comm:
-                compute_free = max(compute_free, end)
-                ready[u] = end
+                compute_free, ready[u] = compute_free.join(end), end
         elif step.name in RECEIVES:
-            ready[u] = max(at, landing.pop((u, RECEIVES[step.name]), at))
+            ready[u] = at.join(landing.pop((u, RECEIVES[step.name]), at))
         else:
-            start = max(compute_free, at)
-            end = start + cost(u, step)
-            compute_free = ready[u] = end
-            spans.append(Span(u, "compute", step, start, end))
-    return spans
+            compute_free = ready[u] = add(u, "compute", step, compute_free.join(at), cost(u, step), rate(u, step))
+    return ops
+
+
+def _run(ops: list[_Op]) -> list[Span]:
+    """Both lanes in time, each running its ops in order: an op's work progresses at its rate
+    while the other lane runs an op, at 1 otherwise."""
+    queues = {lane: [i for i, op in enumerate(ops) if op.lane == lane] for lane in ("compute", "comm")}
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    running: dict[str, list] = {}  # lane -> [op, start, end at the current rate, current rate]
+    t = 0.0
+    while True:
+        for lane, queue in queues.items():
+            if lane not in running and queue and (start := ops[queue[0]].start.value(ends)) is not None:
+                running[lane] = [queue[0], start, start + ops[queue[0]].work, 1.0]
+        if not running:
+            break
+        busy = {lane for lane, job in running.items() if job[1] <= t}
+        for lane in busy:
+            job = running[lane]
+            rate = ops[job[0]].rate if len(busy) == 2 else 1.0
+            if rate != job[3]:
+                job[2], job[3] = t + (job[2] - t) * job[3] / rate, rate
+        t = min(job[1] if job[1] > t else job[2] for job in running.values())
+        for lane, job in list(running.items()):
+            if job[1] <= t and job[2] <= t:
+                starts[job[0]], ends[job[0]] = job[1], job[2]
+                del running[lane]
+                queues[lane].pop(0)
+    if len(ends) != len(ops):
+        raise RuntimeError("play: an op waits for one that never runs")
+    return [Span(op.ubatch, op.lane, op.step, starts[i], ends[i]) for i, op in enumerate(ops)]
+
+
+def play(
+    order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool, switch_s: float = 0.0,
+    kernel: Callable[[int, Step], float] | None = None, overlap_rate: Callable[[int, Step], float] | None = None,
+) -> list[Span]:
+    """Time an issue order on one compute and one comm stream (see the module docstring):
+    `cost` is each op's time alone, `overlap_rate` its progress while the other stream runs."""
+    return _run(_issue(order, cost, sync_comm, switch_s, kernel, overlap_rate))
 
 
 __all__ = ["Span", "Step", "YIELD", "issue_order", "layer_steps", "moe_forward_order", "play", "tbo_program"]
