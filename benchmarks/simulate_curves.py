@@ -20,13 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 from tandem.simulate import simulate, validation_rows  # noqa: E402
 
-#: SBO is left out of prefill: the model prices every compute op of an overlapped mode at the
-#: SMs the normal DeepEP kernels leave it (108 of 132), which fits DBO and TBO, whose transfers
-#: are in flight nearly all the step, but not SBO, which overlaps only the shared experts; its
-#: prefill curve would sit below `none` for that reason alone. Decode's low-latency kernels take
-#: no SMs, so SBO is priced fairly there.
 PHASES = {
-    "prefill": {"ep": 32, "sizes": (512, 1024, 2048, 4096, 8192, 16384), "modes": ("none", "dbo", "tbo")},
+    "prefill": {"ep": 32, "sizes": (512, 1024, 2048, 4096, 8192, 16384), "modes": ("none", "dbo", "tbo", "sbo-combine-shared")},
     "decode": {"ep": 128, "sizes": (8, 16, 32, 64, 128, 256), "modes": ("none", "dbo", "tbo", "sbo-combine-shared")},
 }
 
