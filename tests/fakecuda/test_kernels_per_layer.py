@@ -8,11 +8,11 @@ Both halves come from the one `OpCounter` (the Triton launches the stub reports 
 `tandem.platform.triton_launches`, as the real launcher does for `tandem profile`), checked
 against the stub's own log. The goal (issue 24) is <= 40 kernels per layer, and the bound asserted here: before the fused
 kernels and the Triton decode attention a MoE layer launched 138 (DeepSeek-V2-Lite shape) and
-145 (Qwen3-MoE shape); now 19 and 17 (issue 30: the pair sum replaced a zero fill, a sum and
-a cast; MLA's value projection writes its output in token order, with no copy; MLA's decode
-query reaches the kernel in two parts, with no `cat`; MLA's latent is normalised inside the
-RoPE + cache-write kernel; its two input projections are one GEMM; the input norm adds the
-previous layer's residual).
+145 (Qwen3-MoE shape); now 18 and 17 (issue 30: the pair sum replaced a zero fill, a sum and
+a cast, and adds the shared experts' output; MLA's value projection writes its output in
+token order, with no copy; MLA's decode query reaches the kernel in two parts, with no `cat`;
+MLA's latent is normalised inside the RoPE + cache-write kernel; its two input projections
+are one GEMM; the input norm adds the previous layer's residual).
 The counts are printed and written to benchmarks/results/kernels_per_layer.json. Run: `python -m pytest -m fakecuda tests/fakecuda -s`.
 """
 
@@ -150,18 +150,28 @@ def test_mla_input_projections_are_one_gemm(triton_launches):
     assert report["per_moe_layer"] <= 20
 
 
+def test_the_pair_sum_adds_the_shared_output(triton_launches):
+    """gpu-review-3 G8: with `local` and the Triton experts the shared experts run before the
+    routed ones and the pair sum adds their output (`sum_pairs(shared=...)`): the DeepSeek-V2-Lite
+    MoE layer launches no `add` (one each before, 19 kernels)."""
+    report = count_decode_step("deepseek-v2-lite", triton_launches)
+    assert report["per_moe_layer"] == 18 and report["top_ops_per_step"].get("add", 0) == 0
+    assert report["triton_by_kernel_per_moe_layer"]["sum_pairs_kernel"] == 1
+
+
 @pytest.mark.parametrize("name", list(harness.LAYER_SHAPES))
 def test_the_input_norm_adds_the_previous_residual(name, triton_launches):
     """gpu-review-3 G9: a layer hands its MLP output and its residual on unsummed, and the
     next layer's input norm (the model's final norm after the last layer) adds them in
     Triton's add + norm: every layer after the first launches `add_rms_norm` twice and no
     layer ends with an add, one kernel per layer fewer (before: DeepSeek-V2-Lite 13, 20, 20
-    with 5 adds in the step, Qwen3-MoE 18, 18 with 2)."""
+    with 5 adds in the step, Qwen3-MoE 18, 18 with 2; DeepSeek's 19, 19 with the shared
+    experts' 2 adds until the pair sum took them)."""
     report = count_decode_step(name, triton_launches)
-    pinned = {"deepseek-v2-lite": [12, 19, 19], "qwen3-moe": [17, 17]}[name]
+    pinned = {"deepseek-v2-lite": [12, 18, 18], "qwen3-moe": [17, 17]}[name]
     assert report["per_layer"] == pinned
-    # What adds are left: the shared experts' sum with the routed output (DeepSeek's MoE layers).
-    assert report["top_ops_per_step"].get("add", 0) == {"deepseek-v2-lite": 2, "qwen3-moe": 0}[name]
+    # No add is left: the shared experts' output is added in the pair sum (`test_the_pair_sum_adds_the_shared_output`).
+    assert report["top_ops_per_step"].get("add", 0) == 0
     later = f"layers.{report['layers'] - 1}"
     qk_norms = {"deepseek-v2-lite": 0, "qwen3-moe": 2}[name]  # the plain norm is the same kernel (G15)
     assert report["triton_by_kernel_per_layer"][later]["add_rms_norm_kernel"] == 2 + qk_norms

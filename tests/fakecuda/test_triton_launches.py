@@ -5,8 +5,9 @@ sm_90 under each Triton the project supports (the main suite's `test_triton_sm90
 The runs cover each kernel in every tile and dtype a GPU run takes: decode and prefill steps
 of the DeepSeek-V2-Lite and Qwen3-30B-A3B shapes in bfloat16 (prefills of 256 and 1,024
 tokens reach the grouped GEMM's wider tiles; decode batches of 8 to 256 requests each KV
-split count), float32 decode steps, and the masked experts
-DeepEP's low-latency dispatch feeds. When the code launches something the committed manifest
+split count), float32 decode steps, the masked experts
+DeepEP's low-latency dispatch feeds, and the pair sum without the shared experts' output
+(where they run after the routed ones). When the code launches something the committed manifest
 lacks (or no longer launches an entry), the test rewrites the file and fails: commit it."""
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def _run_masked_experts(num_experts: int, rows: int, hidden: int = 2048, interme
         TritonBatchedExperts().apply(tokens, w1, w2)
 
 
+def _run_unfolded_pair_sums(tokens: int = 8, top_k: int = 6, hidden: int = 2048, experts: int = 64) -> None:
+    """The DeepSeek-V2-Lite pair sum with no shared output to add: what DBO, SBO's
+    combine-shared and TBO's prefill launch, where the shared experts run after the routed
+    ones (the steps above fold it, `FusedMoEModularKernel`)."""
+    from tandem.modular_kernels.pair_sum import sum_pairs
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"):
+        for dtype in (torch.bfloat16, torch.float32):
+            y = torch.empty(tokens * top_k, hidden, dtype=torch.float32)
+            sum_pairs(y, torch.empty(tokens, top_k, dtype=torch.int64), experts, dtype)
+
+
 def record_launches(monkeypatch) -> list[dict]:
     harness.use_fake_cuda_platform(monkeypatch)
     described: list[dict] = []
@@ -82,6 +95,7 @@ def record_launches(monkeypatch) -> list[dict]:
         _run_step(name, dtype, chunks)
     for num_experts, rows in MASKED_SLOTS:
         _run_masked_experts(num_experts, rows)
+    _run_unfolded_pair_sums()
     distinct = {json.dumps(entry, sort_keys=True): entry for entry in described}
     return [distinct[key] for key in sorted(distinct)]
 
@@ -94,8 +108,10 @@ def test_the_launch_manifest_lists_every_launch(monkeypatch):
     # Every kernel tandem defines for CUDA is reached by one of the runs.
     assert kernels >= {
         "grouped_gemm_kernel", "masked_gemm_kernel", "_decode_split", "_merge_splits", "align_kernel",
-        "silu_and_mul_kernel", "topk_kernel", "add_rms_norm_kernel", "rope_cache_kernel",
+        "silu_and_mul_kernel", "topk_kernel", "add_rms_norm_kernel", "rope_cache_kernel", "sum_pairs_kernel",
     }, kernels  # fmt: skip
+    # The pair sum with the shared experts' output (DeepSeek's layers) and without it.
+    assert {e["kwargs"]["ADD_SHARED"] for e in launches if kernel_name(e) == "sum_pairs_kernel"} == {True, False}
     manifest = {"about": __doc__.split("\n\n")[0], "launches": launches}
     committed = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else None
     if committed != manifest:

@@ -70,6 +70,7 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
         self.yields_in_send = inner.yields_in_send
         self.dispatches_ue8m0 = inner.dispatches_ue8m0
         self.compiles_on_first_use = inner.compiles_on_first_use
+        self.combine_is_identity = inner.combine_is_identity  # the modelled transfer moves no data
         self.survives_failed_step = getattr(inner, "survives_failed_step", True)
         self._platform = platform
         self._own_comm_stream = None

@@ -6,7 +6,8 @@ that every block of `block_m` sorted rows belongs to one expert (the align step,
 then computes `silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T)` per block, the same kernel
 computes `act @ w2[e]^T` scaled by the routing weight, and a fixed-order sum over each
 token's k rows folds the pairs back into tokens (`pair_sum.py`: one kernel that skips the
-pairs of other ranks' experts, so the GEMM's output is never zero-filled). Tile sizes come
+pairs of other ranks' experts, so the GEMM's output is never zero-filled, and adds the
+shared experts' output when the modular kernel hands it over). Tile sizes come
 from `tile_tables.py`, one per GEMM (`block_m` shared); `benchmarks/tune_moe_configs.py`
 times each GEMM alone through `gate_up_gemm` and `down_gemm`.
 
@@ -278,7 +279,14 @@ class TritonExperts(Experts):
         import_triton()
         self.tiles = TileChoice(block_m, block_n, block_k, tiles)
 
-    def apply(self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def adds_shared_output(self, device: torch.device) -> bool:
+        return device.type == "cuda" or interpreting()
+
+    def apply(
+        self, tokens: ExpertTokens, w1: torch.Tensor, w2: torch.Tensor, *, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As `Experts.apply`; `shared` (`[N, H]`, the tokens' dtype) is added in the pair sum,
+        with the roundings of adding it after (gpu-review-3 G8)."""
         x = tokens.dequantized()
         ids, weights = tokens.topk_ids, tokens.topk_weights
         _check_device(x, w1, w2)
@@ -287,7 +295,8 @@ class TritonExperts(Experts):
         num_experts, two_i, _ = w1.shape
         device = x.device
         if num_tokens == 0 or top_k == 0 or num_experts == 0:
-            return torch.zeros((num_tokens, hidden), dtype=tokens.dtype, device=device)
+            routed = torch.zeros((num_tokens, hidden), dtype=tokens.dtype, device=device)
+            return routed if shared is None else routed + shared
         dtype = _compute_dtype(x, w1, w2)
         tiles = self.tiles.pick(num_experts, two_i // 2, hidden, num_tokens, top_k, device)
         ids = ids.to(device)
@@ -295,7 +304,7 @@ class TritonExperts(Experts):
         act = gate_up_gemm(x.to(dtype).contiguous(), w1.to(dtype), pairs, tiles.gemm1)
         y = down_gemm(act, w2.to(dtype), pairs, tiles.gemm2)
         # A token's pairs are consecutive rows: a fixed-order sum (no atomics, no index_add).
-        return sum_pairs(y, ids, num_experts, tokens.dtype)
+        return sum_pairs(y, ids, num_experts, tokens.dtype, shared)
 
 
 class TritonBatchedExperts(Experts):

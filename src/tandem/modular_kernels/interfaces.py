@@ -111,6 +111,9 @@ class PrepareAndFinalize(ABC):
     #: True when the first transfer initialises the library or compiles kernels (minutes on a
     #: cold cache): the runner warms it up with one unsplit step before serving, outside DBO.
     compiles_on_first_use: bool = False
+    #: True when the combine hands the experts' output back as it is (one rank, no transfer,
+    #: no reduction): the experts may then add the shared experts' output themselves.
+    combine_is_identity: bool = False
     #: The dispatch options of `MoEConfig` this backend reads (`dispatch_max_tokens_per_rank`,
     #: `fabric`, `comm_sms`): a config that sets any other one for it is refused, so no
     #: setting is silently dropped. (fp8 dispatch and SBO work with every backend.)
@@ -220,6 +223,13 @@ class Experts(ABC):
         are loaded; the model then keeps these instead of `w1`/`w2` (which it frees). The
         default keeps the weights as they are."""
         return w1, w2
+
+    def adds_shared_output(self, device: torch.device) -> bool:
+        """True when, on `device`, `apply` takes `shared=` (`[N, H]`, STANDARD) and adds it
+        to its output in its last reduction, bit for bit what adding it after gives (the
+        Triton pair sum): the modular kernel then hands it the shared experts' output
+        where that is ready before the experts run and the combine is the identity."""
+        return False
 
     def takes_ue8m0_scales(self, device: torch.device) -> bool:
         """True when, on `device`, `apply` reads fp8 activations with packed UE8M0 scales as

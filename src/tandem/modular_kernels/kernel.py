@@ -53,9 +53,14 @@ class MoEStepState:
     expert_blocks: list[torch.Tensor] | None = None
     combine_hook: RecvHook | None = None
     combine_receiver: Callable[[], torch.Tensor] | None = None
-    #: `[T, H]` weighted sum over the routed experts.
+    #: `[T, H]` weighted sum over the routed experts (plus the shared output where folded).
     routed_output: torch.Tensor | None = None
     shared_output: torch.Tensor | None = None
+    #: True when nothing overlaps the shared experts (`forward`, no window for them): the
+    #: experts' step may run them first and add their output (`_may_fold_shared`).
+    shared_free: bool = False
+    #: True when the experts added `shared_output` in their last reduction (`_shared_to_fold`).
+    shared_folded: bool = False
 
 
 class FusedMoEModularKernel:
@@ -126,7 +131,8 @@ class FusedMoEModularKernel:
     def shared_experts_placement(self, sbo_mode: str | None) -> str | None:
         """Where `forward` runs the shared experts: "dispatch" (between the dispatch send
         and its receive), "combine" (between the combine send and its receive) or None (at
-        the output). Under DBO without SBO they go in the combine window, as in vLLM."""
+        the output; before the experts where they add its output, `compute_experts`). Under
+        DBO without SBO they go in the combine window, as in vLLM."""
         if self.shared_experts is None:
             return None
         if sbo_mode in (DISPATCH_SHARED, COMBINE_DOWN_GEMM):
@@ -186,12 +192,18 @@ class FusedMoEModularKernel:
         state.tokens = _take(state, "dispatch_receiver", "dispatch_send")()
 
     def compute_experts(self, state: MoEStepState) -> None:
-        """The expert GEMMs. In combine-down-gemm, block by block: each block's combine is
-        issued on the comm stream as soon as its down projection is done."""
+        """The expert GEMMs; they add the shared output where it is ready (run first here
+        when nothing overlaps it). In combine-down-gemm, block by block: each block's combine
+        is issued on the comm stream as soon as its down projection is done."""
         if state.tokens is None:
             raise RuntimeError("compute_experts needs the dispatched tokens: call dispatch_recv first")
         if state.sbo_mode != COMBINE_DOWN_GEMM:
-            state.expert_out = self.experts.apply(state.tokens, state.w1, state.w2)
+            if state.shared_free and _may_fold_shared(self, state.hidden_states.device):
+                self.compute_shared(state)
+            shared = _shared_to_fold(self, state)
+            folded = {} if shared is None else {"shared": shared}
+            state.expert_out = self.experts.apply(state.tokens, state.w1, state.w2, **folded)
+            state.shared_folded = shared is not None
             return
         device = state.hidden_states.device
         combine = self.prepare_finalize.finalize_in_blocks(
@@ -245,7 +257,7 @@ class FusedMoEModularKernel:
         if state.routed_output is None:
             raise RuntimeError("output needs the routed output: call combine_recv first")
         self.compute_shared(state)
-        if state.shared_output is None:
+        if state.shared_output is None or state.shared_folded:
             return state.routed_output
         return state.routed_output + state.shared_output
 
@@ -271,6 +283,7 @@ class FusedMoEModularKernel:
         dbo_maybe_run_recv_hook()
         state = self.dispatch_send(hidden_states, w1, w2, topk_weights, topk_ids)
         shared_at = self.shared_experts_placement(state.sbo_mode)
+        state.shared_free = shared_at is None
         if shared_at == "dispatch":
             self.compute_shared(state)
         self._hand_over(state, "dispatch_hook")
@@ -287,6 +300,27 @@ class FusedMoEModularKernel:
         return self.output(state)
 
     __call__ = forward
+
+
+def _may_fold_shared(kernel: FusedMoEModularKernel, device: torch.device) -> bool:
+    """Whether the experts can add the shared experts' output in their last reduction
+    (gpu-review-3 G8): the combine hands their output back as it is (`local`) and they can
+    (the Triton pair sum, on CUDA or the interpreter)."""
+    return (
+        kernel.shared_experts is not None
+        and kernel.prepare_finalize.combine_is_identity
+        and kernel.experts.adds_shared_output(device)
+    )
+
+
+def _shared_to_fold(kernel: FusedMoEModularKernel, state: MoEStepState) -> torch.Tensor | None:
+    """The shared output the experts add, if it is ready when they run (the shared experts
+    ran before: `forward` with nothing to overlap them or in the dispatch window, TBO's
+    decode order) and has the routed output's dtype and shape; else None: `output` adds it."""
+    shared, tokens = state.shared_output, state.tokens
+    if shared is None or shared.dtype != tokens.dtype or shared.shape != state.hidden_states.shape:
+        return None
+    return shared if _may_fold_shared(kernel, shared.device) else None
 
 
 def _run_hook(state: MoEStepState, field: str) -> None:

@@ -11,6 +11,7 @@ from tandem.modular_kernels.quant import quantize_fp8_per_token_group
 class LocalPrepareAndFinalize(PrepareAndFinalize):
     activation_format = ActivationFormat.STANDARD
     name = "local"
+    combine_is_identity = True
 
     def __init__(self, num_experts: int):
         super().__init__(num_experts)
