@@ -2,20 +2,23 @@
 
 One run: this host's profile is measured (`tandem.simulate.host`: the roofline's matmul rate and
 bandwidth on one thread, a 32-row matmul on a warm weight and over cold weights, the ubatch
-hand-over, gloo's dispatch and combine between two real ranks), then `tandem bench --model
+hand-over, gloo's dispatch and combine between two real ranks, the elementwise and routing lines
+the stack's non-GEMM ops are priced at), then `tandem bench --model
 moe-stack` runs on 2 gloo ranks over loopback (modes none and dbo, decode and prefill, a few
 token counts), then the simulator predicts the same rows on the measured profile. Nothing is
 fitted to the bench: every figure of the profile is the host's own measurement.
 
 First the profile's figures the prediction turns on (matmul rate and short-GEMM curve, cold
-weight read rate, gloo's fixed cost and rate per dispatch and combine, hand-over), and the load
+weight read rate, gloo's fixed cost and rate per dispatch and combine, hand-over, the elementwise
+lines), and the load
 average (the rows are only as good as the machine is quiet). Per row: the measured step (median
 of the bench's repeats, and their [min, max]), the predicted step, the error, within +-10 %
 yes / no, the sign of (mode - none) measured and predicted, and the verdict. Beside each row
 the terms of the model, measured against predicted, so a miss names the term that is off:
 
 - compute: the unsplit step's computation (bench: the floor's compute-only step);
-- transfer CPU: the all-to-all's time on the cores (bench: the floor's communication-only step);
+- transfer CPU: the all-to-all's time on the cores and the ops the communication-only step runs
+  around it (router, select_experts, the residual add) (bench: the floor's communication-only step);
 - split loss: what the split adds beyond its hand-overs (the halves' shorter GEMMs, each weight read
   again, each transfer's fixed cost paid per ubatch): the mode's step minus none's minus the
   switch cost, on both sides;
@@ -78,11 +81,22 @@ def predict_terms(hw: HardwareProfile, phase: str, tokens: int) -> dict[str, dic
         out[result.mode] = {
             "step": 1e3 * result.step_s,
             "compute": 1e3 * none.compute_s,
-            "transfer CPU": 1e3 * none.comm_s,
+            "transfer CPU": 1e3 * (none.comm_s + _comm_step_ops_s(none)),
             "split loss": 1e3 * (unswitched.step_s - none.step_s),
             "switch cost": 1e3 * (result.step_s - unswitched.step_s),
         }
     return out
+
+
+#: The ops the bench's communication-only step runs besides its transfers: the router's GEMM,
+#: select_experts and the residual add (the stack's `h + kernel(h)`; the simulator's layer puts
+#: it in the next layer's `comm_prepare_attn`).
+COMM_STEP_OPS = ("gate", "select_experts", "comm_prepare_attn")
+
+
+def _comm_step_ops_s(result) -> float:
+    """Seconds of `COMM_STEP_OPS` in a predicted step: the transfer-CPU term counts them as the bench's does."""
+    return sum(s.end - s.start for s in result.spans if s.lane == "compute" and s.step.name in COMM_STEP_OPS)
 
 
 def measured_terms(row: dict, none_row: dict) -> dict[str, float]:
@@ -157,7 +171,16 @@ def format_profile(hw: HardwareProfile) -> str:
                      for k in f["nvlink_bytes_per_s"])
     return (f"profile: matmul {f['bf16_flops'] / 1e9:.0f} GFLOP/s (gemm_m_half {f['gemm_m_half']:.1f} rows), "
             f"cold weights read at {f['cold_weight_bytes_per_s'] / 1e9:.2f} GB/s, gloo {link}, "
-            f"hand-over {1e6 * f['ubatch_switch_s']:.1f} us")
+            f"hand-over {1e6 * f['ubatch_switch_s']:.1f} us{_elementwise_line(f)}")
+
+
+def _elementwise_line(f: dict) -> str:
+    if "elementwise_op_s" not in f:
+        return ""
+    fixed, rate = f["elementwise_op_s"], f["elementwise_units_per_s"]
+    return (f"; after a cold GEMM: add {1e6 * fixed['plain']:.0f} us + {rate['plain'] / 1e9:.1f} GB/s, tanh "
+            f"{1e6 * fixed['transcendental']:.0f} us + {rate['transcendental'] / 1e9:.1f} GB/s, select_experts "
+            f"{1e6 * fixed['routing']:.0f} us + {rate['routing'] / 1e6:.2f} M tokens/s")
 
 
 def main() -> None:

@@ -12,7 +12,10 @@ beyond them, each measured here:
   from memory, as a step does (each weight is read once a step, and the ubatches of a split
   step read it again);
 - gloo's transfers (`simulate.host_link`): the runtime's dispatch and combine between real
-  gloo ranks on this host at a few sizes, a fixed cost per call plus a cost per byte.
+  gloo ranks on this host at a few sizes, a fixed cost per call plus a cost per byte;
+- the non-GEMM ops (`simulate.host_elementwise`): lines for a float32 add, a tanh and the
+  runtime's `select_experts`, each on a GEMM's fresh output, on every rank at once; the MoE
+  stack's own ops, counted from its code, are priced on them.
 
 Its ranks talk over gloo on the same host: a transfer is copies and TCP work done by the cores
 that compute (`transfers_on_compute`), so overlapping a transfer with compute hides only
@@ -26,6 +29,7 @@ import torch
 
 from tandem.bench.roofline import Roofline, measure_roofline
 from tandem.simulate.hardware import HERE, HardwareProfile, load_hardware
+from tandem.simulate.host_elementwise import ElementwiseFit, measure_elementwise
 from tandem.simulate.host_gemm import SMALL_M, cold_weight_rate, last_level_cache_bytes, small_gemm_rate
 from tandem.simulate.host_link import LinkFit, measure_ranks
 
@@ -62,11 +66,13 @@ def gemm_m_half(big_m: int, small_m: int, rate_ratio: float) -> float:
 def host_profile(
     ranks: int, *, executor: str = "thread", roofline: Roofline | None = None, small_rate: float | None = None,
     switch_s: float | None = None, cold_rate: float | None = None, link: LinkFit | None = None,
+    elementwise: ElementwiseFit | None = None,
 ) -> HardwareProfile:
     """This CPU with `ranks` gloo ranks on it, one intra-op thread each, its ubatches on the
     runtime's `executor`. `roofline`, `small_rate` (FLOP/s of the small GEMM), `switch_s` (one
-    hand-over), `cold_rate` (bytes/s of a cold weight's read) and `link` (gloo's dispatch and
-    combine) are measured here when not given."""
+    hand-over), `cold_rate` (bytes/s of a cold weight's read), `link` (gloo's dispatch and
+    combine) and `elementwise` (the non-GEMM ops' lines; `ElementwiseFit.unmeasured()`: none)
+    are measured here when not given."""
     if ranks < 1:
         raise ValueError(f"a host profile needs at least one rank, got {ranks}")
     if roofline is None:
@@ -75,16 +81,7 @@ def host_profile(
     size = roofline.matmul_size
     small_rate = small_rate if small_rate is not None else small_gemm_rate(size)
     switch_s = switch_s if switch_s is not None else measure_switch_s(executor)
-    cold_how = "given by the caller, not measured in this run"
-    if ranks > 1 and (link is None or cold_rate is None):
-        on_ranks = measure_ranks(ranks, matmul_size=size if cold_rate is None else 0)
-        link = link or on_ranks.link
-        if cold_rate is None:
-            cold_rate, cold_how = on_ranks.cold_rate, _cold_source(size, on_ranks.cycled, ranks)
-    link = link or LinkFit.copies(roofline.bandwidth_bytes_per_s)
-    if cold_rate is None:
-        cold_rate, cycled = cold_weight_rate(size)
-        cold_how = _cold_source(size, cycled, 1)
+    cold_rate, cold_how, link, elementwise = _measure_missing(ranks, size, cold_rate, link, elementwise, roofline)
     half = gemm_m_half(size, SMALL_M, small_rate / roofline.matmul_flops_per_s)
     measured = f"measured in this run (tandem.bench.roofline, float32, one thread; {size}-wide matmul"
     flops, read = roofline.matmul_flops_per_s, roofline.read_bandwidth_bytes_per_s
@@ -105,6 +102,7 @@ def host_profile(
         **_link_figures(link),
         "comm_sms_normal": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
         "comm_sms_low_latency": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
+        **elementwise.figures(),
         "ubatch_switch_s": (switch_s, f"measured in this run: mean hand-over of two ubatches on the {executor} executor"),
         "transfers_on_compute": (
             True,
@@ -113,6 +111,23 @@ def host_profile(
         ),
     }
     return HardwareProfile("here (CPU, gloo)", {k: v for k, (v, _) in figures.items()}, {k: s for k, (_, s) in figures.items()})
+
+
+def _measure_missing(ranks: int, size: int, cold_rate: float | None, link: LinkFit | None,
+                     elementwise: ElementwiseFit | None, roofline: Roofline):
+    """(cold-weight rate, how it was had, gloo's line, the elementwise lines): what is not given
+    measured on the gloo ranks, every rank at once as a step runs (one rank: in this process)."""
+    cold_how = "given by the caller, not measured in this run"
+    if ranks > 1 and (link is None or cold_rate is None):
+        on_ranks = measure_ranks(ranks, matmul_size=size if cold_rate is None else 0, elementwise=elementwise is None)
+        link, elementwise = link or on_ranks.link, elementwise or on_ranks.elementwise
+        if cold_rate is None:
+            cold_rate, cold_how = on_ranks.cold_rate, _cold_source(size, on_ranks.cycled, ranks)
+    link = link or LinkFit.copies(roofline.bandwidth_bytes_per_s)
+    if cold_rate is None:
+        cold_rate, cycled = cold_weight_rate(size)
+        cold_how = _cold_source(size, cycled, 1)
+    return cold_rate, cold_how, link, elementwise or measure_elementwise()
 
 
 def _cold_source(size: int, cycled: int, ranks: int) -> str:

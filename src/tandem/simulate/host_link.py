@@ -1,10 +1,11 @@
 """What `here` measures on its gloo ranks, in the same run: gloo's dispatch and combine between
-them, and the rate a GEMM reads cold weights while every rank streams its own.
+them, the rate a GEMM reads cold weights while every rank streams its own, and the elementwise
+lines of `host_elementwise` while every rank measures its own.
 
 Two (or `ranks`) processes join a gloo group over loopback, as `tandem bench` ranks do (one
 intra-op thread each). Each first times `host_gemm.cold_weight_rate` at once (the ranks of a step
-stream their weights together, sharing the memory system), then they run the runtime's own `torch_a2a` dispatch and combine
-(`TorchAllToAllPrepareAndFinalize`: the counts exchange, the payload, ids and weights, the
+stream their weights together, sharing the memory system) and, when asked, the elementwise
+lines, then they run the runtime's own `torch_a2a` dispatch and combine (`TorchAllToAllPrepareAndFinalize`: the counts exchange, the payload, ids and weights, the
 combine back) at a few token counts, float32 payloads, uniform top-k routing. The time of
 each call on rank 0 (median of its repeats) against the bytes it moves per rank (rows sent x
 hidden x 4, as `OpCosts.transfer_bytes` counts them on a host) gives a straight line: a fixed
@@ -19,10 +20,15 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.bench.moe_stack import STACK_SHAPE
+from tandem.simulate.line_fit import fit_line
+
+if TYPE_CHECKING:
+    from tandem.simulate.host_elementwise import ElementwiseFit
 
 KINDS = ("dispatch", "combine")
 #: Tokens per rank of the measured calls: a decode ubatch to a large prefill.
@@ -31,13 +37,15 @@ TOKENS = (16, 128, 512)
 
 @dataclass(frozen=True)
 class RankMeasurements:
-    """What `measure_ranks` measured: the transfer line, and rank 0's cold-weight read rate
-    (bytes/s) over `cycled` bytes of weights while every rank cycled its own."""
+    """What `measure_ranks` measured: the transfer line, rank 0's cold-weight read rate
+    (bytes/s) over `cycled` bytes of weights while every rank cycled its own, and rank 0's
+    elementwise lines while every rank measured its own (None: not measured)."""
 
     link: "LinkFit"
     cold_rate: float
     cycled: int
     ranks: int
+    elementwise: "ElementwiseFit | None" = None
 
 
 @dataclass(frozen=True)
@@ -67,19 +75,6 @@ class LinkFit:
         return f"{kind}: {pts}" if pts else f"{kind}: not measured"
 
 
-def fit_line(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y against x."""
-    n = len(pairs)
-    if n == 0:
-        return 0.0, 0.0
-    mx, my = sum(x for x, _ in pairs) / n, sum(y for _, y in pairs) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pairs)
-    if sxx == 0:
-        return my, 0.0
-    slope = sum((x - mx) * (y - my) for x, y in pairs) / sxx
-    return my - slope * mx, slope
-
-
 def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     return torch.full((tokens, top_k), 1.0 / top_k), ids
@@ -93,6 +88,16 @@ def _rank_cold_rate(size: int) -> tuple[float, int]:
 
     dist.barrier()
     return cold_weight_rate(size)
+
+
+def _rank_elementwise() -> dict:
+    """This rank's `host_elementwise.measure_elementwise` points, every rank at once (after a barrier)."""
+    import torch.distributed as dist
+
+    from tandem.simulate.host_elementwise import measure_elementwise
+
+    dist.barrier()
+    return measure_elementwise().points
 
 
 def _rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warmup: int) -> dict:
@@ -125,11 +130,12 @@ def _rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, war
 
 
 def measure_ranks(ranks: int, *, matmul_size: int = 1024, tokens: tuple[int, ...] = TOKENS, repeat: int = 9,
-                  warmup: int = 3, timeout_s: float = 120.0) -> RankMeasurements:
+                  warmup: int = 3, timeout_s: float = 120.0, elementwise: bool = False) -> RankMeasurements:
     """Measure on `ranks` gloo processes (rank 0's figures): the cold-weight read rate of a
-    `matmul_size`-wide matmul (0: not measured) and the dispatch and combine line. The ranks are
-    fresh interpreters (`python -m tandem.simulate.host_link`), so a caller's own script is
-    never re-run in them."""
+    `matmul_size`-wide matmul (0: not measured), with `elementwise` the lines of
+    `host_elementwise.measure_elementwise`, every rank at once, and the dispatch and combine line.
+    The ranks are fresh interpreters (`python -m tandem.simulate.host_link`), so a caller's own
+    script is never re-run in them."""
     import os
     import subprocess
     import sys
@@ -140,7 +146,7 @@ def measure_ranks(ranks: int, *, matmul_size: int = 1024, tokens: tuple[int, ...
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": "1",
            "WORLD_SIZE": str(world)}
     argv = [sys.executable, "-m", "tandem.simulate.host_link", ",".join(map(str, tokens)), str(repeat), str(warmup),
-            str(matmul_size)]
+            str(matmul_size), str(int(elementwise))]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     outputs = []
@@ -159,7 +165,13 @@ def measure_ranks(ranks: int, *, matmul_size: int = 1024, tokens: tuple[int, ...
                 proc.wait(timeout=5)
     doc = json.loads(outputs[0])
     link = LinkFit.from_points({k: [tuple(p) for p in v] for k, v in doc["points"].items()})
-    return RankMeasurements(link, doc["cold"][0], doc["cold"][1], world)
+    fit = None
+    if doc["elementwise"] is not None:
+        from tandem.simulate.host_elementwise import ElementwiseFit
+
+        fit = ElementwiseFit.from_points({k: [tuple(p) for p in v] for k, v in doc["elementwise"].items()},
+                                         f"each of {world} gloo ranks at once (rank 0's figure)")
+    return RankMeasurements(link, doc["cold"][0], doc["cold"][1], world, fit)
 
 
 def _main(argv: list[str]) -> None:
@@ -176,11 +188,12 @@ def _main(argv: list[str]) -> None:
     try:
         size = int(argv[3])
         cold = _rank_cold_rate(size) if size else (0.0, 0)
+        elementwise = _rank_elementwise() if int(argv[4]) else None
         points = _rank_calls(rank, world, tuple(int(t) for t in argv[0].split(",")), int(argv[1]), int(argv[2]))
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps({"points": points, "cold": cold}))
+        print(json.dumps({"points": points, "cold": cold, "elementwise": elementwise}))
 
 
 if __name__ == "__main__":

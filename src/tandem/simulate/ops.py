@@ -5,6 +5,9 @@ without the prefix, and the MoE kernel's steps (`FusedMoEModularKernel`: `dispat
 `compute_experts` as "experts", ...). A compute op costs the larger of FLOPs over the
 achieved rate and bytes over HBM bandwidth (`HardwareProfile`); a send costs its bytes per
 rank over the EP layout's bottleneck link; a receive costs nothing itself (it waits).
+On a host with measured elementwise lines (`--hardware here`), the MoE stack's non-GEMM work is
+counted from its own operations and priced on them (`simulate.host_elementwise`) instead of the
+norm passes below.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.bench.moe_stack import MOE_STACK
 from tandem.simulate.hardware import HardwareProfile
+from tandem.simulate.host_elementwise import ElementwiseFit, traced_op_time
 from tandem.simulate.model_shape import ModelShape
 
 SENDS = {"dispatch_send": "dispatch", "combine_send": "combine"}
@@ -58,18 +63,26 @@ class OpCosts:
     def __init__(self, shape: ModelShape, hw: HardwareProfile, layout: Layout, *, sm_share: float = 1.0, overlapped: bool = False):
         self.shape, self.hw, self.layout, self.sm_share, self.overlapped = shape, hw, layout, sm_share, overlapped
         self.elementwise_scale = float(hw.figures.get("elementwise_passes", NORM_PASSES)) / NORM_PASSES
+        #: A host's measured elementwise lines, for a model whose ops the simulator can count
+        #: from its code (the MoE stack): they replace the norm passes and the memory terms below.
+        self.traced = ElementwiseFit.from_figures(hw.figures) if shape.name == MOE_STACK else None
+        self._untraced = 0.0 if self.traced else 1.0
 
     def _gemm(self, m: float, n: int, k: int, groups: int = 1, fp8: bool = True) -> float:
         return self.hw.gemm_time(m, n, k, groups=groups, fp8=fp8, sm_share=self.sm_share)
 
     def _norm(self, tokens: int, passes: int = 2) -> float:
-        return self.hw.memory_time(tokens * self.shape.hidden * BF16 * passes * self.elementwise_scale)
+        return self._untraced * self.hw.memory_time(tokens * self.shape.hidden * BF16 * passes * self.elementwise_scale)
 
     def compute(self, name: str, work: UBatchWork) -> float:
         method = getattr(self, f"_op_{name}", None)
         if method is None:
             raise KeyError(f"the simulator has no cost for operation {name!r}")
-        return method(work) if work.tokens else 0.0
+        if not work.tokens:
+            return 0.0
+        if self.traced is None:
+            return method(work)
+        return method(work) + traced_op_time(self.traced, name, work.tokens, self.layout.ep)
 
     # -- attention -----------------------------------------------------------------------
 
@@ -121,7 +134,7 @@ class OpCosts:
         return self._gemm(w.tokens, self.shape.experts, self.shape.hidden, fp8=False)
 
     def _op_select_experts(self, w: UBatchWork) -> float:
-        return self.hw.memory_time(w.tokens * self.shape.experts * 4 * 2)
+        return self._untraced * self.hw.memory_time(w.tokens * self.shape.experts * 4 * 2)
 
     def local_experts(self) -> int:
         return max(1, math.ceil(self.shape.experts / self.layout.ep))
@@ -132,7 +145,7 @@ class OpCosts:
         m = w.tokens * s.top_k / local
         time = self._gemm(m, 2 * s.moe_intermediate, s.hidden, groups=local)
         time += self._gemm(m, s.hidden, s.moe_intermediate, groups=local)
-        return time + self.hw.memory_time(w.tokens * s.top_k * 2 * s.moe_intermediate * BF16 * 2)
+        return time + self._untraced * self.hw.memory_time(w.tokens * s.top_k * 2 * s.moe_intermediate * BF16 * 2)
 
     def _op_shared_experts(self, w: UBatchWork) -> float:
         s = self.shape
@@ -149,7 +162,7 @@ class OpCosts:
     def _op_head(self, w: UBatchWork) -> float:
         """Final norm and lm_head on the last token of each request (prefill) or every token (decode)."""
         rows = w.tokens if self.layout.decode else w.requests
-        norm = self.hw.memory_time(w.tokens * self.shape.hidden * BF16 * 2)
+        norm = self._untraced * self.hw.memory_time(w.tokens * self.shape.hidden * BF16 * 2)
         return norm + self._gemm(rows, self.shape.vocab, self.shape.hidden, fp8=False)
 
     # -- communication -------------------------------------------------------------------
