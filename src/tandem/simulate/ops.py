@@ -27,8 +27,24 @@ BF16 = 2
 #: a profile's `elementwise_passes` (every kernel besides attention, GEMMs and the experts)
 #: scales them to its measured total.
 NORM_PASSES = 11
-#: The payload of DeepEP's low-latency table rows (tokens per call).
-LOW_LATENCY_TABLE_TOKENS = 128
+#: The payload `rdma_low_latency_sm_s` was measured at (h800.json's source): DeepSeek-V3's
+#: low-latency calls of 128 tokens, each token sent to its 8 experts, 7,168 hidden (FP8 with
+#: scales out, BF16 back). A call's SM time scales with its bytes against this payload's.
+LOW_LATENCY_TABLE_TOKENS, LOW_LATENCY_TABLE_COPIES, LOW_LATENCY_TABLE_HIDDEN = 128, 8, 7168
+
+
+def copy_bytes(kind: str, hidden: int, element: float | None = None) -> float:
+    """Bytes of one token's copy in a transfer: `element` bytes per value when the profile
+    computes in one dtype throughout (a CPU host, unquantized), else FP8 with one float32 scale
+    per 128 values (dispatch) or BF16 (combine)."""
+    if element:
+        return hidden * element
+    return hidden + hidden // 128 * 4 if kind == "dispatch" else hidden * BF16
+
+
+def low_latency_table_bytes(kind: str) -> float:
+    """Bytes per rank of the low-latency call `rdma_low_latency_sm_s` was measured at."""
+    return LOW_LATENCY_TABLE_TOKENS * LOW_LATENCY_TABLE_COPIES * copy_bytes(kind, LOW_LATENCY_TABLE_HIDDEN)
 
 
 @dataclass(frozen=True)
@@ -66,13 +82,19 @@ class OpCosts:
         #: A host's measured elementwise lines, for a model whose ops the simulator can count
         #: from its code (the MoE stack): they replace the norm passes and the memory terms below.
         self.traced = ElementwiseFit.from_figures(hw.figures) if shape.name == MOE_STACK else None
-        self._untraced = 0.0 if self.traced else 1.0
 
     def _gemm(self, m: float, n: int, k: int, groups: int = 1, fp8: bool = True) -> float:
         return self.hw.gemm_time(m, n, k, groups=groups, fp8=fp8, sm_share=self.sm_share)
 
+    def _memory(self, nbytes: float) -> float:
+        """A memory-bound pass's time, or 0 where the measured elementwise lines price the op's
+        non-GEMM work instead (`traced_op_time`, added in `compute`)."""
+        if self.traced is not None:
+            return 0.0
+        return self.hw.memory_time(nbytes)
+
     def _norm(self, tokens: int, passes: int = 2) -> float:
-        return self._untraced * self.hw.memory_time(tokens * self.shape.hidden * BF16 * passes * self.elementwise_scale)
+        return self._memory(tokens * self.shape.hidden * BF16 * passes * self.elementwise_scale)
 
     def compute(self, name: str, work: UBatchWork) -> float:
         method = getattr(self, f"_op_{name}", None)
@@ -134,7 +156,7 @@ class OpCosts:
         return self._gemm(w.tokens, self.shape.experts, self.shape.hidden, fp8=False)
 
     def _op_select_experts(self, w: UBatchWork) -> float:
-        return self._untraced * self.hw.memory_time(w.tokens * self.shape.experts * 4 * 2)
+        return self._memory(w.tokens * self.shape.experts * 4 * 2)
 
     def local_experts(self) -> int:
         return max(1, math.ceil(self.shape.experts / self.layout.ep))
@@ -145,7 +167,7 @@ class OpCosts:
         m = w.tokens * s.top_k / local
         time = self._gemm(m, 2 * s.moe_intermediate, s.hidden, groups=local)
         time += self._gemm(m, s.hidden, s.moe_intermediate, groups=local)
-        return time + self._untraced * self.hw.memory_time(w.tokens * s.top_k * 2 * s.moe_intermediate * BF16 * 2)
+        return time + self._memory(w.tokens * s.top_k * 2 * s.moe_intermediate * BF16 * 2)
 
     def _op_shared_experts(self, w: UBatchWork) -> float:
         s = self.shape
@@ -162,7 +184,7 @@ class OpCosts:
     def _op_head(self, w: UBatchWork) -> float:
         """Final norm and lm_head on the last token of each request (prefill) or every token (decode)."""
         rows = w.tokens if self.layout.decode else w.requests
-        norm = self._untraced * self.hw.memory_time(w.tokens * self.shape.hidden * BF16 * 2)
+        norm = self._memory(w.tokens * self.shape.hidden * BF16 * 2)
         return norm + self._gemm(rows, self.shape.vocab, self.shape.hidden, fp8=False)
 
     # -- communication -------------------------------------------------------------------
@@ -180,11 +202,7 @@ class OpCosts:
         return min(expected, float(s.topk_group)) if s.topk_group and ep > per_node else expected
 
     def transfer_bytes(self, kind: str, work: UBatchWork) -> float:
-        hidden, element = self.shape.hidden, self.hw.figures.get("element_bytes")
-        if element:  # a profile that computes in one dtype throughout (a CPU host) sends it unquantized
-            per_copy = hidden * element
-        else:
-            per_copy = hidden + hidden // 128 * 4 if kind == "dispatch" else hidden * BF16  # FP8 + scales / BF16
+        per_copy = copy_bytes(kind, self.shape.hidden, self.hw.figures.get("element_bytes"))
         return work.tokens * self.destinations() * per_copy
 
     def transfer(self, kind: str, work: UBatchWork) -> float:
@@ -206,11 +224,17 @@ class OpCosts:
 
     def send_kernel(self, kind: str, work: UBatchWork) -> float:
         """A low-latency call's SM time (packing, sending, receiving) on the compute stream:
-        the profile's `rdma_low_latency_sm_s` at the table's payload, in proportion to tokens."""
+        the profile's `rdma_low_latency_sm_s`, measured at DeepSeek-V3's payload
+        (`low_latency_table_bytes`), in proportion to the call's bytes; never more than the
+        call's own time, of which it is a part."""
         if not self.layout.low_latency or self.layout.ep <= 1:
             return 0.0
         per_call = self.hw.figures.get("rdma_low_latency_sm_s", {}).get(kind, 0.0)
-        return per_call * work.tokens / LOW_LATENCY_TABLE_TOKENS
+        if not per_call:
+            return 0.0
+        payload = self.transfer_bytes(kind, work)
+        call = self.hw.transfer_time(kind, payload, ep=self.layout.ep, low_latency=True)
+        return min(max(per_call * payload / low_latency_table_bytes(kind), 0.0), call)
 
 
-__all__ = ["RECEIVES", "SENDS", "Layout", "OpCosts", "UBatchWork"]
+__all__ = ["RECEIVES", "SENDS", "Layout", "OpCosts", "UBatchWork", "copy_bytes", "low_latency_table_bytes"]

@@ -207,22 +207,23 @@ class Span:
     end: float
 
 
-class _At:
-    """A start not known yet: max(`base`, end of op i + delay for each i in `after`)."""
+class _PendingStart:
+    """The start of an op whose predecessors have not run yet: max(`base`, end of op i + delay
+    for each i in `after`), known once those ops have ended (`value`)."""
 
     __slots__ = ("base", "after")
 
     def __init__(self, base: float = 0.0, after: dict[int, float] | None = None):
         self.base, self.after = base, after or {}
 
-    def __add__(self, delay: float) -> "_At":
-        return _At(self.base + delay, {i: d + delay for i, d in self.after.items()})
+    def __add__(self, delay: float) -> "_PendingStart":
+        return _PendingStart(self.base + delay, {i: d + delay for i, d in self.after.items()})
 
-    def join(self, other: "_At") -> "_At":
+    def join(self, other: "_PendingStart") -> "_PendingStart":
         after = dict(self.after)
         for i, d in other.after.items():
             after[i] = max(after.get(i, d), d)
-        return _At(max(self.base, other.base), after)
+        return _PendingStart(max(self.base, other.base), after)
 
     def value(self, ends: dict[int, float]) -> float | None:
         if any(i not in ends for i in self.after):
@@ -235,22 +236,25 @@ class _Op:
     ubatch: int
     lane: str
     step: Step
-    start: _At
+    start: _PendingStart
     work: float  # seconds alone
     rate: float  # progress while the other lane runs an op
 
 
 def _issue(order, cost, sync_comm, switch_s, kernel, overlap_rate) -> list[_Op]:
     """Each op of the issue order with its start as the ends of the ops it waits for."""
-    zero, ops = _At(0.0), []
+    zero, ops = _PendingStart(0.0), []
     compute_free = comm_free = zero
-    ready: dict[int, _At] = {}
-    landing: dict[tuple[int, str], _At] = {}
+    ready: dict[int, _PendingStart] = {}
+    landing: dict[tuple[int, str], _PendingStart] = {}
     rate = overlap_rate or (lambda u, step: 1.0)
 
-    def add(u: int, lane: str, step: Step, start: _At, work: float, at_rate: float = 1.0) -> _At:
+    def add(u: int, lane: str, step: Step, start: _PendingStart, work: float, at_rate: float = 1.0) -> _PendingStart:
+        if not work >= 0.0:  # also refuses NaN
+            raise ValueError(f"play: {step.name} of layer {step.layer} (ubatch {u}, {lane} stream) costs {work!r} s; "
+                             "an op's time cannot be negative")
         ops.append(_Op(u, lane, step, start, work, at_rate))
-        return _At(float("-inf"), {len(ops) - 1: 0.0})
+        return _PendingStart(float("-inf"), {len(ops) - 1: 0.0})
 
     issuing = order[0][0] if order else 0
     for u, step in order:
