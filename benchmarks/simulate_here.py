@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -164,13 +165,34 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def unresolved_figures(hw: HardwareProfile) -> list[str]:
+    """The measured rates the profile prices as free (infinite: the measurement resolved no cost
+    per unit, its source says so), each as `figure` or `figure[kind]`."""
+    out = []
+    for name, value in hw.figures.items():
+        for kind, rate in (value.items() if isinstance(value, dict) else [(None, value)]):
+            if isinstance(rate, float) and math.isinf(rate):
+                out.append(name if kind is None else f"{name}[{kind}]")
+    return out
+
+
+def format_warnings(hw: HardwareProfile) -> str:
+    """One warning line per figure priced as free ("" when none)."""
+    return "\n".join(f"warning: {name} was not resolved by its measurement (slope <= 0, or the cold pass not slower "
+                     f"than the warm): priced as free, every row that uses it is too fast" for name in unresolved_figures(hw))
+
+
+def _rate(value: float, scale: float, unit: str) -> str:
+    return "free (not resolved)" if math.isinf(value) else f"{value / scale:.2f} {unit}"
+
+
 def format_profile(hw: HardwareProfile) -> str:
     """The profile's figures the prediction turns on, as measured in this run."""
     f = hw.figures
-    link = ", ".join(f"{k} {1e3 * f['comm_latency_s'][k]:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s"
+    link = ", ".join(f"{k} {1e3 * f['comm_latency_s'][k]:.2f} ms + {_rate(f['nvlink_bytes_per_s'][k], 1e9, 'GB/s')}"
                      for k in f["nvlink_bytes_per_s"])
     return (f"profile: matmul {f['bf16_flops'] / 1e9:.0f} GFLOP/s (gemm_m_half {f['gemm_m_half']:.1f} rows), "
-            f"cold weights read at {f['cold_weight_bytes_per_s'] / 1e9:.2f} GB/s, gloo {link}, "
+            f"cold weights read at {_rate(f['cold_weight_bytes_per_s'], 1e9, 'GB/s')}, gloo {link}, "
             f"hand-over {1e6 * f['ubatch_switch_s']:.1f} us{_elementwise_line(f)}")
 
 
@@ -178,9 +200,9 @@ def _elementwise_line(f: dict) -> str:
     if "elementwise_op_s" not in f:
         return ""
     fixed, rate = f["elementwise_op_s"], f["elementwise_units_per_s"]
-    return (f"; after a cold GEMM: add {1e6 * fixed['plain']:.0f} us + {rate['plain'] / 1e9:.1f} GB/s, tanh "
-            f"{1e6 * fixed['transcendental']:.0f} us + {rate['transcendental'] / 1e9:.1f} GB/s, select_experts "
-            f"{1e6 * fixed['routing']:.0f} us + {rate['routing'] / 1e6:.2f} M tokens/s")
+    return (f"; after a cold GEMM: add {1e6 * fixed['plain']:.0f} us + {_rate(rate['plain'], 1e9, 'GB/s')}, tanh "
+            f"{1e6 * fixed['transcendental']:.0f} us + {_rate(rate['transcendental'], 1e9, 'GB/s')}, select_experts "
+            f"{1e6 * fixed['routing']:.0f} us + {_rate(rate['routing'], 1e6, 'M tokens/s')}")
 
 
 def main() -> None:
@@ -198,6 +220,8 @@ def main() -> None:
           f"tandem simulate --hardware here (measured in this run); load average {load[0]:.1f} at the start, "
           f"{load[1]:.1f} at the end ({os.cpu_count()} cores: above ~0.5 the rows are noisy)")
     print(format_profile(hw))
+    if warnings := format_warnings(hw):
+        print(warnings)
     print(format_table(table))
     met = sum(r["met"] for r in table)
     signs = [r for r in table if r["sign_measured"] is not None]

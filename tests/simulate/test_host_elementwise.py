@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tandem.simulate import load_hardware, simulate
 from tandem.simulate.host_elementwise import (
@@ -16,6 +17,7 @@ from tandem.simulate.host_elementwise import (
     measure_elementwise,
     stack_layer_work,
 )
+from tandem.simulate.line_fit import UNRESOLVED
 from tests.support.host_profiles import given_host
 
 H, I = 1024, 512  # the stack's hidden and intermediate sizes
@@ -117,3 +119,26 @@ def test_the_elementwise_lines_are_measured_here():
     for kind, points in fit.points.items():
         assert [x for x, _ in points] == ([8.0, 64.0] if kind == "routing" else sorted(x for x, _ in points))
         assert all(s > 0 for _, s in points) and fit.fixed_s[kind] >= 0 and fit.per_s[kind] > 0
+        assert math.isfinite(fit.per_s[kind]) or UNRESOLVED in fit.describe(kind)
+
+
+def test_a_line_whose_slope_is_not_positive_is_flagged_in_the_profiles_source():
+    fit = ElementwiseFit.from_points({"plain": [(1e5, 20e-6), (1e6, 110e-6)], "transcendental": [(1e5, 30e-6), (1e6, 210e-6)],
+                                      "routing": [(16.0, 170e-6), (512.0, 160e-6)]}, "each of 2 gloo ranks at once")
+    assert math.isinf(fit.per_s["routing"]) and math.isfinite(fit.per_s["plain"])
+    hw = given_host(small_rate=100e9, switch_s=0.0, elementwise=fit)
+    for figure in ("elementwise_op_s", "elementwise_units_per_s"):
+        assert f"routing: 16 tokens 170 us, 512 tokens 160 us ({UNRESOLVED})" in hw.sources[figure]
+        assert "plain: 0.1 MB 20 us, 1 MB 110 us;" in hw.sources[figure]
+
+
+def test_the_lines_are_measured_on_one_thread_and_the_callers_count_comes_back(monkeypatch):
+    seen, tanh = [], torch.tanh
+    monkeypatch.setattr(torch, "tanh", lambda x: seen.append(torch.get_num_threads()) or tanh(x))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        measure_elementwise(rows=(4, 8), repeat=1, warmup=0)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

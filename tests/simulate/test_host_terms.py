@@ -6,12 +6,17 @@ ubatch). The real measurements run in the slow tier."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 
 from tandem.simulate import load_hardware, simulate
-from tandem.simulate.host_link import KINDS, LinkFit, fit_line, measure_ranks
+from tandem.simulate.host_elementwise import ElementwiseFit
+from tandem.simulate.host_link import KINDS, LinkFit
+from tandem.simulate.host_ranks import measure_ranks
+from tandem.simulate.line_fit import UNRESOLVED, fit_line
 from tests.support.host_profiles import ROOFLINE, given_host
 
 #: Float32 weight bytes one rank of the MoE stack reads a step: per layer the attention
@@ -60,6 +65,8 @@ def test_the_link_fit_is_the_least_squares_line_through_the_measured_points():
     fit = LinkFit.from_points({"dispatch": [(1e5, 1.1e-3), (1e6, 2e-3)], "combine": [(1e5, 0.5e-3), (1e6, 0.5e-3)]})
     assert fit.fixed_s["dispatch"] == pytest.approx(1e-3) and fit.bytes_per_s["dispatch"] == pytest.approx(1e9)
     assert fit.fixed_s["combine"] == pytest.approx(0.5e-3) and math.isinf(fit.bytes_per_s["combine"])
+    # A slope <= 0 resolves no rate: priced as free, and its description says so.
+    assert UNRESOLVED in fit.describe("combine") and UNRESOLVED not in fit.describe("dispatch")
     # A line through the origin's far side (a negative intercept) costs nothing fixed, never less.
     assert LinkFit.from_points({"dispatch": [(1e5, 0.05e-3), (1e6, 1e-3)]}).fixed_s["dispatch"] == 0.0
     assert "0.10 MB 1.10 ms" in fit.describe("dispatch")
@@ -93,3 +100,35 @@ def test_gloo_transfers_are_measured_between_two_real_ranks():
         assert [b for b, _ in fit.points[kind]] == sorted(b for b, _ in fit.points[kind])
         assert len(fit.points[kind]) == 2 and all(s > 0 for _, s in fit.points[kind])
         assert fit.fixed_s[kind] >= 0 and fit.bytes_per_s[kind] > 0
+        assert math.isfinite(fit.bytes_per_s[kind]) or UNRESOLVED in fit.describe(kind)
+    assert math.isfinite(measured.cold_rate) or measured.cold_rate == 0.0
+
+
+def test_a_rate_its_measurement_did_not_resolve_is_flagged_in_its_source_and_warned_about():
+    link = LinkFit.from_points({"dispatch": [(1e5, 1.1e-3), (1e6, 2e-3)], "combine": [(1e5, 0.6e-3), (1e6, 0.5e-3)]})
+    hw = given_host(small_rate=100e9, switch_s=0.0, cold_rate=8e9, link=link)
+    assert "combine: 0.10 MB 0.60 ms, 1.00 MB 0.50 ms (not resolved: slope <= 0 at these points, priced as free)" \
+        in hw.sources["nvlink_bytes_per_s"]
+    assert "dispatch: 0.10 MB 1.10 ms, 1.00 MB 2.00 ms;" in hw.sources["nvlink_bytes_per_s"]
+    script = _simulate_here()
+    assert script.unresolved_figures(hw) == ["nvlink_bytes_per_s[combine]"]
+    assert script.format_warnings(hw).startswith("warning: nvlink_bytes_per_s[combine] was not resolved")
+    assert "combine 0.61 ms + free (not resolved)" in script.format_profile(hw)
+
+
+def test_a_cold_pass_no_slower_than_the_warm_is_flagged_in_its_source(monkeypatch):
+    from tandem.simulate import host
+
+    monkeypatch.setattr(host, "cold_weight_rate", lambda size: (math.inf, 2**28))
+    hw = host.host_profile(1, roofline=ROOFLINE, small_rate=100e9, switch_s=0.0, link=LinkFit.copies(1e9),
+                           elementwise=ElementwiseFit.unmeasured())
+    assert "not resolved: the cold pass was not slower than the warm one, priced as free" in hw.sources["cold_weight_bytes_per_s"]
+    assert _simulate_here().unresolved_figures(hw) == ["cold_weight_bytes_per_s"]
+
+
+def _simulate_here():
+    """benchmarks/simulate_here.py as a module (benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("simulate_here", Path(__file__).resolve().parents[2] / "benchmarks" / "simulate_here.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

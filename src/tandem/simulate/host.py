@@ -7,11 +7,11 @@ beyond them, each measured here:
 - a short GEMM: one 32-row matmul on one warm weight prices the GEMM curve's small end, so a
   split batch's smaller GEMMs cost what they cost here;
 - cold weights: the same matmul cycled over more distinct weights than the last-level cache
-  holds against as many on one warm weight, on every rank at once as a step runs (`simulate.host_link`); its extra time per
+  holds against as many on one warm weight, on every rank at once as a step runs (`simulate.host_ranks`); its extra time per
   weight byte (`cold_weight_bytes_per_s`) is what every GEMM adds for reading its weights
   from memory, as a step does (each weight is read once a step, and the ubatches of a split
   step read it again);
-- gloo's transfers (`simulate.host_link`): the runtime's dispatch and combine between real
+- gloo's transfers (`simulate.host_link`, on the ranks of `simulate.host_ranks`): the runtime's dispatch and combine between real
   gloo ranks on this host at a few sizes, a fixed cost per call plus a cost per byte;
 - the non-GEMM ops (`simulate.host_elementwise`): lines for a float32 add, a tanh and the
   runtime's `select_experts`, each on a GEMM's fresh output, on every rank at once; the MoE
@@ -25,13 +25,22 @@ transfers blocking compute, as `none` does.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tandem.bench.roofline import Roofline, measure_roofline
 from tandem.simulate.hardware import HERE, HardwareProfile, load_hardware
 from tandem.simulate.host_elementwise import ElementwiseFit, measure_elementwise
-from tandem.simulate.host_gemm import SMALL_M, cold_weight_rate, last_level_cache_bytes, small_gemm_rate
-from tandem.simulate.host_link import LinkFit, measure_ranks
+from tandem.simulate.host_gemm import (
+    COLD_UNRESOLVED,
+    SMALL_M,
+    cold_weight_rate,
+    last_level_cache_bytes,
+    small_gemm_rate,
+)
+from tandem.simulate.host_link import LinkFit
+from tandem.simulate.host_ranks import measure_ranks
 
 
 def measure_switch_s(executor: str = "thread", yields: int = 200) -> float:
@@ -122,20 +131,21 @@ def _measure_missing(ranks: int, size: int, cold_rate: float | None, link: LinkF
         on_ranks = measure_ranks(ranks, matmul_size=size if cold_rate is None else 0, elementwise=elementwise is None)
         link, elementwise = link or on_ranks.link, elementwise or on_ranks.elementwise
         if cold_rate is None:
-            cold_rate, cold_how = on_ranks.cold_rate, _cold_source(size, on_ranks.cycled, ranks)
+            cold_rate, cold_how = on_ranks.cold_rate, _cold_source(size, on_ranks.cycled, ranks, on_ranks.cold_rate)
     link = link or LinkFit.copies(roofline.bandwidth_bytes_per_s)
     if cold_rate is None:
         cold_rate, cycled = cold_weight_rate(size)
-        cold_how = _cold_source(size, cycled, 1)
+        cold_how = _cold_source(size, cycled, 1, cold_rate)
     return cold_rate, cold_how, link, elementwise or measure_elementwise()
 
 
-def _cold_source(size: int, cycled: int, ranks: int) -> str:
+def _cold_source(size: int, cycled: int, ranks: int, rate: float) -> str:
     who = "one process" if ranks == 1 else f"each of {ranks} gloo ranks at once (rank 0's figure)"
+    unresolved = "" if math.isfinite(rate) else f"; {COLD_UNRESOLVED}"
     return (f"measured in this run by {who}: a {SMALL_M}-row x {size}-wide float32 matmul cycled over "
             f"{cycled / 2**20:.0f} MiB of distinct weights (more than the {last_level_cache_bytes() / 2**20:.0f} MiB "
             f"last-level cache), its time over the same matmul's on one warm weight, per weight byte: what a GEMM "
-            f"adds reading its weights from memory")
+            f"adds reading its weights from memory{unresolved}")
 
 
 def _link_figures(link: LinkFit) -> dict:

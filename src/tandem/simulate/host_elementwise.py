@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tandem.bench.moe_stack import STACK_SHAPE
-from tandem.simulate.line_fit import fit_line
+from tandem.simulate.line_fit import UNRESOLVED, fit_rates, unresolved
 
 #: Rows of the measured buffers and tokens of the measured routing: a decode ubatch to a prefill step.
 ROWS = (16, 128, 512)
@@ -72,11 +72,7 @@ class ElementwiseFit:
 
     @classmethod
     def from_points(cls, points: dict[str, list[tuple[float, float]]], measured_by: str = "one process") -> ElementwiseFit:
-        fixed, rates = {}, {}
-        for kind, pairs in points.items():
-            intercept, slope = fit_line(pairs)
-            fixed[kind], rates[kind] = max(intercept, 0.0), 1.0 / slope if slope > 0 else float("inf")
-        return cls(fixed, rates, points, measured_by)
+        return cls(*fit_rates(points), points, measured_by)
 
     @classmethod
     def unmeasured(cls) -> ElementwiseFit:
@@ -87,7 +83,7 @@ class ElementwiseFit:
         unit = "tokens" if kind == "routing" else "MB"
         scale = 1.0 if kind == "routing" else 1e-6
         pts = ", ".join(f"{x * scale:.3g} {unit} {s * 1e6:.0f} us" for x, s in self.points.get(kind, ()))
-        return f"{kind}: {pts}"
+        return f"{kind}: {pts} ({UNRESOLVED})" if kind in unresolved(self.points) else f"{kind}: {pts}"
 
     def time(self, work: Work) -> float:
         """Seconds of `work`: per kind, its ops at the fixed cost and its units at the rate."""
@@ -120,9 +116,20 @@ class ElementwiseFit:
 
 
 def measure_elementwise(rows: tuple[int, ...] = ROWS, repeat: int = 7, warmup: int = 2) -> ElementwiseFit:
-    """The three lines of the module docstring, on this thread (one intra-op thread, as a rank).
-    Each timed op reads what a step's op reads: the fresh output of a GEMM over a weight not in
-    cache (`POOL_WEIGHTS` distinct weights taking turns), and allocates its output."""
+    """The three lines of the module docstring, on this thread with one intra-op thread (as a
+    rank; the caller's thread count is set back after). Each timed op reads what a step's op
+    reads: the fresh output of a GEMM over a weight not in cache (`POOL_WEIGHTS` distinct weights
+    taking turns), and allocates its output."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return ElementwiseFit.from_points(_measured_points(rows, repeat, warmup))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measured_points(rows: tuple[int, ...], repeat: int, warmup: int) -> dict[str, list[tuple[float, float]]]:
+    """(units, median seconds) per kind and size, timed as `measure_elementwise` says."""
     from tandem.modular_kernels import select_experts
 
     hidden, experts, top_k = STACK_SHAPE["hidden"], STACK_SHAPE["experts"], STACK_SHAPE["top_k"]
@@ -148,9 +155,7 @@ def measure_elementwise(rows: tuple[int, ...] = ROWS, repeat: int = 7, warmup: i
                 call(h, i)
                 if n >= warmup:
                     times[kind, i].append(time.perf_counter() - start)
-    return ElementwiseFit.from_points(
-        {kind: [(units(r), statistics.median(times[kind, i])) for i, r in enumerate(rows)] for kind, (_, _, units) in calls.items()}
-    )
+    return {kind: [(units(r), statistics.median(times[kind, i])) for i, r in enumerate(rows)] for kind, (_, _, units) in calls.items()}
 
 
 class _Counter(TorchDispatchMode):

@@ -1,6 +1,6 @@
 """The GEMM figures of `here` (`simulate.host`): a short matmul on one warm weight, and the
 same matmul over more distinct weights than the last-level cache holds (the cold read a step
-pays, since a step reads each weight once). `simulate.host_link` runs the cold one on every
+pays, since a step reads each weight once). `simulate.host_ranks` runs the cold one on every
 gloo rank at once."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from tandem.bench.roofline import device_timer
 SMALL_M = 32
 #: Weights the cold-weight matmul cycles over: at least this much, and 1.5x the last-level cache.
 COLD_MIN_BYTES = 256 * 2**20
+#: What the cold-weight figure's source says when the cold pass was not slower than the warm one.
+COLD_UNRESOLVED = "not resolved: the cold pass was not slower than the warm one, priced as free"
 
 
 def small_gemm_rate(size: int, repeat: int = 5) -> float:
@@ -43,7 +45,8 @@ def cold_weight_rate(size: int, *, passes: int = 2) -> tuple[float, int]:
     [size, size] float32 matmul whose weight comes from memory. The matmul runs once per weight
     over more distinct weights than the last-level cache holds, and half as many times over the
     first weight alone (warm): the best of `passes` interleaved passes each, after one that
-    pages the weights in, so a passing load slows both alike."""
+    pages the weights in, so a passing load slows both alike. A cold pass not slower than the
+    warm one gives an infinite rate (free; its source says so: `COLD_UNRESOLVED`)."""
     weight_bytes = size * size * 4
     total = max(COLD_MIN_BYTES, int(1.5 * last_level_cache_bytes()))
     weights = [torch.empty(size, size).fill_(0.01) for _ in range(-(-total // weight_bytes))]
@@ -62,4 +65,4 @@ def cold_weight_rate(size: int, *, passes: int = 2) -> tuple[float, int]:
     return (weight_bytes / extra if extra > 0 else float("inf")), weight_bytes * len(weights)
 
 
-__all__ = ["COLD_MIN_BYTES", "SMALL_M", "cold_weight_rate", "last_level_cache_bytes", "small_gemm_rate"]
+__all__ = ["COLD_MIN_BYTES", "COLD_UNRESOLVED", "SMALL_M", "cold_weight_rate", "last_level_cache_bytes", "small_gemm_rate"]
