@@ -248,3 +248,39 @@ def test_decode_step_launches_the_fused_kernels(fake_cuda, one_rank_group):
     _run_steps("local", "triton", one_rank_group, graph_mode="none", steps=1)
     launched = set(fake_cuda["triton"])
     assert {"add_rms_norm", "rope_cache", "topk", "align", "grouped_gemm", "silu_and_mul"} <= launched
+
+
+def _counted_decode_step(wrapper, model, num_ubatches: int):
+    from tandem.bench.op_count import OpCounter
+
+    inputs = _decode_inputs(model, 0)
+    with OpCounter() as counter:
+        out = _step(wrapper, inputs, num_ubatches)
+    return out, counter
+
+
+def test_tbo_step_concatenates_only_the_final_hidden(fake_cuda, one_rank_group):
+    """Review of G9: each ubatch's final norm adds its last residual before the ubatches are
+    merged, so a TBO decode step concatenates one [T, H] tensor (the normalised rows), not the
+    hidden states, the residual and the positions apart (3 `cat`s)."""
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _model("local", "triton", one_rank_group)
+        wrapper = UBatchWrapper(model, num_ubatches=2, executor="stages", max_blocks_per_seq=2)
+        out, counter = _counted_decode_step(wrapper, model, 2)
+    assert wrapper.ubatched_runs == 1 and out.shape == (4, SIZES["hidden_size"])
+    assert counter.by_op["cat"] == 1, counter.by_op.most_common(20)
+
+
+def test_final_norm_keeps_no_residual_alive(fake_cuda, one_rank_group):
+    """Review of G9: the model's output (the final norm of the last layer's output and
+    residual) owns only its own [T, H] rows; `fused_add_rms_norm` allocates the sum beside the
+    normalised rows, and taking `[0]` of it kept both halves alive (in a CUDA graph's pool too)."""
+    from tandem.worker.ubatch_wrapper import UBatchWrapper
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _model("local", "triton", one_rank_group)
+        out, counter = _counted_decode_step(UBatchWrapper(model, executor="greenlet"), model, 0)
+        assert counter.triton_by_kernel["add_rms_norm_kernel"] > 0
+        assert out.untyped_storage().nbytes() == out.numel() * out.element_size()

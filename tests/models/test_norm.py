@@ -59,6 +59,24 @@ def test_triton_add_rms_norm_matches_torch(dtype):
     torch.testing.assert_close(normed, want_normed, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_norm_is_the_fused_norm_without_the_sum_kept(dtype, monkeypatch):
+    """The final norm (`RMSNorm.add_norm`): the bits of `norm(x, residual)[0]`, on the Triton
+    path (forced here, as on CUDA) and on the CPU, and an output that owns only its rows
+    (`[0]` of the fused kernel's output is a view of one [2, rows, H] allocation)."""
+    from tandem.models import norm as norm_module
+
+    x, res, _ = inputs(dtype, rows=6, hidden=40)
+    module = RMSNorm(40, 1e-5, dtype)
+    with torch.no_grad():
+        module.weight.copy_((1 + 0.1 * torch.randn(40)).to(dtype))
+    assert torch.equal(module.add_norm(x, res), module(x, res)[0])
+    monkeypatch.setattr(norm_module.triton_utils, "use_triton", lambda t: True)
+    fused, out = module(x, res)[0], module.add_norm(x, res)
+    assert torch.equal(out, fused) and out.shape == x.shape
+    assert fused.untyped_storage().nbytes() == 2 * out.untyped_storage().nbytes() == 2 * x.numel() * x.element_size()
+
+
 def test_triton_add_rms_norm_reads_strided_rows_and_empty_batches():
     x, res, w = inputs(torch.float32, rows=4, hidden=32)
     wide = torch.randn(4, 64)

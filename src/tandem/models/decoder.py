@@ -205,7 +205,7 @@ class MoEDecoderForCausalLM(OperationsModel, CausalLM):
         norm on the last stage, a plain add for the next stage to take (`residual + hidden`,
         the add the layer used to end with)."""
         if self.stage.is_last:
-            return self.model.norm(hidden) if residual is None else self.model.norm(hidden, residual)[0]
+            return self.model.norm(hidden) if residual is None else self.model.norm.add_norm(hidden, residual)
         return hidden if residual is None else residual + hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ concatenated, so a layer's last stage and the next layer's first are one stage):
 `OperationsModel` gives a model the three methods `UBatchWrapper` runs TBO with: the
 embedding and the leading dense layers (`first_k_dense_replace`) on the whole batch, outside
 the overlap as in SGLang (their `hidden_states` and `residual` are cut by tokens like every
-input); the strategy of the remaining layers; the final norm, with the last add.
+input); the strategy of the remaining layers; the final norm, with the last add, on each
+ubatch's output before the ubatches are concatenated.
 """
 
 from __future__ import annotations
@@ -158,8 +159,10 @@ class OperationsModel:
         return OperationsStrategy.concat([layer.operations_strategy(decode) for layer in layers])
 
     def operations_output(self, outputs: dict) -> torch.Tensor:
-        """The final norm, adding the last layer's residual as the forward does."""
-        return self.model.norm(outputs["hidden_states"], outputs["residual"])[0]
+        """One ubatch's output (`UBatchWrapper` concatenates them after): the final norm, adding
+        the last layer's residual as the forward does, row by row, so the ubatches' residuals
+        are never concatenated and nothing of the sum is kept (`RMSNorm.add_norm`)."""
+        return self.model.norm.add_norm(outputs["hidden_states"], outputs["residual"])
 
 
 __all__ = ["DECODE_DELTA_STAGES", "PREFILL_DELTA_STAGES", "DecoderLayerOperations", "OperationsModel"]

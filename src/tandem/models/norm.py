@@ -4,7 +4,8 @@
 of tandem's kernels (torch runs its `rms_norm` there as ~10 ATen ops), elsewhere
 `torch.nn.functional.rms_norm`. `fused_add_rms_norm` returns `(rms_norm(x + residual), x +
 residual)`: one Triton kernel on CUDA, one of tandem's kernels on the CPU, the two torch ops
-elsewhere. The kernels keep the reference's (HF's `LlamaRMSNorm`) roundings by construction:
+elsewhere; `add_rms_norm` returns the first alone and keeps nothing of the sum alive (the
+final norm). The kernels keep the reference's (HF's `LlamaRMSNorm`) roundings by construction:
 the sum is rounded to the model dtype (it is the next residual), normalised in float32, cast
 back, then scaled by the weight (tests: bit for bit against transformers' class in bfloat16).
 `F.rms_norm` does not (gpu-review-3 G15): torch 2.13 scales by the weight before its one cast
@@ -67,23 +68,26 @@ def _define(triton) -> SimpleNamespace:
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, keep_sum: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel (any device the interpreter or a GPU runs it on); rows of `x` and
-    `residual` may be strided, the last dim must be contiguous."""
+    `residual` may be strided, the last dim must be contiguous. `keep_sum=False` (the caller
+    drops the sum): the two outputs are separate allocations, so the sum's is freed with it."""
     hidden = x.shape[-1]
     x2, res2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
     if x2.stride(-1) != 1 or res2.stride(-1) != 1:
         x2, res2 = x2.contiguous(), res2.contiguous()
     rows = x2.shape[0]
-    # One allocation for both outputs: [0] the normalised rows, [1] the new residual.
-    both = torch.empty((2, rows, hidden), dtype=residual.dtype, device=x.device)
+    if keep_sum:  # one allocation for both outputs: [0] the normalised rows, [1] the new residual
+        out, total = torch.empty((2, rows, hidden), dtype=residual.dtype, device=x.device)
+    else:
+        out, total = (torch.empty((rows, hidden), dtype=residual.dtype, device=x.device) for _ in range(2))
     if rows:
         triton_utils.kernels(_define).add_rms_norm[(rows,)](
-            x2, res2, weight, both[0], both[1], hidden, x2.stride(0), res2.stride(0), eps, 1, 0,
+            x2, res2, weight, out, total, hidden, x2.stride(0), res2.stride(0), eps, 1, 0,
             HAS_RESIDUAL=True, BLOCK=triton_utils.next_power_of_2(hidden),
         )  # fmt: skip
-    return both[0].view(residual.shape), both[1].view(residual.shape)
+    return out.view(residual.shape), total.view(residual.shape)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,6 +124,16 @@ def fused_add_rms_norm(
     return rms_norm(total, weight, eps), total
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm(x + residual)` alone, bit for bit `fused_add_rms_norm(...)[0]`, with nothing of
+    the sum kept alive (the model's final norm, after which the residual is dead): on CUDA the
+    sum is written to a buffer of its own that is freed on return (in a CUDA graph's pool
+    too), where `fused_add_rms_norm` returns both halves of one allocation."""
+    if triton_utils.use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps, keep_sum=False)[0]
+    return fused_add_rms_norm(x, residual, weight, eps)[0]
+
+
 class RMSNorm(nn.Module):
     """`weight * x / rms(x)`, normalised in float32 and cast back before the weight. Given a
     `residual`, normalises `x + residual` and returns `(normed, x + residual)`."""
@@ -134,5 +148,9 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`self(x, residual)[0]` without keeping the sum alive (`add_rms_norm`)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
-__all__ = ["RMSNorm", "fused_add_rms_norm", "fused_add_rms_norm_triton", "rms_norm", "rms_norm_triton"]
+
+__all__ = ["RMSNorm", "add_rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_triton", "rms_norm", "rms_norm_triton"]

@@ -11,8 +11,8 @@ MoE layers use `FusedMoEModularKernel`. It reads the forward context:
 - `ubatch_slices` with the `"stages"` executor (TBO): the model's `operations_inputs` runs
   on the whole batch (embedding, leading dense layers), its per-ubatch inputs are
   interleaved stage by stage through `operations_strategy(decode)` on the caller's thread,
-  each stage under its ubatch's forward context, and `operations_output` finishes the
-  concatenated result.
+  each stage under its ubatch's forward context, and `operations_output` finishes each
+  ubatch's result (the final norm, row by row) before they are concatenated.
 
 `graph_mode="full"` captures one graph per (padded token count, ubatch count, TBO strategy, SBO choice) for
 decode-only batches (`AttentionMetadata.decode_only`) of up to `max_graph_tokens` tokens,
@@ -263,7 +263,9 @@ class UBatchWrapper:
             [i * strategy.delta_stages for i in range(len(slices))],
             forward_contexts=sub_contexts,
         )
-        return model.operations_output({name: merge_outputs([out[name] for out in outputs]) for name in outputs[0]})
+        # Each ubatch finished on its own rows (the final norm folds the last residual add), so
+        # one [T, H] tensor is concatenated, not the hidden states and the residual apart.
+        return merge_outputs([model.operations_output(out) for out in outputs])
 
     # -- graphs --------------------------------------------------------------------------
 
