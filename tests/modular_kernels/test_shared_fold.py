@@ -124,6 +124,22 @@ def test_the_local_triton_kernel_folds_the_shared_output_where_it_is_ready(dtype
     assert decode[1] is True and torch.equal(decode[0], unfused[0])
 
 
+@pytest.mark.parametrize("shared_first", [None, True, False])
+def test_the_fold_is_decided_once_per_experts_step(shared_first, monkeypatch):
+    """`compute_experts` asks whether the experts may add the shared output once (it was
+    asked twice on one path: to run the shared experts first, then to hand their output
+    over), whichever order the shared experts run in."""
+    kernel, inputs, _ = _layer(torch.float32)
+    asked = []
+    adds = kernel.experts.adds_shared_output
+    monkeypatch.setattr(kernel.experts, "adds_shared_output", lambda device: asked.append(device) or adds(device))
+    if shared_first is None:
+        kernel(*inputs)
+    else:
+        _steps(kernel, inputs, shared_first)
+    assert len(asked) == 1 or (shared_first is False and len(asked) <= 1)  # nothing ready: may skip
+
+
 def test_the_torch_experts_keep_the_order_and_the_add():
     """The CPU path: shared experts after the routed ones, their outputs added apart."""
     kernel, inputs, log = _layer(torch.bfloat16, moe_backend="torch")

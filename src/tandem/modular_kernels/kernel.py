@@ -198,9 +198,10 @@ class FusedMoEModularKernel:
         if state.tokens is None:
             raise RuntimeError("compute_experts needs the dispatched tokens: call dispatch_recv first")
         if state.sbo_mode != COMBINE_DOWN_GEMM:
-            if state.shared_free and _may_fold_shared(self, state.hidden_states.device):
+            may_fold = _may_fold_shared(self, state.hidden_states.device)
+            if may_fold and state.shared_free:
                 self.compute_shared(state)
-            shared = _shared_to_fold(self, state)
+            shared = _shared_ready(state) if may_fold else None
             folded = {} if shared is None else {"shared": shared}
             state.expert_out = self.experts.apply(state.tokens, state.w1, state.w2, **folded)
             state.shared_folded = shared is not None
@@ -313,14 +314,15 @@ def _may_fold_shared(kernel: FusedMoEModularKernel, device: torch.device) -> boo
     )
 
 
-def _shared_to_fold(kernel: FusedMoEModularKernel, state: MoEStepState) -> torch.Tensor | None:
-    """The shared output the experts add, if it is ready when they run (the shared experts
-    ran before: `forward` with nothing to overlap them or in the dispatch window, TBO's
-    decode order) and has the routed output's dtype and shape; else None: `output` adds it."""
+def _shared_ready(state: MoEStepState) -> torch.Tensor | None:
+    """Where the experts may add it (`_may_fold_shared`, asked once by the caller): the shared
+    output, if it is ready when they run (the shared experts ran before: `forward` with nothing
+    to overlap them or in the dispatch window, TBO's decode order) and has the routed output's
+    dtype and shape; else None: `output` adds it."""
     shared, tokens = state.shared_output, state.tokens
     if shared is None or shared.dtype != tokens.dtype or shared.shape != state.hidden_states.shape:
         return None
-    return shared if _may_fold_shared(kernel, shared.device) else None
+    return shared
 
 
 def _run_hook(state: MoEStepState, field: str) -> None:
