@@ -107,6 +107,25 @@ def test_a_figure_without_a_source_is_refused(tmp_path):
         load_hardware(str(path))
 
 
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_a_figure_can_take_another_profiles_value_and_keeps_its_own_source(name):
+    """H100 and H200 take DeepGEMM's H800 table by reference: one copy of the published rows."""
+    hw, h800 = load_hardware(name), load_hardware("h800")
+    raw = json.loads((SIMULATE_SRC / "hardware" / f"{name}.json").read_text())
+    assert raw["figures"]["gemm_table"] == {"value_from": "h800", "source": hw.sources["gemm_table"]}
+    assert hw.gemm_table == h800.gemm_table and len(hw.gemm_table) > 20
+    assert hw.sources["gemm_table"] != h800.sources["gemm_table"]
+
+
+def test_a_reference_to_a_figure_the_other_profile_lacks_is_refused(tmp_path):
+    raw = json.loads((SIMULATE_SRC / "hardware" / "h100.json").read_text())
+    raw["figures"]["no_such_figure"] = {"value_from": "h800", "source": "derived: a reference to nothing at all"}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="'h800' has no literal value for figure 'no_such_figure'"):
+        load_hardware(str(path))
+
+
 def test_the_gemm_curve_meets_deepgemm_anchors_within_15_percent():
     from tandem.simulate.hardware import HardwareProfile
 

@@ -33,6 +33,15 @@ def _profile_text(name: str) -> str:
     return resources.files("tandem.simulate").joinpath("hardware", f"{key}.json").read_text(encoding="utf-8")
 
 
+def _value_from(profile: str, key: str) -> Any:
+    """A figure another built-in profile publishes (`"value_from": "h800"`): one copy of a
+    table several GPUs share, so a correction reaches all of them."""
+    figure = json.loads(_profile_text(profile))["figures"].get(key)
+    if not isinstance(figure, dict) or "value" not in figure:
+        raise ValueError(f"hardware profile {profile!r} has no literal value for figure {key!r} to take")
+    return figure["value"]
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """One GPU kind and its interconnect, as the simulator uses it."""
@@ -46,9 +55,11 @@ class HardwareProfile:
         data = json.loads(_profile_text(name))
         figures, sources = {}, {}
         for key, figure in data["figures"].items():
-            if not isinstance(figure, dict) or "value" not in figure or not str(figure.get("source", "")).strip():
+            has_value = isinstance(figure, dict) and ("value" in figure or "value_from" in figure)
+            if not has_value or not str(figure.get("source", "")).strip():
                 raise ValueError(f"hardware profile {data.get('name', name)}: figure {key!r} needs a value and a source")
-            figures[key], sources[key] = figure["value"], figure["source"]
+            figures[key] = figure["value"] if "value" in figure else _value_from(figure["value_from"], key)
+            sources[key] = figure["source"]
         return cls(str(data["name"]), figures, sources)
 
     @property
