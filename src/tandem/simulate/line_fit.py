@@ -1,6 +1,7 @@
 """The least-squares line the host profile puts through its measured points (`simulate.host_link`:
 gloo's transfers; `simulate.host_elementwise`: the non-GEMM ops): intercept = fixed cost per
-call, slope = cost per unit. A slope that is not positive (the points did not resolve a cost per
+call, slope = cost per unit. `fit_line` is also the soak's (`testing.soak`: the warm-up's line
+and the RSS trend). A slope that is not positive (the points did not resolve a cost per
 unit, e.g. under load) is kept as an infinite rate, priced as free, and said so: `unresolved`
 names those kinds and `UNRESOLVED` is the note a figure's source carries for them."""
 

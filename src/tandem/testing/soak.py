@@ -51,6 +51,7 @@ from typing import Callable
 
 import httpx
 
+from tandem.simulate.line_fit import fit_line
 from tandem.testing.load import metric_values, rss_mb
 
 #: The deployment the soak runs against (`tandem serve tiny-moe ...`): two DBO ranks, a KV
@@ -407,7 +408,7 @@ def warmup_waves(waves: list[WaveResult], min_waves: int = 12) -> int:
     totals = _running_median([w.rss_total_mb for w in waves], max(3, len(waves) // 20))
     start = len(totals) // 2
     xs = range(start, len(totals))
-    slope, intercept = _line(list(xs), totals[start:])
+    intercept, slope = fit_line(list(zip(xs, totals[start:])))
     residuals = [totals[x] - (intercept + slope * x) for x in xs]
     spread = max(3 * (sum(r * r for r in residuals) / len(residuals)) ** 0.5, 1.0)
     joined = len(totals)
@@ -421,14 +422,6 @@ def warmup_waves(waves: list[WaveResult], min_waves: int = 12) -> int:
 def _running_median(values: list[float], window: int) -> list[float]:
     """Each value replaced by the median of the `window` values ending at it (fewer at the start)."""
     return [statistics.median(values[max(0, i + 1 - window): i + 1]) for i in range(len(values))]
-
-
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(slope, intercept) of the least-squares line through the points."""
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
-    return slope, mean_y - slope * mean_x
 
 
 @dataclass
@@ -461,7 +454,7 @@ def growth(waves: list[WaveResult], warmup: int | None = None) -> Growth:
     per_process = {name: rise(lambda w, name=name: w.rss_mb.get(name, 0.0)) for name in measured[0].rss_mb}
     worst = max(per_process, key=per_process.get)
     hours = [sum(w.duration_s + w.drained_s for w in waves[: i + 1]) / 3600 for i in range(len(waves))]
-    slope, _ = _line(hours[warmup:], [w.rss_total_mb for w in measured])
+    _, slope = fit_line(list(zip(hours[warmup:], (w.rss_total_mb for w in measured))))
     return Growth(
         warmup=warmup, rss=rise(lambda w: w.rss_total_mb), fds=rise(lambda w: w.fds_total),
         worst_process=worst, worst_process_rss=per_process[worst], rss_mb_per_hour=slope,
