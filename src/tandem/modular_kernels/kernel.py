@@ -59,7 +59,7 @@ class MoEStepState:
     #: True when nothing overlaps the shared experts (`forward`, no window for them): the
     #: experts' step may run them first and add their output (`_may_fold_shared`).
     shared_free: bool = False
-    #: True when the experts added `shared_output` in their last reduction (`_shared_to_fold`).
+    #: True when the experts added `shared_output` in their last reduction (`_shared_ready`).
     shared_folded: bool = False
 
 
