@@ -57,6 +57,7 @@ def generate(
     import json
     import time
 
+    from tandem.simulate.serve_prior import with_simulated_prior
     from tandem.worker.sampling import SamplingParams
 
     config = build_config(flags, parallel=torchrun_parallel(flags))
@@ -71,6 +72,7 @@ def generate(
     is_head = torchrun is None or torchrun[0] == 0
     log = lambda msg: is_head and print(f"[tandem] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     log(config.describe() + (f" torchrun world={torchrun[1]}" if torchrun else ""))
+    config = with_simulated_prior(config, torchrun=torchrun is not None, log=log)
     start = time.perf_counter()
     per_rank = _generate_on_ranks(config, prompts, params, torchrun, log)
     if not is_head:
@@ -134,6 +136,11 @@ def serve(
         from tandem.models.loader import load_tokenizer_info
 
         load_tokenizer_info(config.model)  # a bad model directory fails here, before any rank starts
+        from tandem.simulate.serve_prior import with_simulated_prior
+
+        head = (torchrun_world() or (0,))[0] == 0  # under torchrun, rank 0 speaks for all
+        log = lambda line: head and print(f"[tandem] {line}", file=sys.stderr, flush=True)  # noqa: E731
+        config = with_simulated_prior(config, torchrun=under_torchrun(), log=log)
         if under_torchrun():
             run_torchrun_rank(config, options, http)
         else:
@@ -326,6 +333,10 @@ def simulate(
     trace: str = typer.Option(None, help="Write the simulated timelines as Chrome trace JSON to this file."),
     timeline: str = typer.Option(None, help="Draw each mode's timeline to PNG files named after this one (needs matplotlib)."),
     validate: bool = typer.Option(False, help="Also print DeepSeek-V3 on this hardware against DeepSeek's published throughput."),
+    link_mbit: float = typer.Option(
+        None, help="With --hardware here: the ranks joined by a link shaped to this many Mbit/s (tbf's rate, whole "
+        "frames): each transfer's CPU part as measured here, plus its bytes on that link, which overlap can hide.",
+    ),
 ) -> None:
     """One step per rank under each overlap mode: step time, tokens/s/GPU, speed-up over none,
     and the floor max(compute, comm). The layer structure comes from the model config as the
@@ -340,7 +351,8 @@ def simulate(
             raise ValueError("--validate compares DeepSeek-V3 with DeepSeek's published H800 throughput, not this "
                              "host; benchmarks/simulate_here.py checks --hardware here against tandem bench")
         sim = run(model, hardware, ep=ep, phase=phase, tokens_per_rank=tokens_per_rank, context=context,
-                  modes=[m for m in modes.split(",") if m.strip()], draft_tokens=draft_tokens, acceptance=acceptance)
+                  modes=[m for m in modes.split(",") if m.strip()], draft_tokens=draft_tokens, acceptance=acceptance,
+                  link_mbit=link_mbit)
     except (ValueError, OSError) as exc:
         print(f"[tandem] error: {exc}", file=sys.stderr, flush=True)
         raise typer.Exit(code=2) from None

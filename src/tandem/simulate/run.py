@@ -24,6 +24,7 @@ from tandem.simulate.host import resolve_hardware
 from tandem.simulate.model_shape import ModelShape, model_shape
 from tandem.simulate.ops import SENDS, Layout, OpCosts, UBatchWork
 from tandem.simulate.schedule import Span, Step, issue_order, layer_steps, play, tbo_program
+from tandem.simulate.shaped_link import ShapedLink, link_seconds_per_byte, over_link, wire_share
 from tandem.ubatch import split_by_tokens
 
 SBO_MODES = {"sbo-dispatch-shared": "dispatch-shared", "sbo-combine-shared": "combine-shared"}
@@ -157,25 +158,44 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     shared = OpCosts(shape, hw, layout, sm_share=share, overlapped=True) if overlapped else alone
 
     def priced(costs: OpCosts, u: int, step: Step) -> float:
-        if step.name in ("dispatch_send", "combine_send"):
-            return costs.transfer(step.name.split("_")[0], works[u])
+        if step.name in SENDS:
+            return costs.transfer(SENDS[step.name], works[u])
         return costs.compute(step.name, works[u])
 
     def overlap_rate(u: int, step: Step) -> float:
         by_itself, overlapped_time = priced(alone, u, step), priced(shared, u, step)
         return by_itself / overlapped_time if overlapped_time > by_itself > 0 else 1.0
 
-    # On a host whose cores do the transfers (gloo on a CPU) a transfer holds compute in every mode.
-    sync = not overlapped or hw.transfers_on_compute
+    wire = link_seconds_per_byte(hw)
+    # On a host whose cores do the transfers (gloo on a CPU) a transfer holds compute in every
+    # mode; over a shaped link only its CPU part does, and its wire part can be overlapped.
+    sync = not overlapped or (hw.transfers_on_compute and wire is None)
     costs = shared if sync else alone
-    spans = play(order, lambda u, step: priced(costs, u, step), sync_comm=sync,
-                 switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
-                 kernel=lambda u, step: costs.send_kernel(SENDS[step.name], works[u]),
-                 overlap_rate=None if sync else overlap_rate)
+    if wire is None:
+        cost = lambda u, step: priced(costs, u, step)  # noqa: E731
+        kernel = lambda u, step: costs.send_kernel(SENDS[step.name], works[u])  # noqa: E731
+    else:
+        cost, kernel = _over_link(costs, works, wire, priced)
+    spans = play(order, cost, sync_comm=sync, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
+                 kernel=kernel, overlap_rate=None if sync or wire is not None else overlap_rate)
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
     comm = sum(s.end - s.start for s in spans if s.lane == "comm")
     return ModeResult(mode, end, workload.output_tokens, compute, comm, spans)
+
+
+def _over_link(costs: OpCosts, works: list[UBatchWork], seconds_per_byte: float, priced):
+    """(cost, kernel) of `play` over a shaped link: a send's CPU part (the host's measured
+    transfer line) is its kernel on the compute stream, its bytes leaving the rank at the link's
+    seconds per byte the transfer on the comm stream (`simulate.shaped_link`)."""
+    share = wire_share(costs.layout.ep)
+
+    def cost(u: int, step: Step) -> float:
+        if step.name in SENDS:
+            return costs.transfer_bytes(SENDS[step.name], works[u]) * share * seconds_per_byte
+        return priced(costs, u, step)
+
+    return cost, lambda u, step: priced(costs, u, step)
 
 
 def simulate(
@@ -190,15 +210,21 @@ def simulate(
     low_latency: bool | None = None,
     draft_tokens: int = 0,
     acceptance: float = 0.0,
+    link_mbit: float | None = None,
 ) -> Simulation:
     """Simulate one step per mode. `hardware` is a profile, a profile name or file, or `here`
     (this CPU with `ep` gloo ranks, measured now). `low_latency` (DeepEP's low-latency kernels)
     defaults to the decode phase, as DeepSeek deploys them; prefill uses the normal kernels, and
     so does a host whose cores do the transfers (gloo has no low-latency path). `draft_tokens`
-    and `acceptance`: MTP in decode (see `Workload`)."""
+    and `acceptance`: MTP in decode (see `Workload`). `link_mbit`: the ranks joined by a link
+    shaped to that rate (`simulate.shaped_link`, nominal; only on a host whose cores move the
+    transfers, as `here`)."""
     shape = model_shape(model)
     workload = Workload(phase, tokens_per_rank, context, draft_tokens, acceptance)
+    link = None if link_mbit is None else ShapedLink.nominal(link_mbit)  # a bad rate fails before any measurement
     hw = hardware if isinstance(hardware, HardwareProfile) else resolve_hardware(hardware, ep)
+    if link is not None:
+        hw = over_link(hw, link)
     gloo = hw.transfers_on_compute
     if low_latency and gloo:
         raise ValueError(f"{hw.name} moves its transfers with gloo: DeepEP's low-latency kernels are not modelled there")

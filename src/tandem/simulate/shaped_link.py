@@ -1,0 +1,117 @@
+"""`--hardware here` over a shaped link: the ranks' transfers cross a rate-limited wire.
+
+`benchmarks/real_links.py` joins its two hosts by a veth whose ends carry a `tbf` qdisc. A
+transfer there is two parts:
+
+- its CPU part: gloo's copies and TCP work on the cores that compute, what the host profile's
+  loopback line measures (`host_link`; `OpCosts.transfer` prices it). It stays on the compute
+  stream in every mode: overlap cannot hide it;
+- its wire part: the bytes that leave the rank over the link's rate. That is waiting, not CPU:
+  it runs on the comm stream, so `none` waits for it and an overlapped mode can hide it.
+
+`run.simulate_mode` plays a send on such a profile as `schedule.play`'s kernel-then-transfer:
+the CPU part on the compute stream, then the wire part on the comm stream.
+
+What crosses the wire: each token once to every other rank holding one of its top-k experts
+(the runtime's `torch_a2a`), so a transfer's bytes per rank (`OpCosts.transfer_bytes`, which
+counts the rank's own copy too) times (ep - 1) / ep under uniform routing. The seconds per such
+byte are either nominal (`ShapedLink.nominal`: tbf counts whole frames, so 1514 bytes on the
+wire per 1448 of TCP payload at MTU 1500, at the set rate) or the link's measured behaviour
+(`ShapedLink.calibrated`: the seconds per byte a `none` step paid at a probe rate, scaled by
+(probe / rate) ** exponent, the exponent measured between two probe rates).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tandem.simulate.hardware import HardwareProfile
+
+#: TCP payload and wire bytes of one full frame at MTU 1500: IP 20 + TCP 32 (with timestamps,
+#: Linux's default) bytes of headers in the MTU, 14 of Ethernet header around it; tbf charges
+#: the frame as the qdisc sees it (the Ethernet header included, no preamble or FCS on a veth).
+FRAME_PAYLOAD_BYTES, FRAME_WIRE_BYTES = 1448, 1514
+#: The profile's figure for a shaped link: seconds on the wire per payload byte leaving a rank.
+LINK_FIGURE = "link_seconds_per_byte"
+RATE_FIGURE = "link_rate_mbit"
+
+
+def _check_rate(name: str, mbit: float) -> float:
+    value = float(mbit)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of Mbit/s, got {mbit!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ShapedLink:
+    """A link at `rate_mbit` (tbf's rate: bits per second of whole frames) and the seconds a
+    payload byte takes on it; `source` says where that figure comes from."""
+
+    rate_mbit: float
+    seconds_per_byte: float
+    source: str
+
+    @classmethod
+    def nominal(cls, rate_mbit: float) -> ShapedLink:
+        """The set rate, every TCP payload byte carrying its frame's headers."""
+        rate = _check_rate("the link rate", rate_mbit)
+        overhead = FRAME_WIRE_BYTES / FRAME_PAYLOAD_BYTES
+        return cls(rate, 8.0 * overhead / (rate * 1e6), (
+            f"derived: tbf's {rate:g} Mbit/s counts whole frames: {FRAME_WIRE_BYTES} bytes on the wire per "
+            f"{FRAME_PAYLOAD_BYTES} of TCP payload at MTU 1500 (Ethernet 14, IP 20, TCP 32 with timestamps); "
+            "tbf's burst and TCP's own pacing are not modelled"))
+
+    @classmethod
+    def calibrated(cls, rate_mbit: float, *, probe_mbit: float, probe_seconds_per_byte: float, exponent: float,
+                   how: str) -> ShapedLink:
+        """The link's measured behaviour: `probe_seconds_per_byte` measured at `probe_mbit`,
+        scaled to `rate_mbit` as time ~ rate ** -`exponent` (measured between two probe rates);
+        `how` says how they were measured."""
+        rate = _check_rate("the link rate", rate_mbit)
+        probe = _check_rate("the probe rate", probe_mbit)
+        if not (math.isfinite(probe_seconds_per_byte) and probe_seconds_per_byte > 0):
+            raise ValueError(f"the probe's seconds per byte must be positive, got {probe_seconds_per_byte!r}")
+        if not (math.isfinite(exponent) and exponent > 0):
+            raise ValueError(f"the rate exponent must be positive, got {exponent!r}")
+        seconds = probe_seconds_per_byte * (probe / rate) ** exponent
+        nominal = cls.nominal(rate).seconds_per_byte
+        return cls(rate, seconds, (
+            f"measured in this run: {how}; {probe_seconds_per_byte * 1e9:.2f} ns per byte at {probe:g} Mbit/s, "
+            f"x ({probe:g} / {rate:g}) ** {exponent:.3f} = {seconds / nominal:.3f}x the nominal frame rate"))
+
+    def figures(self) -> dict[str, tuple[float, str]]:
+        return {
+            RATE_FIGURE: (self.rate_mbit, "given: the tbf rate the link is set to"),
+            LINK_FIGURE: (self.seconds_per_byte, self.source),
+        }
+
+
+def over_link(hw: HardwareProfile, link: ShapedLink) -> HardwareProfile:
+    """`hw` (a host whose cores do the transfers: `--hardware here`) with its ranks joined by
+    `link`: each transfer's CPU part as `hw` measured it, plus its wire part on `link`."""
+    if not hw.transfers_on_compute:
+        raise ValueError(f"a shaped link is modelled on a host whose cores move the transfers (--hardware here), "
+                         f"not on {hw.name}: its transfer figures are already a fabric's")
+    figures, sources = dict(hw.figures), dict(hw.sources)
+    for key, (value, source) in link.figures().items():
+        figures[key], sources[key] = value, source
+    name = hw.name.split(" over ")[0]
+    return HardwareProfile(f"{name} over a {link.rate_mbit:g} Mbit/s link", figures, sources)
+
+
+def link_seconds_per_byte(hw: HardwareProfile) -> float | None:
+    """The profile's wire time per payload byte, or None on a profile with no shaped link."""
+    value = hw.figures.get(LINK_FIGURE)
+    return None if value is None else float(value)
+
+
+def wire_share(ep: int) -> float:
+    """The share of a transfer's per-rank bytes that leaves the rank: uniform routing sends a
+    token's copies to each of `ep` ranks alike, and the rank's own copy stays."""
+    return (ep - 1) / ep if ep > 1 else 0.0
+
+
+__all__ = ["FRAME_PAYLOAD_BYTES", "FRAME_WIRE_BYTES", "LINK_FIGURE", "ShapedLink", "link_seconds_per_byte",
+           "over_link", "wire_share"]

@@ -1,0 +1,126 @@
+"""`--hardware here` over a shaped link (#31): a transfer's CPU part stays on the compute stream,
+its wire part runs on the comm stream, so `none` pays both in sequence and an overlapped mode
+hides only the wire. Hand-computed steps on a host whose every op is free but the transfers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from tandem.cli import app
+from tandem.simulate import HardwareProfile, load_hardware, simulate
+from tandem.simulate.shaped_link import (
+    FRAME_PAYLOAD_BYTES,
+    FRAME_WIRE_BYTES,
+    LINK_FIGURE,
+    ShapedLink,
+    link_seconds_per_byte,
+    over_link,
+)
+
+TOKENS = 512
+#: Bytes leaving one of 2 ranks per moe-stack transfer (hidden 1024, top-2 of 8 experts, float32):
+#: each token goes to 2 * (1 - 1/2**2) = 1.5 ranks on average, half of them the other one.
+WIRE_BYTES = TOKENS * 1.5 * 1024 * 4 / 2
+#: moe-stack: 4 MoE layers, a dispatch and a combine each.
+SENDS = 8
+CPU_S = 1e-3
+
+
+def free_host(**extra) -> HardwareProfile:
+    """A host whose cores move the transfers, every op free but a transfer's CPU part: 1 ms a
+    call, nothing per byte (the fixed part, paid once per ubatch)."""
+    figures = dict(
+        sms=1, comm_sms_normal=0, comm_sms_low_latency=0, transfers_on_compute=True, gpus_per_node=2,
+        nvlink_bytes_per_s={"dispatch": math.inf, "combine": math.inf}, comm_latency_s={"dispatch": CPU_S, "combine": CPU_S},
+        hbm_bytes_per_s=math.inf, hbm_efficiency=1.0, bf16_flops=math.inf, fp8_flops=math.inf, element_bytes=4,
+        gemm_efficiency_max=1.0, gemm_m_half=0.0, attention_prefill_efficiency=1.0, attention_decode_flops=math.inf,
+        attention_decode_bytes_per_s=math.inf, ubatch_switch_s=0.0, **extra,
+    )  # fmt: skip
+    return HardwareProfile("free host", figures, {k: "test" for k in figures})
+
+
+def steps_ms(hw: HardwareProfile, modes=("none", "dbo", "tbo")) -> dict[str, float]:
+    sim = simulate("moe-stack", hw, ep=2, phase="prefill", tokens_per_rank=TOKENS, context=1, modes=list(modes))
+    return {r.mode: round(r.step_s * 1e3, 9) for r in sim.results}
+
+
+def with_wire(full_batch_wire_s: float) -> HardwareProfile:
+    """The free host over a link on which one full-batch transfer takes `full_batch_wire_s`."""
+    link = ShapedLink(100.0, full_batch_wire_s / WIRE_BYTES, "test")
+    return over_link(free_host(), link)
+
+
+def test_none_pays_the_cpu_part_then_the_wire_of_every_transfer():
+    # 8 transfers x (1 ms CPU + 3 ms wire), nothing overlapped.
+    assert steps_ms(with_wire(3e-3))["none"] == pytest.approx(32.0)
+    # Without the link the same host pays the CPU parts only.
+    assert steps_ms(free_host(), modes=("none",))["none"] == pytest.approx(8.0)
+
+
+def test_dbo_hides_the_wire_but_not_the_cpu_part_when_the_wire_bounds_the_step():
+    # 2 ubatches: 16 CPU parts of 1 ms (the fixed part per call, per ubatch) and 16 wires of
+    # 1.5 ms. After the first CPU part the comm stream runs back to back: 1 + 16 x 1.5 ms.
+    steps = steps_ms(with_wire(3e-3))
+    assert steps["dbo"] == pytest.approx(25.0)
+    assert steps["tbo"] == pytest.approx(25.0)
+
+
+def test_dbo_pays_every_cpu_part_when_the_cores_bound_the_step():
+    # 16 CPU parts back to back on the compute stream, then the last wire (0.25 ms): the split
+    # costs more than none's 8 x (1 + 0.5) ms, the sign a host whose transfers are CPU gives.
+    steps = steps_ms(with_wire(0.5e-3))
+    assert steps["none"] == pytest.approx(12.0)
+    assert steps["dbo"] == pytest.approx(16.25)
+
+
+def test_the_nominal_link_charges_whole_frames_at_the_set_rate():
+    link = ShapedLink.nominal(100.0)
+    assert link.seconds_per_byte == pytest.approx(8 * FRAME_WIRE_BYTES / FRAME_PAYLOAD_BYTES / 100e6)
+    assert "1514" in link.source
+
+
+def test_a_calibrated_link_scales_the_probe_by_the_measured_exponent():
+    link = ShapedLink.calibrated(100.0, probe_mbit=400.0, probe_seconds_per_byte=2e-8, exponent=1.5, how="two probes")
+    assert link.seconds_per_byte == pytest.approx(2e-8 * 4**1.5)
+    assert link.source.startswith("measured in this run: two probes")
+
+
+def test_the_link_is_a_figure_of_the_profile_with_its_source():
+    hw = over_link(free_host(), ShapedLink.nominal(250.0))
+    assert link_seconds_per_byte(hw) == pytest.approx(ShapedLink.nominal(250.0).seconds_per_byte)
+    assert "tbf" in hw.sources[LINK_FIGURE]
+    assert hw.name == "free host over a 250 Mbit/s link"
+    assert link_seconds_per_byte(free_host()) is None
+
+
+@pytest.mark.parametrize("rate", [0.0, -5.0, math.nan, math.inf])
+def test_a_bad_rate_is_refused(rate):
+    with pytest.raises(ValueError, match="positive number of Mbit/s"):
+        ShapedLink.nominal(rate)
+
+
+@pytest.mark.parametrize("field, value", [("probe_seconds_per_byte", 0.0), ("exponent", -1.0), ("probe_mbit", 0.0)])
+def test_a_bad_calibration_is_refused(field, value):
+    args = {"probe_mbit": 400.0, "probe_seconds_per_byte": 2e-8, "exponent": 1.0, field: value}
+    with pytest.raises(ValueError):
+        ShapedLink.calibrated(100.0, how="test", **args)
+
+
+def test_a_gpu_profile_gets_no_shaped_link():
+    with pytest.raises(ValueError, match="cores move the transfers"):
+        over_link(load_hardware("h800"), ShapedLink.nominal(100.0))
+
+
+def test_the_cli_refuses_a_bad_link_rate_before_measuring_anything():
+    result = CliRunner().invoke(app, ["simulate", "--hardware", "here", "--ep", "2", "--link-mbit", "-3"], terminal_width=200)
+    assert result.exit_code == 2
+    assert "positive number of Mbit/s" in result.output
+
+
+def test_the_cli_refuses_a_link_on_a_gpu_profile():
+    result = CliRunner().invoke(app, ["simulate", "--hardware", "h800", "--link-mbit", "100"], terminal_width=200)
+    assert result.exit_code == 2
+    assert "cores move the transfers" in result.output
