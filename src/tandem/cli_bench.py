@@ -174,10 +174,12 @@ def write_thresholds(output: str, decisions: list, document: dict) -> None:
 def auto_prior(flags: dict, modes: list[str], phase: str, tokens: list[int], *, context_len: int, prefill_len: int):
     """What `bench`'s auto mode starts from: (the thresholds file, the simulated document or
     None). The --thresholds-file when given; else, for real gloo ranks on this CPU, the
-    simulator's prediction for this host (`here`, measured now) in a temporary tune file;
-    else none (a modelled fabric's transfers are not this host's to predict)."""
+    simulator's prediction for this host (`here`, measured now; `tandem.simulate.serve_prior`,
+    as serve and generate take it) in a temporary tune file; else none (a modelled fabric's
+    transfers are not this host's to predict)."""
     from tandem.platform.device import resolve_device
     from tandem.simulate.hardware import HERE
+    from tandem.simulate.serve_prior import simulate_prior
 
     check_device(flags["device"])  # a device that is not there is the one error, before anything is measured
     given = flags["thresholds_file"]
@@ -186,21 +188,16 @@ def auto_prior(flags: dict, modes: list[str], phase: str, tokens: list[int], *, 
     if "auto" not in modes or given or modelled or not on_cpu or flags["data_parallel_size"] < 2:
         yield given, None
         return
-    try:
-        _, document = simulated_thresholds(
-            flags["model"], HERE, ranks=flags["data_parallel_size"], num_ubatches=flags["num_ubatches"],
-            grids={"decode": tokens, "prefill": tokens}, contexts={"decode": context_len, "prefill": prefill_len},
-            margin=TUNE_MARGIN,
-        )
-    except (ValueError, OSError) as exc:
-        print(f"[tandem] auto starts with no prior: the simulator cannot model {flags['model']} ({exc})", file=sys.stderr)
+    prior = simulate_prior(
+        flags["model"], HERE, ranks=flags["data_parallel_size"], num_ubatches=flags["num_ubatches"],
+        grids={"decode": tokens, "prefill": tokens}, contexts={"decode": context_len, "prefill": prefill_len},
+        phases=(phase,), margin=TUNE_MARGIN,
+    )
+    print(f"[tandem] {prior.message}", file=sys.stderr)
+    if prior.document is None:
         yield None, None
         return
-    rows = document["sweep"][phase]
-    ratios = ", ".join(f"{r['tokens_per_rank']}: {r['dbo_ms'] / r['none_ms']:.2f}x" for r in rows)
-    print(f"[tandem] auto starts from tandem simulate --hardware here: DBO / none predicted {ratios}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="tandem-prior-") as folder:
         path = Path(folder) / "here.json"
-        path.write_text(json.dumps(document))
-        yield str(path), document
-
+        path.write_text(json.dumps(prior.document))
+        yield str(path), prior.document

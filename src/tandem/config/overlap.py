@@ -15,6 +15,8 @@ GRAPH_MODES = ("auto", "none", "full")
 OVERLAP_POLICIES = ("static", "auto")
 #: Where a DBO step is cut: at the token midpoint, or where the ubatches' predicted costs match.
 UBATCH_SPLITS = ("tokens", "balanced-cost")
+#: What `auto` starts from without a thresholds file: the simulator's prediction, or nothing.
+OVERLAP_PRIORS = ("simulate", "none")
 
 
 @dataclass
@@ -45,6 +47,13 @@ class OverlapConfig:
         "static (the two token thresholds decide) | auto (per step, the fastest of no overlap, SBO and DBO with "
         "2..N ubatches as predicted by a cost model fitted to the measured step times; needs --enable-dbo for DBO).",
     )
+    overlap_prior: str = option(
+        "simulate",
+        "What --overlap-policy auto (with --enable-dbo) starts from without --thresholds-file: simulate (the "
+        "simulator's none / DBO steps for the served model, computed once at start-up: on the CPU this host measured "
+        "with its gloo ranks, on CUDA the built-in profile of the GPU) | none (nothing: the static thresholds until "
+        "the planner has measured).",
+    )
     ubatch_split: str = option(
         "tokens", "tokens (cut at the token midpoint) | balanced-cost (equal predicted work: attention + MoE tokens)."
     )
@@ -55,6 +64,10 @@ class OverlapConfig:
     )
     #: Share of steps the planner runs a choice other than its best (at most 0.05).
     planner_explore_share: float = 0.03
+    #: The `tandem tune` document `auto` starts from when no thresholds file is given: the
+    #: simulated prior the command computed once (`--overlap-prior simulate`), carried in the
+    #: config so every rank gets the same one.
+    simulated_prior: dict | None = None
 
     def __post_init__(self) -> None:
         if self.enable_two_batch_overlap:
@@ -77,6 +90,8 @@ class OverlapConfig:
             )
         if self.overlap_policy not in OVERLAP_POLICIES:
             raise ValueError(f"--overlap-policy must be one of {OVERLAP_POLICIES}, got {self.overlap_policy!r}")
+        if self.overlap_prior not in OVERLAP_PRIORS:
+            raise ValueError(f"--overlap-prior must be one of {OVERLAP_PRIORS}, got {self.overlap_prior!r}")
         if self.ubatch_split not in UBATCH_SPLITS:
             raise ValueError(f"--ubatch-split must be one of {UBATCH_SPLITS}, got {self.ubatch_split!r}")
         if not 0.0 <= self.planner_explore_share <= 0.05:

@@ -177,6 +177,7 @@ def serve_rank(
     `frontend_alive` (head only): when it turns False, the ranks stop as on "shutdown"."""
     from tandem.engine.build import build_engine
     from tandem.worker.build import write_rank_trace
+    from tandem.worker.planner_cache import describe_prior
 
     def report(message: FromHead) -> None:
         if rank == 0 and outbox is not None:
@@ -199,9 +200,10 @@ def serve_rank(
         if options.warmup:
             report(Progress("warming up"))
             _warm_up(engine)
-        note = engine.startup_note(config.scheduler.max_num_seqs)
-        if note is not None:
-            report(Progress(note))
+        notes = (engine.startup_note(config.scheduler.max_num_seqs), describe_prior(runner.planner, config.overlap))
+        for note in notes:
+            if note is not None:
+                report(Progress(note))
         info = runner.info
         report(Ready(info.name, info.max_model_len, world_size))
 
