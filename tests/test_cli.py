@@ -74,3 +74,53 @@ def test_serve_refuses_two_different_models():
     result = run_cli("serve", "tiny-moe", "--model", "small-moe", "--port", "1")
     assert result.returncode == 2, result.stderr
     assert "two models" in result.stderr and "'tiny-moe'" in result.stderr and "'small-moe'" in result.stderr, result.stderr
+
+
+AUTO_DP2 = ["--data-parallel-size", "2", "--enable-dbo", "--overlap-policy", "auto", "--device", "cpu"]
+
+
+@pytest.fixture
+def given_here(monkeypatch):
+    """`here` as a profile with given figures: nothing is measured."""
+    from tandem.simulate import host
+    from tests.support.host_profiles import given_host
+
+    measured = given_host(2, small_rate=50e9, switch_s=1e-3)
+    monkeypatch.setattr(host, "host_profile", lambda ranks: measured)
+    return measured
+
+
+@pytest.mark.parametrize("opt_out, has_prior", [([], True), (["--overlap-prior", "none"], False)])
+def test_serve_hands_its_ranks_the_simulated_prior_unless_opted_out(monkeypatch, given_here, opt_out, has_prior):
+    from typer.testing import CliRunner
+
+    import tandem.serving.server as server
+    from tandem.cli import app
+
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda config, options, http: seen.setdefault("config", config))
+    result = CliRunner().invoke(app, ["serve", *AUTO_DP2, *opt_out, "--port", "0"])
+    assert result.exit_code == 0, result.output
+    prior = seen["config"].overlap.simulated_prior
+    assert (prior is not None) == has_prior
+    assert ("[tandem] auto starts from tandem simulate --hardware here: DBO / none predicted decode 8: " in result.output) == has_prior
+    if has_prior:
+        assert prior["config"]["simulated"]["hardware"] == given_here.name and prior["sweep"]["prefill"]
+
+
+def test_generate_hands_its_ranks_the_simulated_prior(monkeypatch, given_here):
+    from typer.testing import CliRunner
+
+    import tandem.cli as cli
+
+    seen = {}
+
+    def ranks(config, prompts, params, torchrun, log):
+        seen["config"] = config
+        return [[]]
+
+    monkeypatch.setattr(cli, "_generate_on_ranks", ranks)
+    result = CliRunner().invoke(cli.app, ["generate", "hi", *AUTO_DP2])
+    assert result.exit_code == 0, result.output
+    assert seen["config"].overlap.simulated_prior["config"]["simulated"]["ranks"] == 2
+    assert "auto starts from tandem simulate --hardware here" in result.output
