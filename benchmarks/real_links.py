@@ -19,7 +19,19 @@ running this file's `--worker` entry point with the bench workloads of `tandem.b
 asks the driver (this process, outside the namespaces) to change the link rate through files
 in a control directory, so one torchrun job covers the whole run and the model is built once.
 
+Each row is also predicted (#31): `tandem simulate --hardware here` measured in the same run,
+before the ranks start (gloo over loopback, outside the namespaces), with the transfers' CPU part
+taken from each job's own dispatch and combine line over the unshaped veth, and each rate's wire
+part from that job's probes (`tandem.simulate.shaped_link.ShapedLink.calibrated`: the none step's
+comm at the probe over the bytes the simulated step sends, times (probe / rate) ** the measured
+exponent). Per row: measured against predicted, the error, the sign of (mode - none) both ways,
+and the simulated terms between the step and its floor (switch cost, split loss, transfer CPU or
+exposed wire; the ranks' imbalance is not modelled); beside it the overlap model alone (every CPU
+cost scaled to the row's measured compute). Modes the simulator has no model of
+(sbo-combine-down-gemm, auto) are listed as such.
+
     sudo python benchmarks/real_links.py            # full run (~12 min on 2 cores)
+    python benchmarks/real_links.py --predict benchmarks/results/real_links.json   # predict a saved run again
     sudo python benchmarks/real_links.py --quick    # smoke run: small shapes, one rate
 
 Prints one table per (workload, phase) and writes benchmarks/results/real_links.json.
@@ -73,7 +85,8 @@ def full_plan() -> dict:
 def quick_plan() -> dict:
     plan = full_plan()
     plan.update(
-        jobs=[{"workload": "moe-stack", "phase": "prefill", "tokens": 64, "shape": {"hidden": 256, "intermediate": 128, "layers": 2}}],
+        # The stack's own shape: the simulator predicts tandem bench's moe-stack.
+        jobs=[{"workload": "moe-stack", "phase": "prefill", "tokens": 64}],
         modes=["none", "dbo"],
         ratios=[1.0],
         warmup=1,
@@ -220,6 +233,7 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     _steps(workload, "none", tokens, plan["warmup"] + 1)
     compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
     log(f"  compute (unshaped none step) {compute_s * 1e3:.1f} ms")
+    veth_line = _veth_line(rank, world, log)
 
     # Calibration: the none step at two probe rates. A probe that leaves comm tiny next to
     # compute measures mostly noise: lower it.
@@ -290,8 +304,20 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     del workload
     return {
         **job, "probe_mbit": probe, "probe_comm_s": probe_comm, "half_probe_comm_s": half_comm, "fit_alpha": alpha,
-        "rows": rows, "outputs": digest,
+        "rows": rows, "outputs": digest, "veth_line_points": veth_line,
     }
+
+
+def _veth_line(rank: int, world: int, log) -> dict:
+    """The transfers' CPU part on this path: `tandem.simulate.host_link`'s dispatch and combine
+    calls between the two namespace hosts over the unshaped veth (no tbf: nothing waits on a
+    rate), (bytes per rank, seconds) on rank 0; its line is what a transfer costs the cores."""
+    from tandem.simulate.host_link import TOKENS, rank_calls
+
+    points = rank_calls(rank, world, TOKENS, repeat=7, warmup=2)
+    log("  gloo over the unshaped veth: " + "; ".join(
+        f"{kind} " + ", ".join(f"{b / 1e6:.2f} MB {t * 1e3:.2f} ms" for b, t in pts) for kind, pts in points.items()))
+    return points
 
 
 def worker_main(args) -> None:
@@ -399,6 +425,260 @@ def scheduler_loops(model: str = "small-moe", streams: int = 64, max_tokens: int
         "same_tokens": outputs["normal"] == outputs["overlap"],
         "normal_loop_host_share": _median(host_share),
     }
+
+
+# --------------------------------------------------------------------------- prediction (#31)
+
+#: The goal of #31 on this host: every real-link row within +-10 % of the step measured in the same run.
+TOLERANCE = 0.10
+#: Modes the simulator plays, as it names them; dbo-greenlet is DBO at the greenlet executor's hand-over.
+SIMULATED = {"none": "none", "dbo": "dbo", "dbo-greenlet": "dbo", "tbo": "tbo",
+             "sbo-combine-shared": "sbo-combine-shared", "sbo-dispatch-shared": "sbo-dispatch-shared"}
+NOT_SIMULATED = {
+    "sbo-combine-down-gemm": "not modelled: the simulator has no block combine (combine-down-gemm)",
+    "auto": "not modelled: the planner picks a mode per step at run time",
+}
+
+
+def measure_host() -> dict:
+    """`--hardware here` for the 2 ranks, measured on this host in this run (outside the
+    namespaces, gloo over loopback: the transfers' CPU part never crosses the shaped link), and
+    the greenlet executor's hand-over beside the thread executor's."""
+    from tandem.simulate.host import host_profile, measure_switch_s
+
+    start = time.perf_counter()
+    hw = host_profile(2)
+    greenlet = measure_switch_s("greenlet")
+    return {
+        "figures": hw.figures, "sources": hw.sources, "name": hw.name, "greenlet_switch_s": greenlet,
+        "measured_in_s": time.perf_counter() - start, "load_average": os.getloadavg()[0],
+    }
+
+
+def _profile(host: dict, **figures):
+    """The host profile with `figures` replaced (each a value, or a (value, source) pair)."""
+    from tandem.simulate import HardwareProfile
+
+    values = {k: v[0] if isinstance(v, tuple) else v for k, v in figures.items()}
+    sources = {k: v[1] for k, v in figures.items() if isinstance(v, tuple)}
+    return HardwareProfile(host["name"], {**host["figures"], **values}, {**host["sources"], **sources})
+
+
+def _replaced(hw, **figures):
+    from tandem.simulate import HardwareProfile
+
+    return HardwareProfile(hw.name, {**hw.figures, **figures}, hw.sources)
+
+
+def _veth_figures(job: dict) -> dict:
+    """The transfers' CPU part as the job measured it over the unshaped veth (`_veth_line`), in
+    place of the loopback line; none where the job has no such measurement."""
+    from tandem.simulate.host_link import LinkFit
+
+    points = job.get("veth_line_points")
+    if not points:
+        return {}
+    line = LinkFit.from_points({k: [tuple(p) for p in v] for k, v in points.items()})
+    how = ("measured in this run: the runtime's torch_a2a dispatch and combine between the two namespace hosts over "
+           "the unshaped veth (no tbf), float32, median on rank 0, a least-squares line through ("
+           + "; ".join(line.describe(kind) for kind in line.points) + ")")
+    return {"nvlink_bytes_per_s": (line.bytes_per_s, f"{how}: its slope, per byte sent per rank"),
+            "comm_latency_s": (line.fixed_s, f"{how}: its intercept, fixed per call")}
+
+
+def _sim_args(job: dict, plan: dict) -> dict:
+    """The simulator's step for a job: the stack attends to no cache (one key per query prices its
+    stand-in); small-moe decodes `tokens` requests over `context_len` cached tokens, or prefills
+    one `tokens`-token prompt per rank."""
+    if job["workload"] == "moe-stack":
+        context = 1
+    else:
+        context = plan["context_len"] if job["phase"] == "decode" else job["tokens"]
+    return dict(ep=2, phase=job["phase"], tokens_per_rank=job["tokens"], context=context)
+
+
+def _steps_s(model: str, hw, args: dict, modes: list[str]) -> dict[str, float]:
+    from tandem.simulate import simulate
+
+    return {r.mode: r.step_s for r in simulate(model, hw, modes=modes, **args).results}
+
+
+def _link(job: dict, rate: float, probe_s_per_byte: float):
+    from tandem.simulate.shaped_link import ShapedLink
+
+    how = (f"the none step's comm at the {job['probe_mbit']:.0f} Mbit/s probe ({job['probe_comm_s'] * 1e3:.1f} ms, "
+           f"shaped minus unshaped) over the bytes the simulated step sends, the exponent from the probe and half its rate")
+    return ShapedLink.calibrated(rate, probe_mbit=job["probe_mbit"], probe_seconds_per_byte=probe_s_per_byte,
+                                 exponent=job["fit_alpha"], how=how)
+
+
+def predict_job(job: dict, plan: dict, host: dict) -> dict:
+    """Every (rate, mode) row of one job predicted on the host profile over a link calibrated by
+    the job's own probes; per row the simulation's terms between the step and its floor."""
+    from tandem.simulate.shaped_link import ShapedLink, over_link
+
+    if "shape" in job:
+        return {"not_modelled": "a custom stack shape: the simulator's moe-stack is tandem bench's"}
+    model, args = job["workload"], _sim_args(job, plan)
+    base = _profile(host, **_veth_figures(job))
+    unit = over_link(base, ShapedLink(1.0, 1.0, "one second per byte: the step's wire bytes"))
+    wire_bytes = _steps_s(model, unit, args, ["none"])["none"] - _steps_s(model, base, args, ["none"])["none"]
+    probe_s_per_byte = job["probe_comm_s"] / wire_bytes
+    rows = []
+    for row in job["rows"]:
+        link = _link(job, row["rate_mbit"], probe_s_per_byte)
+        rows.append(_predict_row(row, model, args, base, host, link, ShapedLink.nominal(row["rate_mbit"])))
+    f = base.figures
+    cpu_line = ", ".join(f"{k} {f['comm_latency_s'][k] * 1e3:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s"
+                         for k in ("dispatch", "combine"))
+    where = "the unshaped veth" if job.get("veth_line_points") else "loopback"
+    return {"wire_bytes_per_step": wire_bytes, "probe_seconds_per_byte": probe_s_per_byte,
+            "transfer_cpu_line": f"{cpu_line} (over {where})", "rows": rows}
+
+
+def _play(model: str, args: dict, base, host: dict, link, modes: list[str]) -> dict:
+    """The simulated steps of a row's modes on `base` over `link`: as played, with free hand-overs,
+    and with free hand-overs on the unshaped link (the split's compute alone); none's compute and
+    wire."""
+    from tandem.simulate.shaped_link import over_link
+
+    sims = list(dict.fromkeys(SIMULATED[m] for m in modes))
+    free_switch = _replaced(base, ubatch_switch_s=0.0)
+    greenlet = over_link(_replaced(base, ubatch_switch_s=host["greenlet_switch_s"]), link)
+    out = {"step": _steps_s(model, over_link(base, link), args, sims),
+           "greenlet": _steps_s(model, greenlet, args, ["dbo"]) if "dbo-greenlet" in modes else {},
+           "no_switch": _steps_s(model, over_link(free_switch, link), args, sims),
+           "unshaped": _steps_s(model, free_switch, args, sims)}
+    out["compute"] = out["unshaped"]["none"]
+    out["comm"] = out["step"]["none"] - out["compute"]
+    return out
+
+
+def _mode_step(played: dict, mode: str) -> float:
+    return played["greenlet"]["dbo"] if mode == "dbo-greenlet" else played["step"][SIMULATED[mode]]
+
+
+def _predict_row(row: dict, model: str, args: dict, base, host: dict, link, nominal) -> dict:
+    from tandem.simulate.shaped_link import over_link
+
+    measured = row["step_s"]
+    modes = [m for m in measured if m in SIMULATED]
+    played = _play(model, args, base, host, link, modes)
+    compute, comm = played["compute"], played["comm"]
+    # The overlap model alone: every CPU cost of the profile scaled so that the unshaped none
+    # step is the one this row measured (the load of the run, not the profile's, sets it).
+    scale = row["compute_s"] / compute
+    at_measured = _play(model, args, _slowed(base, scale), host, link, modes)
+    nominal_comm = _steps_s(model, over_link(base, nominal), args, ["none"])["none"] - compute
+    out = {"rate_mbit": row["rate_mbit"], "link_seconds_per_byte": link.seconds_per_byte, "link_source": link.source,
+           "compute_s": {"measured": row["compute_s"], "predicted": compute},
+           "comm_s": {"measured": row["comm_s"], "predicted": comm, "nominal_link": nominal_comm},
+           "floor_s": {"measured": row["floor_s"], "predicted": max(compute, comm)},
+           "cpu_scale_to_measured_compute": scale, "modes": {}}
+    for mode, value in measured.items():
+        if mode not in SIMULATED:
+            out["modes"][mode] = {"measured_s": value, "not_modelled": NOT_SIMULATED.get(mode, "not modelled")}
+            continue
+        sim, predicted = SIMULATED[mode], _mode_step(played, mode)
+        terms = _terms(predicted, played["no_switch"][sim], played["unshaped"][sim], compute, comm) if sim != "none" \
+            else {"no overlap": predicted - max(compute, comm)}
+        out["modes"][mode] = _verdict(mode, value, predicted, measured["none"], played["step"]["none"], row["floor_s"], terms)
+        overlap_only = _mode_step(at_measured, mode)
+        out["modes"][mode]["at_measured_compute"] = {"predicted_s": overlap_only, "error": overlap_only / value - 1.0}
+    return out
+
+
+#: The host profile's figures that are rates (a CPU cost divides by them) and fixed times.
+_RATES = ("hbm_bytes_per_s", "bf16_flops", "fp8_flops", "cold_weight_bytes_per_s", "attention_decode_flops",
+          "attention_decode_bytes_per_s", "nvlink_bytes_per_s", "elementwise_units_per_s")
+_FIXED = ("comm_latency_s", "elementwise_op_s", "ubatch_switch_s")
+
+
+def _slowed(hw, factor: float):
+    """`hw` with every CPU cost `factor` times its own (rates divided, fixed times multiplied);
+    the link untouched."""
+    def scaled(value, by):
+        return {k: v * by for k, v in value.items()} if isinstance(value, dict) else value * by
+
+    figures = {k: scaled(v, 1.0 / factor) for k, v in hw.figures.items() if k in _RATES}
+    figures.update({k: scaled(v, factor) for k, v in hw.figures.items() if k in _FIXED})
+    return _replaced(hw, **figures)
+
+
+def _terms(step: float, no_switch: float, split_compute: float, compute: float, comm: float) -> dict[str, float]:
+    """Where the simulated step sits above its floor max(compute, comm), in seconds, summing to
+    the gap: the hand-overs (switch cost), what the split adds to the bound (split loss: the
+    halves' shorter GEMMs, every weight read again, each transfer's fixed CPU paid per ubatch),
+    and the time one stream waits on the other: on a wire-bound row the wire waiting on the CPU
+    (the transfers' CPU parts and the compute before each send: transfer CPU), on a compute-bound
+    row the wire the overlap did not hide (exposed wire). The ranks' imbalance is not modelled."""
+    bound = max(split_compute, comm)
+    waits = "transfer CPU" if comm >= split_compute else "exposed wire"
+    return {"switch cost": step - no_switch, "split loss": bound - max(compute, comm), waits: no_switch - bound,
+            "imbalance": 0.0}
+
+
+def _verdict(mode, measured, predicted, measured_none, predicted_none, floor, terms) -> dict:
+    error = predicted / measured - 1.0
+    out = {"measured_s": measured, "predicted_s": predicted, "error": error, "met": abs(error) <= TOLERANCE,
+           "predicted_terms_s": terms, "short_of_floor_s": measured - floor}
+    if mode != "none":
+        out["sign_measured"] = "+" if measured > measured_none else "-"
+        out["sign_predicted"] = "+" if predicted > predicted_none else "-"
+        out["sign_right"] = out["sign_measured"] == out["sign_predicted"]
+    return out
+
+
+def predict(result: dict, host: dict) -> dict:
+    """Every job of a real-links result predicted on `host` (`measure_host`)."""
+    jobs = [{"workload": j["workload"], "phase": j["phase"], "tokens": j["tokens"], **predict_job(j, result["plan"], host)}
+            for j in result["jobs"]]
+    rows = [m for j in jobs for r in j.get("rows", []) for m in r["modes"].values() if "predicted_s" in m]
+    signs = [m for m in rows if "sign_right" in m]
+    listed = sorted({mode for j in jobs for r in j.get("rows", []) for mode, m in r["modes"].items() if "not_modelled" in m})
+    return {"jobs": jobs, "tolerance": TOLERANCE, "rows": len(rows), "met": sum(m["met"] for m in rows),
+            "met_at_measured_compute": sum(abs(m["at_measured_compute"]["error"]) <= TOLERANCE for m in rows),
+            "signs": len(signs), "signs_right": sum(m["sign_right"] for m in signs), "not_modelled_modes": listed}
+
+
+def format_predictions(predictions: dict, host: dict) -> str:
+    f = host["figures"]
+    link = ", ".join(f"{k} {f['comm_latency_s'][k] * 1e3:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s" for k in ("dispatch", "combine"))
+    lines = [f"predicted (tandem simulate --hardware here, measured in this run at load {host['load_average']:.1f}: matmul "
+             f"{f['bf16_flops'] / 1e9:.0f} GFLOP/s, gloo {link}, hand-over thread {f['ubatch_switch_s'] * 1e6:.0f} us / "
+             f"greenlet {host['greenlet_switch_s'] * 1e6:.0f} us; each link calibrated from its job's probes)"]
+    for job in predictions["jobs"]:
+        lines.append(f"\n{job['workload']} {job['phase']} {job['tokens']} tok/rank")
+        if "not_modelled" in job:
+            lines.append(f"  {job['not_modelled']}")
+            continue
+        lines.append(f"  transfer CPU part: {job['transfer_cpu_line']}; wire {job['wire_bytes_per_step'] / 1e6:.2f} MB a step "
+                     f"leaving a rank, {job['probe_seconds_per_byte'] * 1e9:.1f} ns/byte at the probe")
+        lines.append(f"{'Mbit/s':>7} {'mode':<20}{'meas ms':>9}{'pred ms':>9}{'error':>8}{'+-10%':>6}{'sign m/p':>10}"
+                     f"{'at meas. C':>16}  simulated terms above the floor (ms)")
+        for r in job["rows"]:
+            c, w = r["compute_s"], r["comm_s"]
+            lines.append(f"{r['rate_mbit']:7.0f} compute {c['measured'] * 1e3:.0f} / {c['predicted'] * 1e3:.0f} ms, comm "
+                         f"{w['measured'] * 1e3:.0f} / {w['predicted'] * 1e3:.0f} ms (nominal link {w['nominal_link'] * 1e3:.0f}), "
+                         f"floor {r['floor_s']['measured'] * 1e3:.0f} / {r['floor_s']['predicted'] * 1e3:.0f} ms (measured / predicted)")
+            for mode, m in r["modes"].items():
+                lines.append(_format_mode(mode, m))
+    lines.append(f"\nwithin +-{predictions['tolerance']:.0%}: {predictions['met']} of {predictions['rows']} rows; sign of "
+                 f"(mode - none) right on {predictions['signs_right']} of {predictions['signs']}; with the CPU costs scaled to "
+                 f"each row's measured compute (the overlap model alone): {predictions['met_at_measured_compute']} of "
+                 f"{predictions['rows']} within +-{predictions['tolerance']:.0%}; not modelled (listed, "
+                 f"not predicted): {', '.join(predictions['not_modelled_modes']) or 'none'}")
+    return "\n".join(lines)
+
+
+def _format_mode(mode: str, m: dict) -> str:
+    if "not_modelled" in m:
+        return f"{'':7} {mode:<20}{m['measured_s'] * 1e3:9.0f}{'':9}  {m['not_modelled']}"
+    sign = "" if "sign_right" not in m else f"{m['sign_measured']}/{m['sign_predicted']}" + ("" if m["sign_right"] else " WRONG")
+    terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m["predicted_terms_s"].items() if k != "imbalance" and abs(v) >= 5e-4)
+    at = m["at_measured_compute"]
+    return (f"{'':7} {mode:<20}{m['measured_s'] * 1e3:9.0f}{m['predicted_s'] * 1e3:9.0f}{m['error']:+8.1%}"
+            f"{'yes' if m['met'] else 'no':>6}{sign:>10}{at['predicted_s'] * 1e3:9.0f} {at['error']:+6.1%}  {terms or '-'}")
 
 
 # --------------------------------------------------------------------------- driver
@@ -596,6 +876,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(RESULT), help="where to write the JSON")
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds before the run is abandoned")
     parser.add_argument("--markdown", metavar="JSON", help="print a results file's tables as Markdown and exit")
+    parser.add_argument("--predict", metavar="JSON", help="predict a results file's rows again (on its own host profile, "
+                        "or one measured now if it has none), print them and exit")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
@@ -605,6 +887,11 @@ def main(argv=None) -> int:
         return 0
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
+    if args.predict:
+        saved = json.loads(Path(args.predict).read_text())
+        host = saved.get("host_profile") or measure_host()
+        print(format_predictions(predict(saved, host), host))
         return 0
     plan = json.loads(args.plan_json) if args.plan_json else quick_plan() if args.quick else full_plan()
     start = time.perf_counter()
@@ -616,14 +903,19 @@ def main(argv=None) -> int:
         from tandem.models.small_moe import small_moe_tensor
 
         small_moe_tensor.cache_clear()  # the ranks need the memory now
+    print("[real_links] the host profile (--hardware here: gloo over loopback, outside the namespaces)", file=sys.stderr, flush=True)
+    host = measure_host()
     result = run_cluster(plan, timeout_s=max(args.timeout - (time.perf_counter() - start), 60.0))
     result.update(one_host)
+    result["host_profile"] = host
+    result["predictions"] = predict(result, host)
     result["wall_s"] = time.perf_counter() - start
     result["goals"] = goals(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(report(result))
+    print("\n" + format_predictions(result["predictions"], host))
     if not result.get("complete", True):
         print(f"\nINCOMPLETE: {len(result['jobs'])} of {len(plan['jobs'])} jobs finished before the timeout")
     print(f"\nwrote {out} ({result['wall_s']:.0f} s)")
