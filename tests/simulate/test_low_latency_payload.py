@@ -41,7 +41,8 @@ def test_the_sm_time_is_the_table_share_of_the_payload_and_at_most_the_call():
 
 def test_deepseeks_validation_rows_do_not_move():
     rows = {(r["phase"], r["ep"], r["mode"]): round(r["predicted"]) for r in validation_rows()}
-    assert rows == {("prefill", 32, "dbo"): 7992, ("decode", 128, "tbo"): 2500}
+    # 7992 / 2500 before the residual add moved into the next input norm (G9, priced as issued).
+    assert rows == {("prefill", 32, "dbo"): 7980, ("decode", 128, "tbo"): 2488}
 
 
 def test_the_schedule_refuses_an_op_of_negative_time():

@@ -7,15 +7,20 @@ achieved rate and bytes over HBM bandwidth (`HardwareProfile`); a send costs its
 rank over the EP layout's bottleneck link; a receive costs nothing itself (it waits).
 On a host with measured elementwise lines (`--hardware here`), the MoE stack's non-GEMM work is
 counted from its own operations and priced on them (`simulate.host_elementwise`) instead of the
-norm passes below.
+norm passes below. The norm passes themselves are counted from the runtime's layer code
+(`layer_norm_passes`): since G9 a layer hands (hidden, residual) on unsummed and the next input
+norm adds them in its one kernel, so the residual add is no op of its own.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from tandem.bench.moe_stack import MOE_STACK
+from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
+from tandem.modular_kernels.kernel import FusedMoEModularKernel
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host_elementwise import ElementwiseFit, traced_op_time
 from tandem.simulate.model_shape import ModelShape
@@ -23,14 +28,93 @@ from tandem.simulate.model_shape import ModelShape
 SENDS = {"dispatch_send": "dispatch", "combine_send": "combine"}
 RECEIVES = {"dispatch_recv": "dispatch", "combine_recv": "combine"}
 BF16 = 2
-#: Hidden-sized BF16 passes per token of a MoE layer's norm ops as written below (2 + 3 + 3 + 3);
-#: a profile's `elementwise_passes` (every kernel besides attention, GEMMs and the experts)
-#: scales them to its measured total.
-NORM_PASSES = 11
 #: The payload `rdma_low_latency_sm_s` was measured at (h800.json's source): DeepSeek-V3's
 #: low-latency calls of 128 tokens, each token sent to its 8 experts, 7,168 hidden (FP8 with
 #: scales out, BF16 back). A call's SM time scales with its bytes against this payload's.
 LOW_LATENCY_TABLE_TOKENS, LOW_LATENCY_TABLE_COPIES, LOW_LATENCY_TABLE_HIDDEN = 128, 8, 7168
+
+
+class _Hidden:
+    """A hidden-sized activation of one token, standing in for a tensor while the runtime's
+    own op methods run: a sum of two reads both and writes one (3 passes)."""
+
+    def __init__(self, passes: list[int]):
+        self.passes = passes
+
+    def __add__(self, other: "_Hidden") -> "_Hidden":
+        self.passes.append(3)
+        return _Hidden(self.passes)
+
+
+class _Norm:
+    """Stands in for `RMSNorm` (`models/norm.py`): one kernel that reads each tensor it is given
+    and writes each it returns. With a residual: x and residual in, (normed, sum) out, 4 passes;
+    alone, 2. `add_norm` (the final norm) returns the normed rows only, but its CUDA kernel
+    still writes the sum, to a buffer of its own (`add_rms_norm`): 4."""
+
+    def __init__(self, passes: list[int]):
+        self.passes = passes
+
+    def __call__(self, x: _Hidden, residual: _Hidden | None = None):
+        if residual is None:
+            self.passes.append(2)
+            return _Hidden(self.passes)
+        self.passes.append(4)
+        return _Hidden(self.passes), _Hidden(self.passes)
+
+    def add_norm(self, x: _Hidden, residual: _Hidden) -> _Hidden:
+        self.passes.append(4)
+        return _Hidden(self.passes)
+
+
+class _LayerTrace(DecoderLayerOperations):
+    """A MoE decoder layer with recording norms and a kernel whose `output` is the real one."""
+
+    def __init__(self, passes: list[int]):
+        self.input_layernorm = self.post_attention_layernorm = _Norm(passes)
+        kernel = SimpleNamespace(compute_shared=lambda state: None)
+        kernel.output = lambda state: FusedMoEModularKernel.output(kernel, state)
+        self.feed_forward = SimpleNamespace(kernel=kernel)
+
+
+def layer_norm_passes(shared: bool) -> dict[str, int]:
+    """Hidden-sized BF16 passes per token of each norm-like op of a MoE layer past the first,
+    counted by running the runtime's own op methods (`DecoderLayerOperations`) and the MoE
+    kernel's `output` on recording stand-ins, so the priced ops are the ones the layer issues.
+    Since G9: the input norm adds the previous layer's residual (4), the post-attention norm
+    adds this one's (4), `output` adds the shared experts' output (3; 0 without them), and
+    `comm_postprocess_layer` hands both on unsummed (0). The first layer's input norm has no
+    residual (2 passes); it is priced as the others' (the op model prices an op by its name)."""
+    out: dict[str, int] = {}
+    for name in ("comm_prepare_attn", "comm_prepare_mlp", "output", "comm_postprocess_layer"):
+        passes: list[int] = []
+        layer, x = _LayerTrace(passes), _Hidden(passes)
+        state = {"residual": _Hidden(passes), "positions": None}
+        if name == "comm_prepare_attn":
+            layer.op_comm_prepare_attn(state, x, None, _Hidden(passes))
+        elif name == "output":
+            moe = SimpleNamespace(routed_output=x, shared_output=_Hidden(passes) if shared else None, shared_folded=False)
+            layer.op_output({"moe": moe})
+        else:
+            getattr(layer, f"op_{name}")(state, x)
+        out[name] = sum(passes)
+    return out
+
+
+def final_norm_passes() -> int:
+    """Passes per token of the model's final norm, as `OperationsModel.operations_output` runs
+    it on the last layer's unsummed (hidden, residual)."""
+    passes: list[int] = []
+    model = SimpleNamespace(model=SimpleNamespace(norm=_Norm(passes)))
+    OperationsModel.operations_output(model, {"hidden_states": _Hidden(passes), "residual": _Hidden(passes)})
+    return sum(passes)
+
+
+#: The norm passes of a DeepSeek-V3 layer (shared experts) as the runtime issues them; a
+#: profile's `elementwise_passes` (every kernel besides attention, GEMMs and the experts,
+#: measured on DeepSeek-V3) scales each op's passes to its measured total.
+NORM_PASSES = sum(layer_norm_passes(shared=True).values())
+FINAL_NORM_PASSES = final_norm_passes()
 
 
 def copy_bytes(kind: str, hidden: int, element: float | None = None) -> float:
@@ -82,6 +166,7 @@ class OpCosts:
         #: A host's measured elementwise lines, for a model whose ops the simulator can count
         #: from its code (the MoE stack): they replace the norm passes and the memory terms below.
         self.traced = ElementwiseFit.from_figures(hw.figures) if shape.name == MOE_STACK else None
+        self.norm_passes = layer_norm_passes(shared=shape.shared_intermediate > 0)
 
     def _gemm(self, m: float, n: int, k: int, groups: int = 1, fp8: bool = True) -> float:
         return self.hw.gemm_time(m, n, k, groups=groups, fp8=fp8, sm_share=self.sm_share)
@@ -93,8 +178,9 @@ class OpCosts:
             return 0.0
         return self.hw.memory_time(nbytes)
 
-    def _norm(self, tokens: int, passes: int = 2) -> float:
-        return self._memory(tokens * self.shape.hidden * BF16 * passes * self.elementwise_scale)
+    def _norm(self, name: str, tokens: int) -> float:
+        """Op `name`'s passes as the runtime's layer issues them, scaled to the profile's total."""
+        return self._memory(tokens * self.shape.hidden * BF16 * self.norm_passes[name] * self.elementwise_scale)
 
     def compute(self, name: str, work: UBatchWork) -> float:
         method = getattr(self, f"_op_{name}", None)
@@ -109,7 +195,7 @@ class OpCosts:
     # -- attention -----------------------------------------------------------------------
 
     def _op_comm_prepare_attn(self, w: UBatchWork) -> float:
-        return self._norm(w.tokens)
+        return self._norm("comm_prepare_attn", w.tokens)
 
     def _op_attn_prepare(self, w: UBatchWork) -> float:
         s, t = self.shape, w.tokens
@@ -144,7 +230,7 @@ class OpCosts:
         return self.hw.decode_attention_time(4.0 * s.heads * s.head_dim * w.attended, kv_bytes, self.sm_share)
 
     def _op_comm_prepare_mlp(self, w: UBatchWork) -> float:
-        return self._norm(w.tokens, passes=3)
+        return self._norm("comm_prepare_mlp", w.tokens)
 
     # -- MLP / MoE -----------------------------------------------------------------------
 
@@ -176,15 +262,16 @@ class OpCosts:
         return self._gemm(w.tokens, 2 * s.shared_intermediate, s.hidden) + self._gemm(w.tokens, s.hidden, s.shared_intermediate)
 
     def _op_output(self, w: UBatchWork) -> float:
-        return self._norm(w.tokens, passes=3)
+        return self._norm("output", w.tokens)
 
     def _op_comm_postprocess_layer(self, w: UBatchWork) -> float:
-        return self._norm(w.tokens, passes=3)
+        return self._norm("comm_postprocess_layer", w.tokens)
 
     def _op_head(self, w: UBatchWork) -> float:
-        """Final norm and lm_head on the last token of each request (prefill) or every token (decode)."""
+        """Final norm (adding the last layer's residual) and lm_head on the last token of each
+        request (prefill) or every token (decode)."""
         rows = w.tokens if self.layout.decode else w.requests
-        norm = self._memory(w.tokens * self.shape.hidden * BF16 * 2)
+        norm = self._memory(w.tokens * self.shape.hidden * BF16 * FINAL_NORM_PASSES)
         return norm + self._gemm(rows, self.shape.vocab, self.shape.hidden, fp8=False)
 
     # -- communication -------------------------------------------------------------------
@@ -237,4 +324,7 @@ class OpCosts:
         return min(max(per_call * payload / low_latency_table_bytes(kind), 0.0), call)
 
 
-__all__ = ["RECEIVES", "SENDS", "Layout", "OpCosts", "UBatchWork", "copy_bytes", "low_latency_table_bytes"]
+__all__ = [
+    "FINAL_NORM_PASSES", "NORM_PASSES", "RECEIVES", "SENDS", "Layout", "OpCosts", "UBatchWork", "copy_bytes",
+    "final_norm_passes", "layer_norm_passes", "low_latency_table_bytes",
+]  # fmt: skip
