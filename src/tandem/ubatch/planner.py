@@ -66,9 +66,14 @@ class TunePrior:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read the tune file {path}: {exc}") from None
+        return cls.from_document(data, f"tune file {path}")
+
+    @classmethod
+    def from_document(cls, data: dict, source: str = "the tune document") -> "TunePrior":
+        """A `tandem tune` document already in memory (a simulated prior in the config)."""
         sweep = data.get("sweep")
         if not isinstance(sweep, dict):
-            raise ValueError(f"tune file {path} has no 'sweep' table (write it with `tandem tune`)")
+            raise ValueError(f"{source} has no 'sweep' table (write it with `tandem tune`)")
         tables = {
             phase: sorted((int(r["tokens_per_rank"]), r["none_ms"] / 1e3, r["dbo_ms"] / 1e3) for r in rows)
             for phase, rows in sweep.items()

@@ -53,18 +53,8 @@ def starting_prior(overlap: OverlapConfig) -> TunePrior | None:
     if overlap.thresholds_file:
         return TunePrior.from_file(overlap.thresholds_file)
     if overlap.simulated_prior is not None:
-        return _prior_of_document(overlap.simulated_prior)
+        return TunePrior.from_document(overlap.simulated_prior, "the simulated prior")
     return None
-
-
-def _prior_of_document(document: dict) -> TunePrior:
-    """A tune document's sweep as `TunePrior.from_file` reads it from a file (step seconds per
-    phase and token count, ascending), for a document that is in the config, not on disk."""
-    tables = {
-        phase: sorted((int(r["tokens_per_rank"]), r["none_ms"] / 1e3, r["dbo_ms"] / 1e3) for r in rows)
-        for phase, rows in document["sweep"].items()
-    }
-    return TunePrior(tables, int(document.get("config", {}).get("num_ubatches", 2)))
 
 
 def prior_source(overlap: OverlapConfig) -> str | None:
