@@ -20,7 +20,10 @@ from types import SimpleNamespace
 
 from tandem.bench.moe_stack import MOE_STACK
 from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
+from tandem.modular_kernels.interfaces import PrepareAndFinalize
 from tandem.modular_kernels.kernel import FusedMoEModularKernel
+from tandem.modular_kernels.prepare_deepep import DeepEPHighThroughputPrepareAndFinalize, DeepEPLowLatencyPrepareAndFinalize
+from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host_elementwise import ElementwiseFit, traced_op_time
 from tandem.simulate.model_shape import ModelShape
@@ -308,6 +311,29 @@ class OpCosts:
         if self.overlapped:
             seconds /= figures.get("normal_overlap_bandwidth", {}).get(kind, 1.0)
         return seconds + barrier
+
+    def backend(self) -> type[PrepareAndFinalize]:
+        """The runtime's transfer backend for this layout: gloo's `torch_a2a` where the host's
+        cores move the data, else DeepEP's low-latency or normal (high-throughput) kernels."""
+        if self.hw.transfers_on_compute:
+            return TorchAllToAllPrepareAndFinalize
+        return DeepEPLowLatencyPrepareAndFinalize if self.layout.low_latency else DeepEPHighThroughputPrepareAndFinalize
+
+    def host_wait(self, kind: str, work: UBatchWork) -> float:
+        """How long after a send's transfer starts the host is held inside the call: DeepEP's
+        normal dispatch launches its notify kernel, then busy-waits on the CPU for the received
+        counts it writes before it can allocate the receive buffers and launch the dispatch
+        (DeepEP docs/legacy.md: "an implicit CPU wait for GPU received count signal"; figure
+        normal.png: launch notify, waiting, tensor allocation, launch dispatch). The notify is
+        the call's barrier (`normal_barrier_share`, the profile's Dispatch Barrier). The combine
+        reuses the dispatch's layout and never waits; the low-latency kernels never wait; the
+        intranode notify has no figure (0)."""
+        if kind != "dispatch" or self.backend() is not DeepEPHighThroughputPrepareAndFinalize:
+            return 0.0
+        if self.layout.ep <= self.hw.gpus_per_node:
+            return 0.0
+        wire = self.hw.transfer_time(kind, self.transfer_bytes(kind, work), ep=self.layout.ep, low_latency=False)
+        return wire * self.hw.figures.get("normal_barrier_share", {}).get(kind, 0.0)
 
     def send_kernel(self, kind: str, work: UBatchWork) -> float:
         """A low-latency call's SM time (packing, sending, receiving) on the compute stream:

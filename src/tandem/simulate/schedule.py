@@ -5,8 +5,10 @@
   `delta_stages`) and a stand-in model that subclasses `OperationsModel` says which leading
   layers run outside the overlap. The MoE part of DBO and of none is the order
   `FusedMoEModularKernel.forward` takes its steps in (traced from the real method), with a
-  stage boundary at each `_hand_over`, and the shared experts where `shared_experts_placement`
-  puts them (the real method, asked inside a ubatch, so `dbo_enabled()` answers as under DBO).
+  stage boundary where the real `_hand_over` yields, and the shared experts where
+  `shared_experts_placement` puts them (the real methods, asked inside a ubatch, so
+  `dbo_enabled()` answers as under DBO). A backend that `yields_in_send` (DeepEP's normal
+  kernels) hands the host to the other ubatch inside its send, before it issues the transfer.
 - The interleave is the runtime's `StageExecutor`: each ubatch's operations are run by it
   with recorders in place of the tensor work, and the order they run in is the order the
   host issues them.
@@ -16,7 +18,10 @@
   also blocks the compute stream until it lands (the runtime with no overlap). Each hand-over
   from one ubatch to another in the issue order costs the host `switch_s`, which delays the
   next compute op (a profile's `ubatch_switch_s`). A send with a `kernel` time runs that
-  kernel on the compute stream first (a low-latency call's SM part), then its transfer.
+  kernel on the compute stream first (a low-latency call's SM part), then its transfer. A send
+  with a `host_wait` holds the host (DeepEP's normal dispatch: the CPU busy-waits for the
+  received counts its notify kernel writes, before it can allocate the receive buffers and launch
+  the dispatch): no op issued after it starts before the transfer has run that long.
 - An op's `cost` is its time alone. With `overlap_rate`, its work progresses at that rate
   (<= 1) while the other stream runs something and at 1 otherwise: a compute op at the SMs a
   normal DeepEP transfer leaves it only while a transfer is in flight, a transfer at the
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Sequence
 
+from tandem.contexts.dbo import dbo_yield
 from tandem.contexts.operations import ExecutionOperation, StageExecutor, YieldOperation
 from tandem.contexts.ubatch_context import _CURRENT_UBATCH
 from tandem.models.layer_operations import DecoderLayerOperations, OperationsModel
@@ -98,20 +104,36 @@ def tbo_program(shape: ModelShape, decode: bool) -> tuple[list[Step], list[Step]
 
 
 class _KernelTrace:
-    """Stands in for `FusedMoEModularKernel` while its real `forward` runs: records the steps."""
+    """Stands in for `FusedMoEModularKernel` while its real `forward` runs: records the steps.
+    Its hand-overs are the real `_hand_over`'s (a yield is recorded by the ubatch it runs in)."""
 
     shared_experts_placement = FusedMoEModularKernel.shared_experts_placement
 
-    def __init__(self, shared: bool, sbo_mode: str | None):
+    def _hand_over(self, state, hook_field: str) -> None:
+        FusedMoEModularKernel._hand_over(self, state, hook_field)
+
+    def __init__(self, shared: bool, sbo_mode: str | None, yields_in_send: bool):
         self.shared_experts = object() if shared else None
+        self.prepare_finalize = SimpleNamespace(yields_in_send=yields_in_send)
         self.sbo_mode, self.names, self._shared_done = sbo_mode, [], False
 
     def _record(self, name: str) -> None:
         self.names.append(name)
 
+    def _send(self, name: str) -> None:
+        """A send, as the backend issues it: one that `yields_in_send` captures its ubatch's
+        compute, hands the host over, and issues the transfer when it resumes
+        (`dbo_yield_and_switch_from_compute_to_comm`, a no-op outside a ubatch)."""
+        if self.prepare_finalize.yields_in_send:
+            dbo_yield()
+        self._record(name)
+
     def dispatch_send(self, *args):
-        self._record("dispatch_send")
-        return SimpleNamespace(sbo_mode=self.sbo_mode)
+        self._send("dispatch_send")
+        return SimpleNamespace(sbo_mode=self.sbo_mode, dispatch_hook=None, combine_hook=None)
+
+    def combine_send(self, state) -> None:
+        self._send("combine_send")
 
     def compute_shared(self, state) -> None:
         if self.shared_experts is not None and not self._shared_done:
@@ -122,10 +144,6 @@ class _KernelTrace:
         self.compute_shared(state)
         self._record("output")
 
-    def _hand_over(self, state, hook_field: str) -> None:
-        if self.dbo:
-            self._record("yield")
-
     def __getattr__(self, name: str) -> Callable:
         if name in _KERNEL_STEPS:
             return lambda state: self._record(_KERNEL_STEPS[name])
@@ -133,32 +151,40 @@ class _KernelTrace:
 
 
 class _InsideUBatch:
+    """The ubatch the trace runs in under DBO: a yield is recorded as a stage cut."""
+
     id = 0
+
+    def __init__(self, trace: _KernelTrace):
+        self.trace = trace
 
     def maybe_run_recv_hook(self) -> None:
         pass
 
+    def yield_(self) -> None:
+        self.trace._record("yield")
 
-def moe_forward_order(shared: bool, *, dbo: bool, sbo_mode: str | None = None) -> list[str]:
+
+def moe_forward_order(shared: bool, *, dbo: bool, sbo_mode: str | None = None, yields_in_send: bool = False) -> list[str]:
     """The MoE steps in the order the real `FusedMoEModularKernel.forward` runs them ("yield"
-    where DBO hands over), inside a ubatch when `dbo`."""
-    trace = _KernelTrace(shared, sbo_mode)
-    trace.dbo = dbo
+    where DBO hands over), inside a ubatch when `dbo`, with a backend that hands the host over
+    inside its sends or not (`PrepareAndFinalize.yields_in_send`)."""
+    trace = _KernelTrace(shared, sbo_mode, yields_in_send)
 
     def run() -> None:
         if dbo:
-            _CURRENT_UBATCH.set(_InsideUBatch())
+            _CURRENT_UBATCH.set(_InsideUBatch(trace))
         FusedMoEModularKernel.forward(trace, None, None, None, None, None)
 
     contextvars.copy_context().run(run)
     return trace.names
 
 
-def layer_steps(shape: ModelShape, *, dbo: bool, sbo_mode: str | None = None) -> list[Step]:
+def layer_steps(shape: ModelShape, *, dbo: bool, sbo_mode: str | None = None, yields_in_send: bool = False) -> list[Step]:
     """Every layer's operations (the runtime's prefill list, which has no stage cut outside
-    the MoE), with its MoE part in the kernel's `forward` order."""
+    the MoE), with its MoE part in the kernel's `forward` order (`moe_forward_order`)."""
     shared = shape.shared_intermediate > 0
-    moe = moe_forward_order(shared, dbo=dbo, sbo_mode=sbo_mode)
+    moe = moe_forward_order(shared, dbo=dbo, sbo_mode=sbo_mode, yields_in_send=yields_in_send)
     out: list[Step] = []
     for layer in stand_in_layers(shape):
         inserted = False
@@ -241,10 +267,11 @@ class _Op:
     rate: float  # progress while the other lane runs an op
 
 
-def _issue(order, cost, sync_comm, switch_s, kernel, overlap_rate) -> list[_Op]:
+def _issue(order, cost, sync_comm, switch_s, kernel, overlap_rate, host_wait) -> list[_Op]:
     """Each op of the issue order with its start as the ends of the ops it waits for."""
     zero, ops = _PendingStart(0.0), []
     compute_free = comm_free = zero
+    host = zero  # the host issues nothing before this (it waits inside a send until then)
     ready: dict[int, _PendingStart] = {}
     landing: dict[tuple[int, str], _PendingStart] = {}
     rate = overlap_rate or (lambda u, step: 1.0)
@@ -253,7 +280,7 @@ def _issue(order, cost, sync_comm, switch_s, kernel, overlap_rate) -> list[_Op]:
         if not work >= 0.0:  # also refuses NaN
             raise ValueError(f"play: {step.name} of layer {step.layer} (ubatch {u}, {lane} stream) costs {work!r} s; "
                              "an op's time cannot be negative")
-        ops.append(_Op(u, lane, step, start, work, at_rate))
+        ops.append(_Op(u, lane, step, start.join(host), work, at_rate))
         return _PendingStart(float("-inf"), {len(ops) - 1: 0.0})
 
     issuing = order[0][0] if order else 0
@@ -265,8 +292,11 @@ def _issue(order, cost, sync_comm, switch_s, kernel, overlap_rate) -> list[_Op]:
             sm_time = kernel(u, step) if kernel else 0.0
             if sm_time:
                 at = compute_free = ready[u] = add(u, "compute", step, compute_free.join(at), sm_time)
-            end = add(u, "comm", step, comm_free.join(at), cost(u, step), rate(u, step))
+            start = comm_free.join(at).join(host)
+            end = add(u, "comm", step, start, cost(u, step), rate(u, step))
             comm_free = landing[(u, SENDS[step.name])] = end
+            if waited := (host_wait(u, step) if host_wait else 0.0):
+                host = start + waited
             if sync_comm:
                 compute_free, ready[u] = compute_free.join(end), end
         elif step.name in RECEIVES:
@@ -310,10 +340,12 @@ def _run(ops: list[_Op]) -> list[Span]:
 def play(
     order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool, switch_s: float = 0.0,
     kernel: Callable[[int, Step], float] | None = None, overlap_rate: Callable[[int, Step], float] | None = None,
+    host_wait: Callable[[int, Step], float] | None = None,
 ) -> list[Span]:
     """Time an issue order on one compute and one comm stream (see the module docstring):
-    `cost` is each op's time alone, `overlap_rate` its progress while the other stream runs."""
-    return _run(_issue(order, cost, sync_comm, switch_s, kernel, overlap_rate))
+    `cost` is each op's time alone, `overlap_rate` its progress while the other stream runs,
+    `host_wait` how long after a send's transfer starts the host can issue again."""
+    return _run(_issue(order, cost, sync_comm, switch_s, kernel, overlap_rate, host_wait))
 
 
 __all__ = ["Span", "Step", "YIELD", "issue_order", "layer_steps", "moe_forward_order", "play", "tbo_program"]

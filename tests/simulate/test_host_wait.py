@@ -1,0 +1,80 @@
+"""DeepEP's normal dispatch holds the host (#31): it launches its notify kernel and busy-waits on
+the CPU for the received counts before it can allocate the receive buffers and launch the
+dispatch (DeepEP docs/legacy.md). `play` holds every op issued after such a send until the
+transfer has run that long; `OpCosts.host_wait` prices it as the call's notify (its barrier);
+the DBO order puts the send where the runtime's backend issues it (after its yield)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.modular_kernels.kernel import FusedMoEModularKernel
+from tandem.modular_kernels.prepare_deepep import DeepEPHighThroughputPrepareAndFinalize, DeepEPLowLatencyPrepareAndFinalize
+from tandem.simulate import load_hardware, model_shape
+from tandem.simulate.ops import Layout, OpCosts, UBatchWork
+from tandem.simulate.schedule import Step, moe_forward_order, play
+
+HW, V3 = load_hardware("h800"), model_shape("deepseek-v3")
+SEND, RECV, EXPERTS, ATTN = Step(0, "dispatch_send"), Step(0, "dispatch_recv"), Step(0, "experts"), Step(0, "attn_core")
+COST = {"dispatch_send": 10.0, "combine_send": 4.0, "attn_core": 3.0, "experts": 5.0}
+
+
+def _spans(order, wait):
+    spans = play(order, lambda u, s: COST[s.name], sync_comm=False, host_wait=lambda u, s: wait)
+    return [(s.ubatch, s.lane, s.step.name, s.start, s.end) for s in spans]
+
+
+def test_ops_issued_after_the_send_wait_for_its_notify():
+    """Ubatch 0 sends (10 on the comm stream, the host held for its first 2), ubatch 1's attention
+    was issued after it: it starts at 2, not 0; ubatch 0's experts wait for the landing (10)."""
+    order = [(0, SEND), (1, ATTN), (0, RECV), (0, EXPERTS)]
+    assert _spans(order, 0.0)[1] == (1, "compute", "attn_core", 0.0, 3.0)
+    assert _spans(order, 2.0) == [(0, "comm", "dispatch_send", 0.0, 10.0), (1, "compute", "attn_core", 2.0, 5.0),
+                                  (0, "compute", "experts", 10.0, 15.0)]
+
+
+def test_the_notify_queues_behind_the_comm_stream():
+    """Ubatch 1's experts (0-5) and combine (5-9, after its compute) were issued before ubatch 0's
+    dispatch, which starts when the comm stream frees (9): the host is held until 9 + 2, so
+    ubatch 0's attention, issued after it, starts at 11 though the compute stream is free at 5."""
+    combine = Step(0, "combine_send")
+    order = [(1, EXPERTS), (1, combine), (0, SEND), (0, ATTN)]
+    got = play(order, lambda u, s: COST[s.name], sync_comm=False,
+               host_wait=lambda u, s: 2.0 if s.name == "dispatch_send" else 0.0)
+    assert [(s.ubatch, s.step.name, s.start, s.end) for s in got] == [
+        (1, "experts", 0.0, 5.0), (1, "combine_send", 5.0, 9.0), (0, "dispatch_send", 9.0, 19.0), (0, "attn_core", 11.0, 14.0)]
+
+
+def test_the_wait_is_the_normal_dispatchs_notify_across_nodes():
+    """EP32, 8,192 tokens: the dispatch's barrier, 0.286 of its bytes at DeepEP's 58 GB/s; the
+    combine reuses the dispatch's layout (no wait); low-latency, intranode and gloo: none."""
+    work = UBatchWork(8192, 2, 0)
+    normal = OpCosts(V3, HW, Layout(ep=32, decode=False, low_latency=False), sm_share=108 / 132, overlapped=True)
+    assert normal.backend() is DeepEPHighThroughputPrepareAndFinalize
+    expected = normal.transfer_bytes("dispatch", work) / 58e9 * 0.286
+    assert normal.host_wait("dispatch", work) == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(1.075e-3, rel=1e-3)  # the chart's 2.08 ms a layer over two calls
+    assert normal.host_wait("combine", work) == 0.0
+    low_latency = OpCosts(V3, HW, Layout(ep=128, decode=True, low_latency=True))
+    assert low_latency.backend() is DeepEPLowLatencyPrepareAndFinalize and low_latency.host_wait("dispatch", work) == 0.0
+    assert OpCosts(V3, HW, Layout(ep=8, decode=False, low_latency=False)).host_wait("dispatch", work) == 0.0
+
+
+def test_dbo_issues_a_normal_send_after_the_backends_yield():
+    """DeepEP's normal kernels yield inside their send (the runtime's `yields_in_send`): the
+    transfer is issued when the ubatch resumes, so the host waits while the other ubatch's
+    stage is queued; `_hand_over` then yields no more. The low-latency kernels hand over after."""
+    runtime = moe_forward_order(True, dbo=True, yields_in_send=DeepEPHighThroughputPrepareAndFinalize.yields_in_send)
+    assert runtime == ["yield", "dispatch_send", "dispatch_recv", "experts", "yield", "combine_send", "shared_experts",
+                       "combine_recv", "output"]
+    hook = moe_forward_order(True, dbo=True, yields_in_send=DeepEPLowLatencyPrepareAndFinalize.yields_in_send)
+    assert hook == ["dispatch_send", "yield", "dispatch_recv", "experts", "combine_send", "shared_experts", "yield",
+                    "combine_recv", "output"]
+    # Outside DBO nothing yields.
+    assert "yield" not in moe_forward_order(True, dbo=False, yields_in_send=True)
+
+
+def test_the_hand_overs_are_the_kernels_own(monkeypatch):
+    """A kernel whose `_hand_over` never yielded would give an order without stage cuts."""
+    monkeypatch.setattr(FusedMoEModularKernel, "_hand_over", lambda self, state, field: None)
+    assert "yield" not in moe_forward_order(True, dbo=True, yields_in_send=False)
