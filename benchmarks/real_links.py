@@ -497,10 +497,14 @@ def _sim_args(job: dict, plan: dict) -> dict:
     return dict(ep=2, phase=job["phase"], tokens_per_rank=job["tokens"], context=context)
 
 
-def _steps_s(model: str, hw, args: dict, modes: list[str]) -> dict[str, float]:
+def _steps_s(model: str, hw, args: dict, modes: list[str], busy: dict | None = None) -> dict[str, float]:
+    """Each mode's simulated step; with `busy`, each mode's compute-stream time is put there too."""
     from tandem.simulate import simulate
 
-    return {r.mode: r.step_s for r in simulate(model, hw, modes=modes, **args).results}
+    results = simulate(model, hw, modes=modes, **args).results
+    if busy is not None:
+        busy.update({r.mode: r.compute_s for r in results})
+    return {r.mode: r.step_s for r in results}
 
 
 def _link(job: dict, rate: float, probe_s_per_byte: float):
@@ -545,7 +549,8 @@ def _play(model: str, args: dict, base, host: dict, link, modes: list[str]) -> d
     sims = list(dict.fromkeys(SIMULATED[m] for m in modes))
     free_switch = _replaced(base, ubatch_switch_s=0.0)
     greenlet = over_link(_replaced(base, ubatch_switch_s=host["greenlet_switch_s"]), link)
-    out = {"step": _steps_s(model, over_link(base, link), args, sims),
+    busy: dict[str, float] = {}
+    out = {"step": _steps_s(model, over_link(base, link), args, sims, busy), "busy": busy,
            "greenlet": _steps_s(model, greenlet, args, ["dbo"]) if "dbo-greenlet" in modes else {},
            "no_switch": _steps_s(model, over_link(free_switch, link), args, sims),
            "unshaped": _steps_s(model, free_switch, args, sims)}
@@ -583,6 +588,9 @@ def _predict_row(row: dict, model: str, args: dict, base, host: dict, link, nomi
         terms = _terms(predicted, played["no_switch"][sim], played["unshaped"][sim], compute, comm) if sim != "none" \
             else {"no overlap": predicted - max(compute, comm)}
         out["modes"][mode] = _verdict(mode, value, predicted, measured["none"], played["step"]["none"], row["floor_s"], terms)
+        # Busy: the step less its receive waits (measured: the time model's; simulated: the
+        # compute stream's ops, the transfers' CPU part and hand-overs among them).
+        out["modes"][mode]["busy_s"] = {"measured": value - row["recv_wait_s"][mode], "predicted": played["busy"][sim]}
         overlap_only = _mode_step(at_measured, mode)
         out["modes"][mode]["at_measured_compute"] = {"predicted_s": overlap_only, "error": overlap_only / value - 1.0}
     return out
@@ -655,7 +663,7 @@ def format_predictions(predictions: dict, host: dict) -> str:
         lines.append(f"  transfer CPU part: {job['transfer_cpu_line']}; wire {job['wire_bytes_per_step'] / 1e6:.2f} MB a step "
                      f"leaving a rank, {job['probe_seconds_per_byte'] * 1e9:.1f} ns/byte at the probe")
         lines.append(f"{'Mbit/s':>7} {'mode':<20}{'meas ms':>9}{'pred ms':>9}{'error':>8}{'+-10%':>6}{'sign m/p':>10}"
-                     f"{'at meas. C':>16}  simulated terms above the floor (ms)")
+                     f"{'at meas. C':>16}{'busy m / p':>13}  simulated terms above the floor (ms)")
         for r in job["rows"]:
             c, w = r["compute_s"], r["comm_s"]
             lines.append(f"{r['rate_mbit']:7.0f} compute {c['measured'] * 1e3:.0f} / {c['predicted'] * 1e3:.0f} ms, comm "
@@ -676,9 +684,10 @@ def _format_mode(mode: str, m: dict) -> str:
         return f"{'':7} {mode:<20}{m['measured_s'] * 1e3:9.0f}{'':9}  {m['not_modelled']}"
     sign = "" if "sign_right" not in m else f"{m['sign_measured']}/{m['sign_predicted']}" + ("" if m["sign_right"] else " WRONG")
     terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m["predicted_terms_s"].items() if k != "imbalance" and abs(v) >= 5e-4)
-    at = m["at_measured_compute"]
+    at, busy = m["at_measured_compute"], m["busy_s"]
     return (f"{'':7} {mode:<20}{m['measured_s'] * 1e3:9.0f}{m['predicted_s'] * 1e3:9.0f}{m['error']:+8.1%}"
-            f"{'yes' if m['met'] else 'no':>6}{sign:>10}{at['predicted_s'] * 1e3:9.0f} {at['error']:+6.1%}  {terms or '-'}")
+            f"{'yes' if m['met'] else 'no':>6}{sign:>10}{at['predicted_s'] * 1e3:9.0f} {at['error']:+6.1%}"
+            f"{busy['measured'] * 1e3:7.0f} /{busy['predicted'] * 1e3:4.0f}  {terms or '-'}")
 
 
 # --------------------------------------------------------------------------- driver

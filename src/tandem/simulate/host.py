@@ -20,7 +20,9 @@ beyond them, each measured here:
 Its ranks talk over gloo on the same host: a transfer is copies and TCP work done by the cores
 that compute (`transfers_on_compute`), so overlapping a transfer with compute hides only
 waiting on the peer, never the transfer's own work; the simulator then runs every mode with
-transfers blocking compute, as `none` does.
+transfers blocking compute, as `none` does. Joined by a shaped link instead (`--link-mbit`,
+`simulate.shaped_link`), a transfer is that CPU part plus its bytes on the link, which is
+waiting: the CPU part still holds compute, the wire part overlap can hide.
 """
 
 from __future__ import annotations
