@@ -12,7 +12,7 @@ from tandem.modular_kernels.kernel import FusedMoEModularKernel
 from tandem.modular_kernels.prepare_deepep import DeepEPHighThroughputPrepareAndFinalize, DeepEPLowLatencyPrepareAndFinalize
 from tandem.simulate import load_hardware, model_shape
 from tandem.simulate.ops import Layout, OpCosts, UBatchWork
-from tandem.simulate.schedule import Step, moe_forward_order, play
+from tandem.simulate.schedule import Step, issue_order, layer_steps, moe_forward_order, play
 
 HW, V3 = load_hardware("h800"), model_shape("deepseek-v3")
 SEND, RECV, EXPERTS, ATTN = Step(0, "dispatch_send"), Step(0, "dispatch_recv"), Step(0, "experts"), Step(0, "attn_core")
@@ -78,3 +78,22 @@ def test_the_hand_overs_are_the_kernels_own(monkeypatch):
     """A kernel whose `_hand_over` never yielded would give an order without stage cuts."""
     monkeypatch.setattr(FusedMoEModularKernel, "_hand_over", lambda self, state, field: None)
     assert "yield" not in moe_forward_order(True, dbo=True, yields_in_send=False)
+
+
+def test_the_runtimes_dbo_order_hides_the_wait_a_send_before_the_yield_pays_it():
+    """The MoE stack (4 MoE layers) under DBO, every compute op 1, every transfer 2, a dispatch's
+    notify 0.5. Sent before the yield (a backend that hands over after its send) the host is held
+    with nothing of the other ubatch queued: the step grows by the 8 dispatches' 0.5 (80 -> 84).
+    Sent after it, as DeepEP's normal kernels do (their compute then joining each transfer, the
+    runtime's `dbo_switch_to_compute_sync`: `sync_comm`), the wait falls while the other ubatch's
+    stage runs: 88 with or without it."""
+    steps = {y: layer_steps(model_shape("moe-stack"), dbo=True, yields_in_send=y) for y in (False, True)}
+    orders = {y: issue_order([s, s], [0, 0]) for y, s in steps.items()}
+    cost = lambda u, s: 2.0 if s.name in ("dispatch_send", "combine_send") else 1.0  # noqa: E731
+    wait = lambda u, s: 0.5 if s.name == "dispatch_send" else 0.0  # noqa: E731
+
+    def step(order, sync, host_wait=None):
+        return max(s.end for s in play(order, cost, sync_comm=sync, host_wait=host_wait))
+
+    assert (step(orders[False], False), step(orders[False], False, wait)) == (80.0, 84.0)
+    assert step(orders[True], True) == step(orders[True], True, wait) == 88.0
