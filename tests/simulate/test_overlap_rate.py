@@ -61,7 +61,8 @@ def test_sbo_prefill_no_longer_pays_the_overlap_where_nothing_overlaps():
     """DeepSeek-V3 on H800, EP32 prefill, normal kernels: SBO overlaps only the shared experts, so
     only they (and the transfer beside them) pay for the overlap; it beats none (it was 14 %
     below: every op at 108 of 132 SMs, every transfer at its overlap bandwidth). `none` is as
-    before (5,176 tok/s/GPU at 16K tokens: nothing overlaps in it)."""
+    before (5,190 tok/s/GPU at 16K tokens: nothing overlaps in it; 5,176 with the normal kernels'
+    barrier taken against the blog's unit-test bars)."""
     for tokens in (512, 16384):
         none, combine, dispatch = simulate("deepseek-v3", "h800", ep=32, phase="prefill", tokens_per_rank=tokens,
                                            modes=["none", "sbo-combine-shared", "sbo-dispatch-shared"]).results
@@ -69,7 +70,7 @@ def test_sbo_prefill_no_longer_pays_the_overlap_where_nothing_overlaps():
         for sbo in (combine, dispatch):
             assert sbo.step_s < none.step_s
             assert sbo.step_s > none.step_s - _shared_experts(none)  # it can hide at most the shared experts
-    assert none.tokens_per_s == pytest.approx(5176, abs=1)
+    assert none.tokens_per_s == pytest.approx(5190, abs=1)
 
 
 def _shared_experts(result) -> float:
