@@ -124,3 +124,18 @@ def test_the_cli_refuses_a_link_on_a_gpu_profile():
     result = CliRunner().invoke(app, ["simulate", "--hardware", "h800", "--link-mbit", "100"], terminal_width=200)
     assert result.exit_code == 2
     assert "cores move the transfers" in result.output
+
+
+def test_the_cli_plays_here_over_the_link(monkeypatch):
+    from tandem.simulate import host
+
+    monkeypatch.setattr(host, "host_profile", lambda ranks: free_host())
+    args = ["simulate", "--hardware", "here", "--model", "moe-stack", "--ep", "2", "--phase", "prefill",
+            "--tokens-per-rank", str(TOKENS), "--context", "1", "--modes", "none,dbo"]
+    nominal_wire_ms = SENDS * WIRE_BYTES * ShapedLink.nominal(100.0).seconds_per_byte * 1e3
+    result = CliRunner().invoke(app, [*args, "--link-mbit", "100"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "over a 100 Mbit/s link" in result.output
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[2:] if line.split()}
+    # none: 8 CPU parts of 1 ms, then each transfer's bytes at the nominal rate.
+    assert float(rows["none"][1]) == pytest.approx(SENDS * CPU_S * 1e3 + nominal_wire_ms, abs=0.01)
