@@ -588,6 +588,8 @@ def _predict_row(row: dict, model: str, args: dict, base, host: dict, link, nomi
         terms = _terms(predicted, played["no_switch"][sim], played["unshaped"][sim], compute, comm) if sim != "none" \
             else {"no overlap": predicted - max(compute, comm)}
         out["modes"][mode] = _verdict(mode, value, predicted, measured["none"], played["step"]["none"], row["floor_s"], terms)
+        if mode != "none":
+            out["modes"][mode]["sign_resolved"] = _sign_resolved(row["samples_s"], mode)
         # Busy: the step less its receive waits (measured: the time model's; simulated: the
         # compute stream's ops, the transfers' CPU part and hand-overs among them).
         out["modes"][mode]["busy_s"] = {"measured": value - row["recv_wait_s"][mode], "predicted": played["busy"][sim]}
@@ -637,16 +639,27 @@ def _verdict(mode, measured, predicted, measured_none, predicted_none, floor, te
     return out
 
 
+def _sign_resolved(samples: dict[str, list[float]], mode: str) -> bool:
+    """Whether the run resolved the sign of (mode - none): every repeat of the mode on the same
+    side of every repeat of none (their ranges do not overlap)."""
+    ours, none = samples.get(mode, []), samples.get("none", [])
+    if not ours or not none:
+        return False
+    return max(ours) < min(none) or min(ours) > max(none)
+
+
 def predict(result: dict, host: dict) -> dict:
     """Every job of a real-links result predicted on `host` (`measure_host`)."""
     jobs = [{"workload": j["workload"], "phase": j["phase"], "tokens": j["tokens"], **predict_job(j, result["plan"], host)}
             for j in result["jobs"]]
     rows = [m for j in jobs for r in j.get("rows", []) for m in r["modes"].values() if "predicted_s" in m]
     signs = [m for m in rows if "sign_right" in m]
+    resolved = [m for m in signs if m.get("sign_resolved")]
     listed = sorted({mode for j in jobs for r in j.get("rows", []) for mode, m in r["modes"].items() if "not_modelled" in m})
     return {"jobs": jobs, "tolerance": TOLERANCE, "rows": len(rows), "met": sum(m["met"] for m in rows),
             "met_at_measured_compute": sum(abs(m["at_measured_compute"]["error"]) <= TOLERANCE for m in rows),
-            "signs": len(signs), "signs_right": sum(m["sign_right"] for m in signs), "not_modelled_modes": listed}
+            "signs": len(signs), "signs_right": sum(m["sign_right"] for m in signs), "signs_resolved": len(resolved),
+            "signs_resolved_right": sum(m["sign_right"] for m in resolved), "not_modelled_modes": listed}
 
 
 def format_predictions(predictions: dict, host: dict) -> str:
@@ -672,7 +685,8 @@ def format_predictions(predictions: dict, host: dict) -> str:
             for mode, m in r["modes"].items():
                 lines.append(_format_mode(mode, m))
     lines.append(f"\nwithin +-{predictions['tolerance']:.0%}: {predictions['met']} of {predictions['rows']} rows; sign of "
-                 f"(mode - none) right on {predictions['signs_right']} of {predictions['signs']}; with the CPU costs scaled to "
+                 f"(mode - none) right on {predictions['signs_right']} of {predictions['signs']} ({predictions['signs_resolved_right']} "
+                 f"of the {predictions['signs_resolved']} the repeats resolve: no overlap of their ranges); with the CPU costs scaled to "
                  f"each row's measured compute (the overlap model alone): {predictions['met_at_measured_compute']} of "
                  f"{predictions['rows']} within +-{predictions['tolerance']:.0%}; not modelled (listed, "
                  f"not predicted): {', '.join(predictions['not_modelled_modes']) or 'none'}")
@@ -683,6 +697,7 @@ def _format_mode(mode: str, m: dict) -> str:
     if "not_modelled" in m:
         return f"{'':7} {mode:<20}{m['measured_s'] * 1e3:9.0f}{'':9}  {m['not_modelled']}"
     sign = "" if "sign_right" not in m else f"{m['sign_measured']}/{m['sign_predicted']}" + ("" if m["sign_right"] else " WRONG")
+    sign += "" if m.get("sign_resolved", True) else "?"
     terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m["predicted_terms_s"].items() if k != "imbalance" and abs(v) >= 5e-4)
     at, busy = m["at_measured_compute"], m["busy_s"]
     return (f"{'':7} {mode:<20}{m['measured_s'] * 1e3:9.0f}{m['predicted_s'] * 1e3:9.0f}{m['error']:+8.1%}"
