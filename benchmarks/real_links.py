@@ -258,6 +258,7 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
         f"  probes {probe:.0f} / {probe / 2:.0f} Mbit/s → comm {probe_comm * 1e3:.1f} / {half_comm * 1e3:.1f} ms "
         f"(comm ~ rate^-{alpha:.2f}); rates " + ", ".join(f"{r:.0f}" for r in rates)
     )
+    under_transfer = _compute_under_transfer(probe / 2, log)
 
     rows = []
     for ratio, rate in zip(plan["ratios"], rates):
@@ -304,8 +305,48 @@ def run_job(job: dict, plan: dict, control: Control | None, rank: int, world: in
     del workload
     return {
         **job, "probe_mbit": probe, "probe_comm_s": probe_comm, "half_probe_comm_s": half_comm, "fit_alpha": alpha,
-        "rows": rows, "outputs": digest, "veth_line_points": veth_line,
+        "rows": rows, "outputs": digest, "veth_line_points": veth_line, "compute_under_transfer": under_transfer,
     }
+
+
+def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
+    """At the current shaped rate: a fixed matmul loop timed alone and while an all-to-all is on
+    the wire (issued just before it, sized to outlast it), on both ranks at once as a DBO step
+    runs them, the two interleaved, median of `repeat`. Their ratio is the rate compute keeps
+    while a shaped transfer is in flight: the CPU the transfer takes from the cores as its
+    packets trickle through (a transfer merely pending costs none: gloo does not spin)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    a, b = torch.randn(64, 1024), torch.randn(1024, 1024)
+
+    def loop() -> float:
+        start = time.perf_counter()
+        for _ in range(40):
+            a @ b
+        return time.perf_counter() - start
+
+    loop()
+    slowest = torch.tensor([_median([loop() for _ in range(3)])], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # both ranks size the same transfer
+    alone_s = float(slowest)
+    # The wire at 2x the loop's time alone, at the nominal rate: the loop runs under it throughout.
+    rows = max(world, int(2.0 * alone_s * rate_mbit * 1e6 / 8 / 4096 * world / (world - 1)))
+    payload, out = torch.randn(rows, 1024), torch.empty(rows, 1024)
+    alone, busy, overlapped = [], [], []
+    for _ in range(repeat):
+        dist.barrier()
+        alone.append(loop())
+        dist.barrier()
+        work = dist.all_to_all_single(out, payload, async_op=True)
+        busy.append(loop())
+        overlapped.append(not work.is_completed())
+        work.wait()
+    rate = _median(alone) / _median(busy)
+    log(f"  compute under a transfer at {rate_mbit:.0f} Mbit/s: {_median(busy) * 1e3:.1f} ms against "
+        f"{_median(alone) * 1e3:.1f} ms alone (rate {rate:.2f}; the wire outlasted the loop {sum(overlapped)} of {repeat})")
+    return {"rate_mbit": rate_mbit, "alone_s": alone, "under_transfer_s": busy, "outlasted": overlapped, "rate": rate}
 
 
 def _veth_line(rank: int, world: int, log) -> dict:
