@@ -569,9 +569,12 @@ def predict_job(job: dict, plan: dict, host: dict) -> dict:
     unit = over_link(base, ShapedLink(1.0, 1.0, "one second per byte: the step's wire bytes"))
     wire_bytes = _steps_s(model, unit, args, ["none"])["none"] - _steps_s(model, base, args, ["none"])["none"]
     probe_s_per_byte = job["probe_comm_s"] / wire_bytes
+    cpu_per_byte, cpu_how = _wire_cpu_per_byte(job, probe_s_per_byte)
     rows = []
     for row in job["rows"]:
         link = _link(job, row["rate_mbit"], probe_s_per_byte)
+        if cpu_per_byte is not None:
+            link = link.with_cpu_per_byte(cpu_per_byte, cpu_how)
         rows.append(_predict_row(row, model, args, base, host, link, ShapedLink.nominal(row["rate_mbit"])))
     f = base.figures
     cpu_line = ", ".join(f"{k} {f['comm_latency_s'][k] * 1e3:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s"
@@ -604,6 +607,20 @@ def _mode_step(played: dict, mode: str) -> float:
     return played["greenlet"]["dbo"] if mode == "dbo-greenlet" else played["step"][SIMULATED[mode]]
 
 
+def _wire_cpu_per_byte(job: dict, probe_s_per_byte: float) -> tuple[float | None, str]:
+    """CPU seconds per wire byte from the job's `_compute_under_transfer`: the share of a core the
+    loop lost while the transfer trickled through, over the wire's seconds per byte at that rate
+    (packets cost per byte, so the share grows with the rate). None where the job has none."""
+    under = job.get("compute_under_transfer")
+    if not under:
+        return None, ""
+    at = _link(job, under["rate_mbit"], probe_s_per_byte).seconds_per_byte
+    lost = 1.0 - min(under["rate"], 1.0)
+    how = (f"a matmul loop on both ranks kept {under['rate']:.2f} of its core while an all-to-all outlasted it on "
+           f"the wire at {under['rate_mbit']:.0f} Mbit/s ({at * 1e9:.1f} ns per byte there)")
+    return lost * at, how
+
+
 def _predict_row(row: dict, model: str, args: dict, base, host: dict, link, nominal) -> dict:
     from tandem.simulate.shaped_link import over_link
 
@@ -617,6 +634,7 @@ def _predict_row(row: dict, model: str, args: dict, base, host: dict, link, nomi
     at_measured = _play(model, args, _slowed(base, scale), host, link, modes)
     nominal_comm = _steps_s(model, over_link(base, nominal), args, ["none"])["none"] - compute
     out = {"rate_mbit": row["rate_mbit"], "link_seconds_per_byte": link.seconds_per_byte, "link_source": link.source,
+           "link_compute_rate": link.compute_rate, "link_compute_rate_source": link.compute_rate_source,
            "compute_s": {"measured": row["compute_s"], "predicted": compute},
            "comm_s": {"measured": row["comm_s"], "predicted": comm, "nominal_link": nominal_comm},
            "floor_s": {"measured": row["floor_s"], "predicted": max(compute, comm)},
@@ -722,7 +740,8 @@ def format_predictions(predictions: dict, host: dict) -> str:
             c, w = r["compute_s"], r["comm_s"]
             lines.append(f"{r['rate_mbit']:7.0f} compute {c['measured'] * 1e3:.0f} / {c['predicted'] * 1e3:.0f} ms, comm "
                          f"{w['measured'] * 1e3:.0f} / {w['predicted'] * 1e3:.0f} ms (nominal link {w['nominal_link'] * 1e3:.0f}), "
-                         f"floor {r['floor_s']['measured'] * 1e3:.0f} / {r['floor_s']['predicted'] * 1e3:.0f} ms (measured / predicted)")
+                         f"floor {r['floor_s']['measured'] * 1e3:.0f} / {r['floor_s']['predicted'] * 1e3:.0f} ms (measured / predicted), "
+                         f"compute keeps {r['link_compute_rate']:.2f} of its core under a transfer")
             for mode, m in r["modes"].items():
                 lines.append(_format_mode(mode, m))
     lines.append(f"\nwithin +-{predictions['tolerance']:.0%}: {predictions['met']} of {predictions['rows']} rows; sign of "

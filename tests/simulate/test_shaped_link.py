@@ -11,13 +11,16 @@ from typer.testing import CliRunner
 
 from tandem.cli import app
 from tandem.simulate import HardwareProfile, load_hardware, simulate
+from tandem.simulate.schedule import Step, play
 from tandem.simulate.shaped_link import (
+    FAIR_SHARE,
     FRAME_PAYLOAD_BYTES,
     FRAME_WIRE_BYTES,
     LINK_FIGURE,
     ShapedLink,
     link_seconds_per_byte,
     over_link,
+    overlap_rate_over_link,
 )
 
 TOKENS = 512
@@ -139,3 +142,27 @@ def test_the_cli_plays_here_over_the_link(monkeypatch):
     rows = {line.split()[0]: line.split() for line in result.output.splitlines()[2:] if line.split()}
     # none: 8 CPU parts of 1 ms, then each transfer's bytes at the nominal rate.
     assert float(rows["none"][1]) == pytest.approx(SENDS * CPU_S * 1e3 + nominal_wire_ms, abs=0.01)
+
+
+def test_packets_on_the_wire_take_their_share_of_the_core_down_to_a_fair_half():
+    link = ShapedLink(100.0, 10e-9, "test")
+    assert link.with_cpu_per_byte(2e-9, "test").compute_rate == pytest.approx(0.8)
+    assert link.with_cpu_per_byte(8e-9, "test").compute_rate == FAIR_SHARE  # the scheduler's fair half
+    assert link.with_cpu_per_byte(0.0, "test").compute_rate == 1.0
+    with pytest.raises(ValueError):
+        link.with_cpu_per_byte(-1e-9, "test")
+
+
+def test_compute_under_a_transfer_runs_at_the_links_compute_rate():
+    # ubatch 0 sends (4 ms on the wire), ubatch 1 computes 3 ms meanwhile: at half its core for
+    # the 4 ms the wire runs it does 2 ms of work, then the last 1 ms alone: it ends at 5 ms.
+    hw = over_link(free_host(), ShapedLink(100.0, 1e-9, "test").with_cpu_per_byte(0.5e-9, "test"))
+    order = [(0, Step(0, "dispatch_send")), (1, Step(0, "attn_core")), (0, Step(0, "dispatch_recv"))]
+    costs = {"dispatch_send": 4.0, "attn_core": 3.0}
+
+    def cost(u, step):
+        return costs[step.name]
+
+    slowed = play(order, cost, sync_comm=False, overlap_rate=overlap_rate_over_link(hw))
+    assert max(s.end for s in slowed) == pytest.approx(5.0)
+    assert max(s.end for s in play(order, cost, sync_comm=False, overlap_rate=overlap_rate_over_link(free_host()))) == 4.0

@@ -24,7 +24,7 @@ from tandem.simulate.host import resolve_hardware
 from tandem.simulate.model_shape import ModelShape, model_shape
 from tandem.simulate.ops import SENDS, Layout, OpCosts, UBatchWork
 from tandem.simulate.schedule import Span, Step, issue_order, layer_steps, play, tbo_program
-from tandem.simulate.shaped_link import ShapedLink, link_seconds_per_byte, over_link, wire_share
+from tandem.simulate.shaped_link import ShapedLink, link_seconds_per_byte, over_link, overlap_rate_over_link, wire_share
 from tandem.ubatch import split_by_tokens
 
 SBO_MODES = {"sbo-dispatch-shared": "dispatch-shared", "sbo-combine-shared": "combine-shared"}
@@ -174,10 +174,12 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     if wire is None:
         cost = lambda u, step: priced(costs, u, step)  # noqa: E731
         kernel = lambda u, step: costs.send_kernel(SENDS[step.name], works[u])  # noqa: E731
+        rate = None if sync else overlap_rate
     else:
         cost, kernel = _over_link(costs, works, wire, priced)
+        rate = None if sync else overlap_rate_over_link(hw)
     spans = play(order, cost, sync_comm=sync, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
-                 kernel=kernel, overlap_rate=None if sync or wire is not None else overlap_rate)
+                 kernel=kernel, overlap_rate=rate)
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
     comm = sum(s.end - s.start for s in spans if s.lane == "comm")

@@ -6,8 +6,11 @@ transfer there is two parts:
 - its CPU part: gloo's copies and TCP work on the cores that compute, what the host profile's
   loopback line measures (`host_link`; `OpCosts.transfer` prices it). It stays on the compute
   stream in every mode: overlap cannot hide it;
-- its wire part: the bytes that leave the rank over the link's rate. That is waiting, not CPU:
-  it runs on the comm stream, so `none` waits for it and an overlapped mode can hide it.
+- its wire part: the bytes that leave the rank over the link's rate. That is waiting: it runs
+  on the comm stream, so `none` waits for it and an overlapped mode can hide it. Its packets
+  still cost the cores something as they trickle through (per packet, where an unshaped link
+  moves large segments): with a measured `compute_rate` < 1, compute runs at that share of its
+  core while a transfer is on the wire (`schedule.play`'s overlap rate).
 
 `run.simulate_mode` plays a send on such a profile as `schedule.play`'s kernel-then-transfer:
 the CPU part on the compute stream, then the wire part on the comm stream.
@@ -35,6 +38,12 @@ FRAME_PAYLOAD_BYTES, FRAME_WIRE_BYTES = 1448, 1514
 #: The profile's figure for a shaped link: seconds on the wire per payload byte leaving a rank.
 LINK_FIGURE = "link_seconds_per_byte"
 RATE_FIGURE = "link_rate_mbit"
+#: The share of its core compute keeps while a transfer is on the wire (1: none taken).
+COMPUTE_RATE_FIGURE = "link_compute_rate"
+#: The least of its core compute keeps under packet work: softirq work that runs long is handed to
+#: ksoftirqd, a normal thread the scheduler shares the core with fairly (Linux, kernel/softirq.c:
+#: MAX_SOFTIRQ_TIME 2 ms, MAX_SOFTIRQ_RESTART 10), so a faster link slows the wire, not compute.
+FAIR_SHARE = 0.5
 
 
 def _check_rate(name: str, mbit: float) -> float:
@@ -52,6 +61,13 @@ class ShapedLink:
     rate_mbit: float
     seconds_per_byte: float
     source: str
+    #: The share of its core compute keeps while a transfer is on the wire, and where that comes from.
+    compute_rate: float = 1.0
+    compute_rate_source: str = "derived: a transfer on the wire takes no CPU from compute (not measured)"
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.compute_rate) and 0.0 < self.compute_rate <= 1.0):
+            raise ValueError(f"the compute rate under a transfer must be in (0, 1], got {self.compute_rate!r}")
 
     @classmethod
     def nominal(cls, rate_mbit: float) -> ShapedLink:
@@ -81,10 +97,22 @@ class ShapedLink:
             f"measured in this run: {how}; {probe_seconds_per_byte * 1e9:.2f} ns per byte at {probe:g} Mbit/s, "
             f"x ({probe:g} / {rate:g}) ** {exponent:.3f} = {seconds / nominal:.3f}x the nominal frame rate"))
 
+    def with_cpu_per_byte(self, cpu_seconds_per_byte: float, how: str) -> ShapedLink:
+        """This link with its packets' CPU: `cpu_seconds_per_byte` of a core per byte on the wire,
+        spread over the transfer, so compute keeps 1 - cpu / seconds_per_byte of its core while a
+        transfer is in flight, never less than `FAIR_SHARE`."""
+        if not (math.isfinite(cpu_seconds_per_byte) and cpu_seconds_per_byte >= 0):
+            raise ValueError(f"the CPU per byte must be >= 0, got {cpu_seconds_per_byte!r}")
+        rate = max(1.0 - cpu_seconds_per_byte / self.seconds_per_byte, FAIR_SHARE)
+        source = (f"measured in this run: {how}; {cpu_seconds_per_byte * 1e9:.2f} ns of a core per byte on the wire, "
+                  f"over {self.seconds_per_byte * 1e9:.2f} ns per byte at {self.rate_mbit:g} Mbit/s")
+        return ShapedLink(self.rate_mbit, self.seconds_per_byte, self.source, rate, source)
+
     def figures(self) -> dict[str, tuple[float, str]]:
         return {
             RATE_FIGURE: (self.rate_mbit, "given: the tbf rate the link is set to"),
             LINK_FIGURE: (self.seconds_per_byte, self.source),
+            COMPUTE_RATE_FIGURE: (self.compute_rate, self.compute_rate_source),
         }
 
 
@@ -107,11 +135,28 @@ def link_seconds_per_byte(hw: HardwareProfile) -> float | None:
     return None if value is None else float(value)
 
 
+def link_compute_rate(hw: HardwareProfile) -> float:
+    """The share of its core compute keeps while a transfer is on the profile's link (1 without one)."""
+    return float(hw.figures.get(COMPUTE_RATE_FIGURE, 1.0))
+
+
+def overlap_rate_over_link(hw: HardwareProfile):
+    """`schedule.play`'s overlap rate on the profile's link: a compute op keeps
+    `link_compute_rate` of its core while a transfer is on the wire, the wire keeps its pace;
+    None where compute keeps all of it."""
+    from tandem.simulate.ops import SENDS
+
+    rate = link_compute_rate(hw)
+    if rate >= 1.0:
+        return None
+    return lambda u, step: 1.0 if step.name in SENDS else rate
+
+
 def wire_share(ep: int) -> float:
     """The share of a transfer's per-rank bytes that leaves the rank: uniform routing sends a
     token's copies to each of `ep` ranks alike, and the rank's own copy stays."""
     return (ep - 1) / ep if ep > 1 else 0.0
 
 
-__all__ = ["FRAME_PAYLOAD_BYTES", "FRAME_WIRE_BYTES", "LINK_FIGURE", "ShapedLink", "link_seconds_per_byte",
-           "over_link", "wire_share"]
+__all__ = ["COMPUTE_RATE_FIGURE", "FRAME_PAYLOAD_BYTES", "FRAME_WIRE_BYTES", "LINK_FIGURE", "ShapedLink",
+           "link_compute_rate", "link_seconds_per_byte", "over_link", "overlap_rate_over_link", "wire_share"]
