@@ -40,6 +40,7 @@ Prints one table per (workload, phase) and writes benchmarks/results/real_links.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -597,6 +598,8 @@ def _play(model: str, args: dict, base, host: dict, link, modes: list[str]) -> d
     out = {"step": _steps_s(model, over_link(base, link), args, sims, busy), "busy": busy,
            "greenlet": _steps_s(model, greenlet, args, ["dbo"]) if "dbo-greenlet" in modes else {},
            "no_switch": _steps_s(model, over_link(free_switch, link), args, sims),
+           # Free hand-overs and packets that take no CPU: what the wire's CPU adds is the difference.
+           "no_packet_cpu": _steps_s(model, over_link(free_switch, dataclasses.replace(link, compute_rate=1.0)), args, sims),
            "unshaped": _steps_s(model, free_switch, args, sims)}
     out["compute"] = out["unshaped"]["none"]
     out["comm"] = out["step"]["none"] - out["compute"]
@@ -644,8 +647,8 @@ def _predict_row(row: dict, model: str, args: dict, base, host: dict, link, nomi
             out["modes"][mode] = {"measured_s": value, "not_modelled": NOT_SIMULATED.get(mode, "not modelled")}
             continue
         sim, predicted = SIMULATED[mode], _mode_step(played, mode)
-        terms = _terms(predicted, played["no_switch"][sim], played["unshaped"][sim], compute, comm) if sim != "none" \
-            else {"no overlap": predicted - max(compute, comm)}
+        terms = _terms(predicted, played["no_switch"][sim], played["no_packet_cpu"][sim], played["unshaped"][sim], compute,
+                       comm) if sim != "none" else {"no overlap": predicted - max(compute, comm)}
         out["modes"][mode] = _verdict(mode, value, predicted, measured["none"], played["step"]["none"], row["floor_s"], terms)
         if mode != "none":
             out["modes"][mode]["sign_resolved"] = _sign_resolved(row["samples_s"], mode)
@@ -674,17 +677,19 @@ def _slowed(hw, factor: float):
     return _replaced(hw, **figures)
 
 
-def _terms(step: float, no_switch: float, split_compute: float, compute: float, comm: float) -> dict[str, float]:
+def _terms(step: float, no_switch: float, no_packet_cpu: float, split_compute: float, compute: float,
+           comm: float) -> dict[str, float]:
     """Where the simulated step sits above its floor max(compute, comm), in seconds, summing to
-    the gap: the hand-overs (switch cost), what the split adds to the bound (split loss: the
-    halves' shorter GEMMs, every weight read again, each transfer's fixed CPU paid per ubatch),
-    and the time one stream waits on the other: on a wire-bound row the wire waiting on the CPU
-    (the transfers' CPU parts and the compute before each send: transfer CPU), on a compute-bound
-    row the wire the overlap did not hide (exposed wire). The ranks' imbalance is not modelled."""
+    the gap: the hand-overs (switch cost); the CPU the transfers' packets take from compute while
+    they are on the wire (transfer CPU); what the split adds to the bound (split loss: the halves'
+    shorter GEMMs, every weight read again, each transfer's fixed CPU paid per ubatch); and the
+    time one stream still waits on the other: on a wire-bound row the wire waiting on the CPU
+    before each send (wire waits), on a compute-bound row the wire the overlap did not hide
+    (exposed wire). The ranks' imbalance is not modelled."""
     bound = max(split_compute, comm)
-    waits = "transfer CPU" if comm >= split_compute else "exposed wire"
-    return {"switch cost": step - no_switch, "split loss": bound - max(compute, comm), waits: no_switch - bound,
-            "imbalance": 0.0}
+    waits = "wire waits" if comm >= split_compute else "exposed wire"
+    return {"switch cost": step - no_switch, "transfer CPU": no_switch - no_packet_cpu,
+            "split loss": bound - max(compute, comm), waits: no_packet_cpu - bound, "imbalance": 0.0}
 
 
 def _verdict(mode, measured, predicted, measured_none, predicted_none, floor, terms) -> dict:
