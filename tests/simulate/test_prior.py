@@ -165,8 +165,10 @@ def test_tune_simulate_writes_the_thresholds_file_serve_reads(tmp_path):
     assert [r["tokens_per_rank"] for r in doc["sweep"]["prefill"]] == [128, 256, 2048]
     # 50.1646 while every op of DBO paid for the overlap all step; 46.9267 once only while it
     # overlaps; 47.0036 with the residual add in the next input norm (G9); the normal kernels' shares
-    # taken against the table's own call time (not the blog's unit-test bars) make it 46.8266.
-    assert doc["sweep"]["prefill"][1]["dbo_ms"] == pytest.approx(46.8266, abs=1e-3)
+    # taken against the table's own call time (not the blog's unit-test bars) make it 46.8266; the
+    # runtime's normal-kernel DBO order (send after the yield, compute joined to it, the dispatch's
+    # CPU wait) 46.8186.
+    assert doc["sweep"]["prefill"][1]["dbo_ms"] == pytest.approx(46.8186, abs=1e-3)
     overlap = OverlapConfig().with_thresholds_file(out)
     assert (overlap.dbo_decode_token_threshold, overlap.dbo_prefill_token_threshold) == (128, 256)
     assert TunePrior.from_file(out).num_ubatches == 2

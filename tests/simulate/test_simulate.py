@@ -193,14 +193,16 @@ def test_a_low_latency_call_has_a_fixed_part_beside_the_line_rate(tmp_path):
 def test_the_validation_figures_this_model_gives():
     """The figures docs/simulate.md reports: with the terms read off DeepSeek's per-layer profile,
     DeepGEMM's published rates at DeepSeek's own GEMM shapes (h800.json) and decode's published
-    workload (one MTP draft per request, 60 % kept), prefill +3.6 % and decode +7.0 %, both
+    workload (one MTP draft per request, 60 % kept), prefill +2.1 % and decode +7.0 %, both
     inside ±10 % (were +29.4 % and +13.3 %). Prefill was -1.5 % while every op of an overlapped
     mode paid for the overlap the whole step, +2.0 % once it paid only while it overlaps (decode's
     low-latency kernels take no SMs and keep their bandwidth: unchanged); decode +7.6 % until the
     residual add was priced in the next input norm, as the runtime issues it since G9; prefill
     +1.8 % until the normal kernels' overlap bandwidth and barrier were taken against the table's
-    own call time, so the modelled cores and barriers are the trace's (they were 3.4-3.9 % over)."""
+    own call time, so the modelled cores and barriers are the trace's (they were 3.4-3.9 % over);
+    +3.6 % until DBO followed the runtime's normal-kernel order (the send after its yield, compute
+    joined to the transfer, the dispatch's CPU wait): +2.1 %."""
     from tandem.simulate import validation_rows
 
     errors = {r["phase"]: r["error"] for r in validation_rows()}
-    assert errors == {"prefill": pytest.approx(0.0359, abs=0.001), "decode": pytest.approx(0.0704, abs=0.001)}
+    assert errors == {"prefill": pytest.approx(0.0213, abs=0.001), "decode": pytest.approx(0.0704, abs=0.001)}

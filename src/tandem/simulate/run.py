@@ -127,8 +127,9 @@ def _ubatches(mode: str) -> int:
     return n
 
 
-def _program(mode: str, shape: ModelShape, workload: Workload, ep_works: list[UBatchWork]):
-    """(issue order, works per ubatch, overlapped?) of a mode."""
+def _program(mode: str, shape: ModelShape, workload: Workload, ep_works: list[UBatchWork], yields_in_send: bool = False):
+    """(issue order, works per ubatch, overlapped?) of a mode; `yields_in_send`: the backend
+    hands the host to the other ubatch inside its sends (DeepEP's normal kernels under DBO)."""
     if mode == "none" or mode in SBO_MODES:
         steps = layer_steps(shape, dbo=False, sbo_mode=SBO_MODES.get(mode)) + [HEAD]
         return issue_order([steps], [0]), ep_works, mode != "none"
@@ -140,21 +141,25 @@ def _program(mode: str, shape: ModelShape, workload: Workload, ep_works: list[UB
         # ubatch 0 is the whole batch (leading dense layers, the head); 1.. are the split ones.
         return whole + order + [(0, HEAD)], ep_works + works, True
     n = _ubatches(mode)
-    steps = layer_steps(shape, dbo=n > 1) + [HEAD]
+    steps = layer_steps(shape, dbo=n > 1, yields_in_send=yields_in_send) + [HEAD]
     works = workload.split(n)
     return issue_order([steps] * n, [0] * n), works, n > 1
 
 
 def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Layout, workload: Workload) -> ModeResult:
     whole = workload.split(1)
-    order, works, overlapped = _program(mode, shape, workload, whole)
+    alone = OpCosts(shape, hw, layout)
+    # DeepEP's normal kernels under DBO yield inside their sends, then join the compute stream to
+    # the transfer they issued (`dbo_switch_to_compute_sync`): compute issued after a send waits
+    # for it, as none's does; what the other ubatch queued during the yield runs beside it.
+    joins = alone.backend().yields_in_send and mode.startswith("dbo") and _ubatches(mode) > 1
+    order, works, overlapped = _program(mode, shape, workload, whole, yields_in_send=joins)
     share = 1.0
     if overlapped:
         share = (hw.sms - hw.comm_sms(layout.low_latency)) / hw.sms
     # Alone: all SMs, a transfer at its table bandwidth. Overlapped: compute at the SMs a normal
     # DeepEP transfer leaves, a transfer at the bandwidth it keeps; `play` applies each only
     # while the other stream is busy.
-    alone = OpCosts(shape, hw, layout)
     shared = OpCosts(shape, hw, layout, sm_share=share, overlapped=True) if overlapped else alone
 
     def priced(costs: OpCosts, u: int, step: Step) -> float:
@@ -178,8 +183,8 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     else:
         cost, kernel = _over_link(costs, works, wire, priced)
         rate = None if sync else overlap_rate_over_link(hw)
-    spans = play(order, cost, sync_comm=sync, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
-                 kernel=kernel, overlap_rate=rate)
+    spans = play(order, cost, sync_comm=sync or joins, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
+                 kernel=kernel, overlap_rate=rate, host_wait=lambda u, step: costs.host_wait(SENDS[step.name], works[u]))
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
     comm = sum(s.end - s.start for s in spans if s.lane == "comm")
