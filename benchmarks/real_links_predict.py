@@ -1,0 +1,316 @@
+"""Predictions of `benchmarks/real_links.py`'s rows (#31): `tandem simulate --hardware here`,
+measured in the same run before the ranks start (gloo over loopback, outside the namespaces),
+with the transfers' CPU part taken from each job's own dispatch and combine line over the
+unshaped veth, and each rate's wire part from that job's probes
+(`tandem.simulate.shaped_link.ShapedLink.calibrated`). Per row: measured against predicted, the
+error, the sign of (mode - none) both ways, and the simulated terms between the step and its
+floor; beside it the overlap model alone (every CPU cost scaled to the row's measured compute).
+
+A script module beside real_links.py (benchmarks are scripts, not a package): real_links.py
+imports it from its own directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+
+#: The goal of #31 on this host: every real-link row within +-10 % of the step measured in the same run.
+TOLERANCE = 0.10
+#: Modes the simulator plays, as it names them; dbo-greenlet is DBO at the greenlet executor's hand-over.
+SIMULATED = {"none": "none", "dbo": "dbo", "dbo-greenlet": "dbo", "tbo": "tbo",
+             "sbo-combine-shared": "sbo-combine-shared", "sbo-dispatch-shared": "sbo-dispatch-shared"}
+NOT_SIMULATED = {
+    "sbo-combine-down-gemm": "not modelled: the simulator has no block combine (combine-down-gemm)",
+    "auto": "not modelled: the planner picks a mode per step at run time",
+}
+
+
+def measure_host() -> dict:
+    """`--hardware here` for the 2 ranks, measured on this host in this run (outside the
+    namespaces, gloo over loopback: the transfers' CPU part never crosses the shaped link), and
+    the greenlet executor's hand-over beside the thread executor's."""
+    from tandem.simulate.host import host_profile, measure_switch_s
+
+    start = time.perf_counter()
+    hw = host_profile(2)
+    greenlet = measure_switch_s("greenlet")
+    return {
+        "figures": hw.figures, "sources": hw.sources, "name": hw.name, "greenlet_switch_s": greenlet,
+        "measured_in_s": time.perf_counter() - start, "load_average": os.getloadavg()[0],
+    }
+
+
+def _profile(host: dict, **figures):
+    """The host profile with `figures` replaced (each a value, or a (value, source) pair)."""
+    from tandem.simulate import HardwareProfile
+
+    values = {k: v[0] if isinstance(v, tuple) else v for k, v in figures.items()}
+    sources = {k: v[1] for k, v in figures.items() if isinstance(v, tuple)}
+    return HardwareProfile(host["name"], {**host["figures"], **values}, {**host["sources"], **sources})
+
+
+def _replaced(hw, **figures):
+    from tandem.simulate import HardwareProfile
+
+    return HardwareProfile(hw.name, {**hw.figures, **figures}, hw.sources)
+
+
+def _veth_figures(job: dict) -> dict:
+    """The transfers' CPU part as the job measured it over the unshaped veth (`_veth_line`), in
+    place of the loopback line; none where the job has no such measurement."""
+    from tandem.simulate.host_link import LinkFit
+
+    points = job.get("veth_line_points")
+    if not points:
+        return {}
+    line = LinkFit.from_points({k: [tuple(p) for p in v] for k, v in points.items()})
+    how = ("measured in this run: the runtime's torch_a2a dispatch and combine between the two namespace hosts over "
+           "the unshaped veth (no tbf), float32, median on rank 0, a least-squares line through ("
+           + "; ".join(line.describe(kind) for kind in line.points) + ")")
+    return {"nvlink_bytes_per_s": (line.bytes_per_s, f"{how}: its slope, per byte sent per rank"),
+            "comm_latency_s": (line.fixed_s, f"{how}: its intercept, fixed per call")}
+
+
+def _sim_args(job: dict, plan: dict) -> dict:
+    """The simulator's step for a job: the stack attends to no cache (one key per query prices its
+    stand-in); small-moe decodes `tokens` requests over `context_len` cached tokens, or prefills
+    one `tokens`-token prompt per rank."""
+    if job["workload"] == "moe-stack":
+        context = 1
+    else:
+        context = plan["context_len"] if job["phase"] == "decode" else job["tokens"]
+    return dict(ep=2, phase=job["phase"], tokens_per_rank=job["tokens"], context=context)
+
+
+def _steps_s(model: str, hw, args: dict, modes: list[str], busy: dict | None = None) -> dict[str, float]:
+    """Each mode's simulated step; with `busy`, each mode's compute-stream time is put there too."""
+    from tandem.simulate import simulate
+
+    results = simulate(model, hw, modes=modes, **args).results
+    if busy is not None:
+        busy.update({r.mode: r.compute_s for r in results})
+    return {r.mode: r.step_s for r in results}
+
+
+def _link(job: dict, rate: float, probe_s_per_byte: float):
+    from tandem.simulate.shaped_link import ShapedLink
+
+    how = (f"the none step's comm at the {job['probe_mbit']:.0f} Mbit/s probe ({job['probe_comm_s'] * 1e3:.1f} ms, "
+           f"shaped minus unshaped) over the bytes the simulated step sends, the exponent from the probe and half its rate")
+    return ShapedLink.calibrated(rate, probe_mbit=job["probe_mbit"], probe_seconds_per_byte=probe_s_per_byte,
+                                 exponent=job["fit_alpha"], how=how)
+
+
+def predict_job(job: dict, plan: dict, host: dict) -> dict:
+    """Every (rate, mode) row of one job predicted on the host profile over a link calibrated by
+    the job's own probes; per row the simulation's terms between the step and its floor."""
+    from tandem.simulate.shaped_link import ShapedLink, over_link
+
+    if "shape" in job:
+        return {"not_modelled": "a custom stack shape: the simulator's moe-stack is tandem bench's"}
+    model, args = job["workload"], _sim_args(job, plan)
+    base = _profile(host, **_veth_figures(job))
+    unit = over_link(base, ShapedLink(1.0, 1.0, "one second per byte: the step's wire bytes"))
+    wire_bytes = _steps_s(model, unit, args, ["none"])["none"] - _steps_s(model, base, args, ["none"])["none"]
+    probe_s_per_byte = job["probe_comm_s"] / wire_bytes
+    cpu_per_byte, cpu_how = _wire_cpu_per_byte(job, probe_s_per_byte)
+    rows = []
+    for row in job["rows"]:
+        link = _link(job, row["rate_mbit"], probe_s_per_byte)
+        if cpu_per_byte is not None:
+            link = link.with_cpu_per_byte(cpu_per_byte, cpu_how)
+        rows.append(_predict_row(row, model, args, base, host, link, ShapedLink.nominal(row["rate_mbit"])))
+    f = base.figures
+    cpu_line = ", ".join(f"{k} {f['comm_latency_s'][k] * 1e3:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s"
+                         for k in ("dispatch", "combine"))
+    where = "the unshaped veth" if job.get("veth_line_points") else "loopback"
+    return {"wire_bytes_per_step": wire_bytes, "probe_seconds_per_byte": probe_s_per_byte,
+            "transfer_cpu_line": f"{cpu_line} (over {where})", "rows": rows}
+
+
+def _play(model: str, args: dict, base, host: dict, link, modes: list[str]) -> dict:
+    """The simulated steps of a row's modes on `base` over `link`: as played, with free hand-overs,
+    and with free hand-overs on the unshaped link (the split's compute alone); none's compute and
+    wire."""
+    from tandem.simulate.shaped_link import over_link
+
+    sims = list(dict.fromkeys(SIMULATED[m] for m in modes))
+    free_switch = _replaced(base, ubatch_switch_s=0.0)
+    greenlet = over_link(_replaced(base, ubatch_switch_s=host["greenlet_switch_s"]), link)
+    busy: dict[str, float] = {}
+    out = {"step": _steps_s(model, over_link(base, link), args, sims, busy), "busy": busy,
+           "greenlet": _steps_s(model, greenlet, args, ["dbo"]) if "dbo-greenlet" in modes else {},
+           "no_switch": _steps_s(model, over_link(free_switch, link), args, sims),
+           # Free hand-overs and packets that take no CPU: what the wire's CPU adds is the difference.
+           "no_packet_cpu": _steps_s(model, over_link(free_switch, dataclasses.replace(link, compute_rate=1.0)), args, sims),
+           "unshaped": _steps_s(model, free_switch, args, sims)}
+    out["compute"] = out["unshaped"]["none"]
+    out["comm"] = out["step"]["none"] - out["compute"]
+    return out
+
+
+def _mode_step(played: dict, mode: str) -> float:
+    return played["greenlet"]["dbo"] if mode == "dbo-greenlet" else played["step"][SIMULATED[mode]]
+
+
+def _wire_cpu_per_byte(job: dict, probe_s_per_byte: float) -> tuple[float | None, str]:
+    """CPU seconds per wire byte from the job's `_compute_under_transfer`: the share of a core the
+    loop lost while the transfer trickled through, over the wire's seconds per byte at that rate
+    (packets cost per byte, so the share grows with the rate). None where the job has none."""
+    under = job.get("compute_under_transfer")
+    if not under:
+        return None, ""
+    at = _link(job, under["rate_mbit"], probe_s_per_byte).seconds_per_byte
+    lost = 1.0 - min(under["rate"], 1.0)
+    how = (f"a matmul loop on both ranks kept {under['rate']:.2f} of its core while an all-to-all outlasted it on "
+           f"the wire at {under['rate_mbit']:.0f} Mbit/s ({at * 1e9:.1f} ns per byte there)")
+    return lost * at, how
+
+
+def _predict_row(row: dict, model: str, args: dict, base, host: dict, link, nominal) -> dict:
+    from tandem.simulate.shaped_link import over_link
+
+    measured = row["step_s"]
+    modes = [m for m in measured if m in SIMULATED]
+    played = _play(model, args, base, host, link, modes)
+    compute, comm = played["compute"], played["comm"]
+    # The overlap model alone: every CPU cost of the profile scaled so that the unshaped none
+    # step is the one this row measured (the load of the run, not the profile's, sets it).
+    scale = row["compute_s"] / compute
+    at_measured = _play(model, args, _slowed(base, scale), host, link, modes)
+    nominal_comm = _steps_s(model, over_link(base, nominal), args, ["none"])["none"] - compute
+    out = {"rate_mbit": row["rate_mbit"], "link_seconds_per_byte": link.seconds_per_byte, "link_source": link.source,
+           "link_compute_rate": link.compute_rate, "link_compute_rate_source": link.compute_rate_source,
+           "compute_s": {"measured": row["compute_s"], "predicted": compute},
+           "comm_s": {"measured": row["comm_s"], "predicted": comm, "nominal_link": nominal_comm},
+           "floor_s": {"measured": row["floor_s"], "predicted": max(compute, comm)},
+           "cpu_scale_to_measured_compute": scale, "modes": {}}
+    for mode, value in measured.items():
+        if mode not in SIMULATED:
+            out["modes"][mode] = {"measured_s": value, "not_modelled": NOT_SIMULATED.get(mode, "not modelled")}
+            continue
+        sim, predicted = SIMULATED[mode], _mode_step(played, mode)
+        terms = _terms(predicted, played["no_switch"][sim], played["no_packet_cpu"][sim], played["unshaped"][sim], compute,
+                       comm) if sim != "none" else {"no overlap": predicted - max(compute, comm)}
+        out["modes"][mode] = _verdict(mode, value, predicted, measured["none"], played["step"]["none"], row["floor_s"], terms)
+        if mode != "none":
+            out["modes"][mode]["sign_resolved"] = _sign_resolved(row["samples_s"], mode)
+        # Busy: the step less its receive waits (measured: the time model's; simulated: the
+        # compute stream's ops, the transfers' CPU part and hand-overs among them).
+        out["modes"][mode]["busy_s"] = {"measured": value - row["recv_wait_s"][mode], "predicted": played["busy"][sim]}
+        overlap_only = _mode_step(at_measured, mode)
+        out["modes"][mode]["at_measured_compute"] = {"predicted_s": overlap_only, "error": overlap_only / value - 1.0}
+    return out
+
+
+#: The host profile's figures that are rates (a CPU cost divides by them) and fixed times.
+_RATES = ("hbm_bytes_per_s", "bf16_flops", "fp8_flops", "cold_weight_bytes_per_s", "attention_decode_flops",
+          "attention_decode_bytes_per_s", "nvlink_bytes_per_s", "elementwise_units_per_s")
+_FIXED = ("comm_latency_s", "elementwise_op_s", "ubatch_switch_s")
+
+
+def _slowed(hw, factor: float):
+    """`hw` with every CPU cost `factor` times its own (rates divided, fixed times multiplied);
+    the link untouched."""
+    def scaled(value, by):
+        return {k: v * by for k, v in value.items()} if isinstance(value, dict) else value * by
+
+    figures = {k: scaled(v, 1.0 / factor) for k, v in hw.figures.items() if k in _RATES}
+    figures.update({k: scaled(v, factor) for k, v in hw.figures.items() if k in _FIXED})
+    return _replaced(hw, **figures)
+
+
+def _terms(step: float, no_switch: float, no_packet_cpu: float, split_compute: float, compute: float,
+           comm: float) -> dict[str, float]:
+    """Where the simulated step sits above its floor max(compute, comm), in seconds, summing to
+    the gap: the hand-overs (switch cost); the CPU the transfers' packets take from compute while
+    they are on the wire (transfer CPU); what the split adds to the bound (split loss: the halves'
+    shorter GEMMs, every weight read again, each transfer's fixed CPU paid per ubatch); and the
+    time one stream still waits on the other: on a wire-bound row the wire waiting on the CPU
+    before each send (wire waits), on a compute-bound row the wire the overlap did not hide
+    (exposed wire). The ranks' imbalance is not modelled."""
+    bound = max(split_compute, comm)
+    waits = "wire waits" if comm >= split_compute else "exposed wire"
+    return {"switch cost": step - no_switch, "transfer CPU": no_switch - no_packet_cpu,
+            "split loss": bound - max(compute, comm), waits: no_packet_cpu - bound, "imbalance": 0.0}
+
+
+def _verdict(mode, measured, predicted, measured_none, predicted_none, floor, terms) -> dict:
+    error = predicted / measured - 1.0
+    out = {"measured_s": measured, "predicted_s": predicted, "error": error, "met": abs(error) <= TOLERANCE,
+           "predicted_terms_s": terms, "short_of_floor_s": measured - floor}
+    if mode != "none":
+        out["sign_measured"] = "+" if measured > measured_none else "-"
+        out["sign_predicted"] = "+" if predicted > predicted_none else "-"
+        out["sign_right"] = out["sign_measured"] == out["sign_predicted"]
+    return out
+
+
+def _sign_resolved(samples: dict[str, list[float]], mode: str) -> bool:
+    """Whether the run resolved the sign of (mode - none): every repeat of the mode on the same
+    side of every repeat of none (their ranges do not overlap)."""
+    ours, none = samples.get(mode, []), samples.get("none", [])
+    if not ours or not none:
+        return False
+    return max(ours) < min(none) or min(ours) > max(none)
+
+
+def predict(result: dict, host: dict) -> dict:
+    """Every job of a real-links result predicted on `host` (`measure_host`)."""
+    jobs = [{"workload": j["workload"], "phase": j["phase"], "tokens": j["tokens"], **predict_job(j, result["plan"], host)}
+            for j in result["jobs"]]
+    rows = [m for j in jobs for r in j.get("rows", []) for m in r["modes"].values() if "predicted_s" in m]
+    signs = [m for m in rows if "sign_right" in m]
+    resolved = [m for m in signs if m.get("sign_resolved")]
+    listed = sorted({mode for j in jobs for r in j.get("rows", []) for mode, m in r["modes"].items() if "not_modelled" in m})
+    return {"jobs": jobs, "tolerance": TOLERANCE, "rows": len(rows), "met": sum(m["met"] for m in rows),
+            "met_at_measured_compute": sum(abs(m["at_measured_compute"]["error"]) <= TOLERANCE for m in rows),
+            "signs": len(signs), "signs_right": sum(m["sign_right"] for m in signs), "signs_resolved": len(resolved),
+            "signs_resolved_right": sum(m["sign_right"] for m in resolved), "not_modelled_modes": listed}
+
+
+def format_predictions(predictions: dict, host: dict) -> str:
+    f = host["figures"]
+    link = ", ".join(f"{k} {f['comm_latency_s'][k] * 1e3:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s" for k in ("dispatch", "combine"))
+    lines = [f"predicted (tandem simulate --hardware here, measured in this run at load {host['load_average']:.1f}: matmul "
+             f"{f['bf16_flops'] / 1e9:.0f} GFLOP/s, gloo {link}, hand-over thread {f['ubatch_switch_s'] * 1e6:.0f} us / "
+             f"greenlet {host['greenlet_switch_s'] * 1e6:.0f} us; each link calibrated from its job's probes)"]
+    for job in predictions["jobs"]:
+        lines.append(f"\n{job['workload']} {job['phase']} {job['tokens']} tok/rank")
+        if "not_modelled" in job:
+            lines.append(f"  {job['not_modelled']}")
+            continue
+        lines.append(f"  transfer CPU part: {job['transfer_cpu_line']}; wire {job['wire_bytes_per_step'] / 1e6:.2f} MB a step "
+                     f"leaving a rank, {job['probe_seconds_per_byte'] * 1e9:.1f} ns/byte at the probe")
+        lines.append(f"{'Mbit/s':>7} {'mode':<20}{'meas ms':>9}{'pred ms':>9}{'error':>8}{'+-10%':>6}{'sign m/p':>10}"
+                     f"{'at meas. C':>16}{'busy m / p':>13}  simulated terms above the floor (ms)")
+        for r in job["rows"]:
+            c, w = r["compute_s"], r["comm_s"]
+            lines.append(f"{r['rate_mbit']:7.0f} compute {c['measured'] * 1e3:.0f} / {c['predicted'] * 1e3:.0f} ms, comm "
+                         f"{w['measured'] * 1e3:.0f} / {w['predicted'] * 1e3:.0f} ms (nominal link {w['nominal_link'] * 1e3:.0f}), "
+                         f"floor {r['floor_s']['measured'] * 1e3:.0f} / {r['floor_s']['predicted'] * 1e3:.0f} ms (measured / predicted), "
+                         f"compute keeps {r['link_compute_rate']:.2f} of its core under a transfer")
+            for mode, m in r["modes"].items():
+                lines.append(_format_mode(mode, m))
+    lines.append(f"\nwithin +-{predictions['tolerance']:.0%}: {predictions['met']} of {predictions['rows']} rows; sign of "
+                 f"(mode - none) right on {predictions['signs_right']} of {predictions['signs']} ({predictions['signs_resolved_right']} "
+                 f"of the {predictions['signs_resolved']} the repeats resolve: no overlap of their ranges); with the CPU costs scaled to "
+                 f"each row's measured compute (the overlap model alone): {predictions['met_at_measured_compute']} of "
+                 f"{predictions['rows']} within +-{predictions['tolerance']:.0%}; not modelled (listed, "
+                 f"not predicted): {', '.join(predictions['not_modelled_modes']) or 'none'}")
+    return "\n".join(lines)
+
+
+def _format_mode(mode: str, m: dict) -> str:
+    if "not_modelled" in m:
+        return f"{'':7} {mode:<20}{m['measured_s'] * 1e3:9.0f}{'':9}  {m['not_modelled']}"
+    sign = "" if "sign_right" not in m else f"{m['sign_measured']}/{m['sign_predicted']}" + ("" if m["sign_right"] else " WRONG")
+    sign += "" if m.get("sign_resolved", True) else "?"
+    terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m["predicted_terms_s"].items() if k != "imbalance" and abs(v) >= 5e-4)
+    at, busy = m["at_measured_compute"], m["busy_s"]
+    return (f"{'':7} {mode:<20}{m['measured_s'] * 1e3:9.0f}{m['predicted_s'] * 1e3:9.0f}{m['error']:+8.1%}"
+            f"{'yes' if m['met'] else 'no':>6}{sign:>10}{at['predicted_s'] * 1e3:9.0f} {at['error']:+6.1%}"
+            f"{busy['measured'] * 1e3:7.0f} /{busy['predicted'] * 1e3:4.0f}  {terms or '-'}")
