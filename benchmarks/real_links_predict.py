@@ -22,9 +22,11 @@ TOLERANCE = 0.10
 #: Modes the simulator plays, as it names them; dbo-greenlet is DBO at the greenlet executor's hand-over.
 SIMULATED = {"none": "none", "dbo": "dbo", "dbo-greenlet": "dbo", "tbo": "tbo",
              "sbo-combine-shared": "sbo-combine-shared", "sbo-dispatch-shared": "sbo-dispatch-shared"}
+CUSTOM_SHAPE = "a custom stack shape: the simulator's moe-stack is tandem bench's"
 NOT_SIMULATED = {
     "sbo-combine-down-gemm": "not modelled: the simulator has no block combine (combine-down-gemm)",
-    "auto": "not modelled: the planner picks a mode per step at run time",
+    "auto": "not predicted as a mode: the planner picks none or dbo per step, starting from the simulator's "
+            "none and dbo at this row (the row's auto_prior)",
 }
 
 
@@ -104,31 +106,73 @@ def _link(job: dict, rate: float, probe_s_per_byte: float):
                                  exponent=job["fit_alpha"], how=how)
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibratedJob:
+    """A job as the simulator plays it: its model and step, the host profile with the job's own
+    transfer CPU line (`_veth_figures`), and its link at any rate from the job's probes. The
+    row predictions and the auto mode's prior both start here, so they price the same link."""
+
+    model: str
+    args: dict
+    base: object  # tandem.simulate.HardwareProfile
+    wire_bytes: float
+    probe_seconds_per_byte: float
+    job: dict
+
+    @classmethod
+    def of(cls, job: dict, plan: dict, host: dict) -> "CalibratedJob":
+        from tandem.simulate.shaped_link import ShapedLink, over_link
+
+        model, args = job["workload"], _sim_args(job, plan)
+        base = _profile(host, **_veth_figures(job))
+        unit = over_link(base, ShapedLink(1.0, 1.0, "one second per byte: the step's wire bytes"))
+        wire_bytes = _steps_s(model, unit, args, ["none"])["none"] - _steps_s(model, base, args, ["none"])["none"]
+        return cls(model, args, base, wire_bytes, job["probe_comm_s"] / wire_bytes, job)
+
+    def link(self, rate_mbit: float):
+        """The shaped link at `rate_mbit`: its wire from the probes, the packets' CPU from the
+        job's compute-under-transfer measurement where it has one."""
+        link = _link(self.job, rate_mbit, self.probe_seconds_per_byte)
+        cpu_per_byte, cpu_how = _wire_cpu_per_byte(self.job, self.probe_seconds_per_byte)
+        return link if cpu_per_byte is None else link.with_cpu_per_byte(cpu_per_byte, cpu_how)
+
+
 def predict_job(job: dict, plan: dict, host: dict) -> dict:
     """Every (rate, mode) row of one job predicted on the host profile over a link calibrated by
     the job's own probes; per row the simulation's terms between the step and its floor."""
-    from tandem.simulate.shaped_link import ShapedLink, over_link
+    from tandem.simulate.shaped_link import ShapedLink
 
     if "shape" in job:
-        return {"not_modelled": "a custom stack shape: the simulator's moe-stack is tandem bench's"}
-    model, args = job["workload"], _sim_args(job, plan)
-    base = _profile(host, **_veth_figures(job))
-    unit = over_link(base, ShapedLink(1.0, 1.0, "one second per byte: the step's wire bytes"))
-    wire_bytes = _steps_s(model, unit, args, ["none"])["none"] - _steps_s(model, base, args, ["none"])["none"]
-    probe_s_per_byte = job["probe_comm_s"] / wire_bytes
-    cpu_per_byte, cpu_how = _wire_cpu_per_byte(job, probe_s_per_byte)
-    rows = []
-    for row in job["rows"]:
-        link = _link(job, row["rate_mbit"], probe_s_per_byte)
-        if cpu_per_byte is not None:
-            link = link.with_cpu_per_byte(cpu_per_byte, cpu_how)
-        rows.append(_predict_row(row, model, args, base, host, link, ShapedLink.nominal(row["rate_mbit"])))
-    f = base.figures
+        return {"not_modelled": CUSTOM_SHAPE}
+    c = CalibratedJob.of(job, plan, host)
+    rows = [_predict_row(row, c.model, c.args, c.base, host, c.link(row["rate_mbit"]), ShapedLink.nominal(row["rate_mbit"]))
+            for row in job["rows"]]
+    f = c.base.figures
     cpu_line = ", ".join(f"{k} {f['comm_latency_s'][k] * 1e3:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s"
                          for k in ("dispatch", "combine"))
     where = "the unshaped veth" if job.get("veth_line_points") else "loopback"
-    return {"wire_bytes_per_step": wire_bytes, "probe_seconds_per_byte": probe_s_per_byte,
+    return {"wire_bytes_per_step": c.wire_bytes, "probe_seconds_per_byte": c.probe_seconds_per_byte,
             "transfer_cpu_line": f"{cpu_line} (over {where})", "rows": rows}
+
+
+def auto_prior(job: dict, plan: dict, host: dict, rate_mbit: float) -> dict | None:
+    """The `tandem tune` document the auto mode starts from at a row: the simulator's none and
+    DBO (2 ubatches at the thread executor's hand-over: the one split auto can choose in the
+    bench, `tandem.bench.modes`) for the job's step at `rate_mbit`, on the profile and link the
+    row's predictions use. Filed under the phase the planner costs the step as: the MoE stack's
+    steps are decode steps to it (no KV attention). None for a job the simulator has no model of."""
+    from tandem.simulate.prior import simulated_step_tune
+    from tandem.simulate.serve_prior import PRIOR_MARGIN
+    from tandem.simulate.shaped_link import over_link
+
+    if "shape" in job:
+        return None
+    c = CalibratedJob.of(job, plan, host)
+    return simulated_step_tune(
+        c.model, over_link(c.base, c.link(rate_mbit)), ranks=c.args["ep"], num_ubatches=2, phase=job["phase"],
+        tokens_per_rank=job["tokens"], context=c.args["context"], margin=PRIOR_MARGIN,
+        costed_as="decode" if job["workload"] == "moe-stack" else job["phase"],
+    )
 
 
 def _play(model: str, args: dict, base, host: dict, link, modes: list[str]) -> dict:
