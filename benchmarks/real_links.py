@@ -27,8 +27,15 @@ comm at the probe over the bytes the simulated step sends, times (probe / rate) 
 exponent). Per row: measured against predicted, the error, the sign of (mode - none) both ways,
 and the simulated terms between the step and its floor (switch cost, split loss, transfer CPU or
 exposed wire; the ranks' imbalance is not modelled); beside it the overlap model alone (every CPU
-cost scaled to the row's measured compute). Modes the simulator has no model of
-(sbo-combine-down-gemm, auto) are listed as such.
+cost scaled to the row's measured compute; `real_links_predict.py`). Modes the simulator has no
+model of (sbo-combine-down-gemm; auto, which picks per step) are listed as such.
+
+`auto` (the planner over none and DBO on threads, `tandem.bench.modes`) starts each row from the
+simulator's prior: the none and DBO steps that row predicts, as a `tandem tune` document made on
+rank 0 once the job's probes are in and broadcast to the other rank (both planners must predict
+alike: their choices are agreed from their predictions), a fresh planner per row. Each row keeps
+the prior and the choice auto ran at every step; the goals put auto against the best static
+mode and the best of none and dbo, and say where the repeats do not resolve 1.03x.
 
     sudo python benchmarks/real_links.py            # full run (~12 min on 2 cores)
     python benchmarks/real_links.py --predict benchmarks/results/real_links.json   # predict a saved run again
