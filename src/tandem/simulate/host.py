@@ -12,7 +12,8 @@ beyond them, each measured here:
   from memory, as a step does (each weight is read once a step, and the ubatches of a split
   step read it again);
 - gloo's transfers (`simulate.host_link`, on the ranks of `simulate.host_ranks`): the runtime's dispatch and combine between real
-  gloo ranks on this host at a few sizes, a fixed cost per call plus a cost per byte;
+  gloo ranks on this host at a few sizes, timed where the MoE stack's unsplit step issues them
+  (back to back they cost a third to a half of that), a fixed cost per call plus a cost per byte;
 - the non-GEMM ops (`simulate.host_elementwise`): lines for a float32 add, a tanh and the
   runtime's `select_experts`, each on a GEMM's fresh output, on every rank at once; the MoE
   stack's own ops, counted from its code, are priced on them.
@@ -157,7 +158,8 @@ def _link_figures(link: LinkFit) -> dict:
             "comm_latency_s": (link.fixed_s, "given by the caller (no cost per call), not measured in this run"),
         }
     how = ("measured in this run (simulate.host_link): the runtime's torch_a2a dispatch and combine between gloo ranks "
-           "on this host, float32, median time on rank 0 at a few sizes, a least-squares line through ")
+           "on this host, float32, each call timed where the MoE stack's unsplit step issues it, median time on rank 0 at "
+           "a few sizes, a least-squares line through ")
     points = "; ".join(link.describe(kind) for kind in link.points)
     return {
         "nvlink_bytes_per_s": (link.bytes_per_s, f"{how}({points}): its slope, per byte sent per rank"),

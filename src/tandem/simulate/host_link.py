@@ -1,12 +1,21 @@
 """Gloo's dispatch and combine line on this host (`--hardware here`): measured on the gloo ranks
 of `simulate.host_ranks`, after the cold weights and the elementwise lines.
 
-Each rank runs the runtime's own `torch_a2a` dispatch and combine (`TorchAllToAllPrepareAndFinalize`:
-the counts exchange, the payload, ids and weights, the combine back) at a few token counts, float32 payloads, uniform top-k routing. The time of
-each call on rank 0 (median of its repeats) against the bytes it moves per rank (rows sent x
-hidden x 4, as `OpCosts.transfer_bytes` counts them on a host) gives a straight line: a fixed
-cost per call (its collectives' round trips, the host code around them, waiting on the peer)
-and a cost per byte (copies and TCP on the cores that compute).
+Each rank runs the MoE stack's unsplit step (`tandem bench --model moe-stack`, mode `none`: the
+runtime's own `torch_a2a` dispatch and combine, `TorchAllToAllPrepareAndFinalize`, between the
+layers' GEMMs and elementwise ops) at a few token counts, float32, and times every dispatch
+(the counts exchange, the payload, ids and weights) and combine (the send back and its sum)
+where the step issues it. The time of a call on rank 0 (median over its layers and repeats)
+against the bytes it moves per rank (rows sent x hidden x 4, as `OpCosts.transfer_bytes`
+counts them on a host) gives a straight line: a fixed cost per call (its collectives' round
+trips, the host code around them, waiting on the peer) and a cost per byte (copies and TCP on
+the cores that compute).
+
+Why inside a step: the same calls timed back to back, with nothing between them, cost a third
+to a half of what they cost between a step's GEMMs (2 ranks on loopback, 64 tokens: 8 calls
+9 ms on the back-to-back line, 26-28 ms timed in the step, of it ~1 ms waiting for the peer's
+arrival; a busy core before the call, even a Python spin, makes it slower, a sleep does not:
+the wake-ups of gloo's threads on cores that were computing). A step pays the second.
 """
 
 from __future__ import annotations
@@ -14,8 +23,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-
-import torch
 
 from tandem.bench.moe_stack import STACK_SHAPE
 from tandem.simulate.line_fit import UNRESOLVED, fit_rates, unresolved
@@ -50,38 +57,72 @@ class LinkFit:
         return f"{kind}: {pts} ({UNRESOLVED})" if kind in unresolved(self.points) else f"{kind}: {pts}"
 
 
-def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    return torch.full((tokens, top_k), 1.0 / top_k), ids
+class _TimedAllToAll:
+    """Times every dispatch (issue to received tokens) and combine (issue to the summed
+    output) of the `torch_a2a` backend it wraps, as (kind, seconds, rows this rank sent)."""
+
+    def __init__(self, inner, calls: list[tuple[str, float, int]]):
+        self.inner, self.calls = inner, calls
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def prepare_before_send(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
+        return lambda: self.prepare_async(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)
+
+    def prepare_async(self, hidden, topk_weights, topk_ids, **kwargs):
+        start = time.perf_counter()
+        hook, receive = self.inner.prepare_async(hidden, topk_weights, topk_ids, **kwargs)
+
+        def received():
+            tokens = receive()
+            self.calls.append(("dispatch", time.perf_counter() - start, sum(tokens.handle[1])))
+            return tokens
+
+        return hook, received
+
+    def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
+        start = time.perf_counter()
+        hook, receive = self.inner.finalize_async(expert_output, tokens, topk_weights, topk_ids)
+
+        def received():
+            out = receive()
+            self.calls.append(("combine", time.perf_counter() - start, sum(tokens.handle[1])))
+            return out
+
+        return hook, received
 
 
 def rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warmup: int) -> dict:
-    """One rank: (bytes sent per rank, seconds) of each dispatch and combine size, median of
-    `repeat`; the sizes take turns within each repeat, so a passing load touches them alike."""
+    """One rank: (bytes sent per rank, seconds) of each dispatch and combine size, each the
+    median of its calls inside `repeat` unsplit MoE-stack steps (after `warmup` more), every
+    rank stepping at once; the sizes take turns within each repeat, so a passing load touches
+    them alike."""
     import torch.distributed as dist
 
-    from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
+    from tandem.bench.moe_stack import MoEStack
 
-    hidden, experts, top_k = STACK_SHAPE["hidden"], STACK_SHAPE["experts"], STACK_SHAPE["top_k"]
-    pf = TorchAllToAllPrepareAndFinalize(experts)
-    gen = torch.Generator().manual_seed(rank)
-    inputs = [(torch.randn(t, hidden, generator=gen), *_routing(t, experts, top_k, gen)) for t in tokens]
-    times = {(kind, t): [] for kind in KINDS for t in tokens}
-    sent = {}
-    dist.barrier()
+    stack = MoEStack(rank, world, backend="torch_a2a")
+    calls: list[tuple[str, float, int]] = []
+    build = stack._kernel
+
+    def timed_kernel(layer, **options):
+        kernel = build(layer, **options)
+        kernel.prepare_finalize = _TimedAllToAll(kernel.prepare_finalize, calls)
+        return kernel
+
+    stack._kernel = timed_kernel
+    by_size: dict[int, list[tuple[str, float, int]]] = {t: [] for t in tokens}
     for i in range(warmup + repeat):
-        for t, (x, weights, ids) in zip(tokens, inputs):
-            start = time.perf_counter()
-            _, receive = pf.prepare_async(x, weights, ids, use_fp8=False)
-            received = receive()
-            dispatched = time.perf_counter()
-            _, back = pf.finalize_async(received.hidden, received, weights, ids)
-            back()
+        for t in tokens:
+            dist.barrier()
+            calls.clear()
+            stack.step("none", t, None)
             if i >= warmup:
-                times["dispatch", t].append(dispatched - start)
-                times["combine", t].append(time.perf_counter() - dispatched)
-            sent[t] = sum(received.handle[1])  # rows this rank sent (and gets back)
-    return {kind: [(float(sent[t] * hidden * 4), statistics.median(times[kind, t])) for t in tokens] for kind in KINDS}
+                by_size[t].extend(calls)
+    hidden = STACK_SHAPE["hidden"]
+    return {kind: [(float(statistics.median(rows for k, _, rows in by_size[t] if k == kind)) * hidden * 4,
+                    statistics.median(s for k, s, _ in by_size[t] if k == kind)) for t in tokens] for kind in KINDS}
 
 
 __all__ = ["KINDS", "TOKENS", "LinkFit", "rank_calls"]

@@ -1,6 +1,7 @@
 """The gloo ranks `here` measures on, in the same run: the rate a GEMM reads cold weights while
 every rank streams its own (`host_gemm`), the elementwise lines while every rank measures its own
-(`host_elementwise`), and gloo's dispatch and combine line between them (`host_link`).
+(`host_elementwise`), and gloo's dispatch and combine line between them (`host_link`: each call
+timed inside the MoE stack's unsplit step, as a step pays it).
 
 Two (or `ranks`) fresh interpreters (`python -m tandem.simulate.host_ranks`, so a caller's own
 script is never re-run in them) join a gloo group over loopback, as `tandem bench` ranks do (one
@@ -97,8 +98,8 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def measure_ranks(ranks: int, *, matmul_size: int = 1024, tokens: tuple[int, ...] = TOKENS, repeat: int = 9,
-                  warmup: int = 3, timeout_s: float = 120.0, elementwise: bool = False) -> RankMeasurements:
+def measure_ranks(ranks: int, *, matmul_size: int = 1024, tokens: tuple[int, ...] = TOKENS, repeat: int = 5,
+                  warmup: int = 2, timeout_s: float = 120.0, elementwise: bool = False) -> RankMeasurements:
     """Measure on `ranks` gloo processes (rank 0's figures): the cold-weight read rate of a
     `matmul_size`-wide matmul (0: not measured), with `elementwise` the lines of
     `host_elementwise.measure_elementwise`, every rank at once, and the dispatch and combine line;
