@@ -27,7 +27,7 @@ def test_deepseek_layer_stages_are_sglangs():
     assert decode.delta_stages == 2
     assert stage_names(decode) == [
         ["comm_prepare_attn", "attn_prepare"],
-        ["attn_core", "comm_prepare_mlp", "gate", "select_experts"],
+        ["attn_core", "comm_prepare_mlp", "gate", "select_experts", "dispatch_prepare"],
         ["dispatch_send", "shared_experts"],
         ["dispatch_recv", "experts", "combine_send"],
         ["combine_recv"],
@@ -36,10 +36,30 @@ def test_deepseek_layer_stages_are_sglangs():
     prefill = layer.operations_strategy(decode=False)
     assert prefill.delta_stages == 0
     assert stage_names(prefill) == [
-        [*ATTENTION, "gate", "select_experts", "dispatch_send"],
+        [*ATTENTION, "gate", "select_experts", "dispatch_prepare", "dispatch_send"],
         ["dispatch_recv", "experts", "combine_send"],
         ["shared_experts", "combine_recv", "output", "comm_postprocess_layer"],
     ]
+
+
+def test_a_send_that_holds_the_host_is_issued_after_the_prefill_yield():
+    """DeepEP's normal dispatch waits on the CPU inside its send (`yields_in_send`): prefill
+    cuts the stage between the dispatch's two halves, as SGLang's `dispatch_a | dispatch_b`,
+    so the other ubatch's stage is queued before the host waits, and sends the combine a stage
+    later, behind the other ubatch's dispatch on the library's one comm stream. Decode already
+    sends after a yield; its stages do not change."""
+    layer = build_tiny_moe().model.model.layers[1]
+    before = {decode: stage_names(layer.operations_strategy(decode)) for decode in (True, False)}
+    layer.feed_forward.kernel.prepare_finalize.yields_in_send = True  # on the instance only
+    prefill = layer.operations_strategy(decode=False)
+    assert prefill.delta_stages == 0
+    assert stage_names(prefill) == [
+        [*ATTENTION, "gate", "select_experts", "dispatch_prepare"],
+        ["dispatch_send", "dispatch_recv", "experts"],
+        ["combine_send", "shared_experts", "combine_recv", "output", "comm_postprocess_layer"],
+    ]
+    assert stage_names(layer.operations_strategy(decode=True)) == before[True]
+    assert before[False][0][-2:] == ["dispatch_prepare", "dispatch_send"]
 
 
 def test_qwen3_layer_stages_are_sglangs():
@@ -49,13 +69,13 @@ def test_qwen3_layer_stages_are_sglangs():
     decode = layer.operations_strategy(decode=True)
     assert stage_names(decode) == [
         ["comm_prepare_attn", "attn_prepare"],
-        ["attn_core", "comm_prepare_mlp", "gate", "select_experts"],
+        ["attn_core", "comm_prepare_mlp", "gate", "select_experts", "dispatch_prepare"],
         ["dispatch_send"],
         ["dispatch_recv", "experts", "combine_send"],
         ["combine_recv", "output", "comm_postprocess_layer"],
     ]
     assert stage_names(layer.operations_strategy(decode=False)) == [
-        [*ATTENTION, "gate", "select_experts", "dispatch_send"],
+        [*ATTENTION, "gate", "select_experts", "dispatch_prepare", "dispatch_send"],
         ["dispatch_recv", "experts", "combine_send"],
         ["combine_recv", "output", "comm_postprocess_layer"],
     ]

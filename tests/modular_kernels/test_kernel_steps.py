@@ -20,6 +20,12 @@ def _inputs(p, rank=0, world=1, rows=slice(None)):
     return p.hidden[rows], w1, w2, p.topk_weights[rows], p.topk_ids[rows]
 
 
+def _send(kernel, *inputs) -> MoEStepState:
+    state = kernel.dispatch_prepare(*inputs)
+    kernel.dispatch_send(state)
+    return state
+
+
 def _run_steps(kernel, state: MoEStepState) -> torch.Tensor:
     kernel.dispatch_recv(state)
     kernel.compute_experts(state)
@@ -31,7 +37,7 @@ def _run_steps(kernel, state: MoEStepState) -> torch.Tensor:
 def test_steps_in_order_equal_forward_with_shared_experts():
     p = make_problem(0, "random")
     kernel = _build(shared_experts=p.shared_experts)
-    state = kernel.dispatch_send(*_inputs(p))
+    state = _send(kernel, *_inputs(p))
     assert isinstance(state, MoEStepState) and state.tokens is None
     out = _run_steps(kernel, state)
     torch.testing.assert_close(out, kernel(*_inputs(p)))
@@ -48,14 +54,14 @@ def test_compute_shared_runs_the_shared_experts_once():
         return p.shared_experts(x)
 
     kernel = _build(shared_experts=shared)
-    state = kernel.dispatch_send(*_inputs(p))
+    state = _send(kernel, *_inputs(p))
     kernel.compute_shared(state)
     kernel.compute_shared(state)
     _run_steps(kernel, state)
     assert calls == [p.hidden.shape[0]]
     # Without shared experts the step is a no-op and the output is the routed output.
     plain = _build()
-    state = plain.dispatch_send(*_inputs(p))
+    state = _send(plain, *_inputs(p))
     plain.compute_shared(state)
     assert state.shared_output is None
     assert _run_steps(plain, state) is state.routed_output
@@ -64,7 +70,12 @@ def test_compute_shared_runs_the_shared_experts_once():
 def test_a_skipped_or_repeated_step_is_a_clear_error():
     p = make_problem(0, "random")
     kernel = _build()
-    state = kernel.dispatch_send(*_inputs(p))
+    state = kernel.dispatch_prepare(*_inputs(p))
+    with pytest.raises(RuntimeError, match="dispatch_send first"):
+        kernel.dispatch_recv(state)
+    kernel.dispatch_send(state)
+    with pytest.raises(RuntimeError, match="dispatch_prepare first.*sent once"):
+        kernel.dispatch_send(state)
     with pytest.raises(RuntimeError, match="dispatch_recv first"):
         kernel.compute_experts(state)
     kernel.dispatch_recv(state)
@@ -77,7 +88,7 @@ def test_a_skipped_or_repeated_step_is_a_clear_error():
     with pytest.raises(RuntimeError, match="combine_recv first"):
         kernel.output(state)
     with pytest.raises(ValueError, match="hidden_states"):
-        kernel.dispatch_send(p.hidden[0], *_inputs(p)[1:])
+        kernel.dispatch_prepare(p.hidden[0], *_inputs(p)[1:])
 
 
 def _interleaved(rank, world, backends):
@@ -91,7 +102,8 @@ def _interleaved(rank, world, backends):
         halves = [slice(0, 7), slice(7, 13)]
         states = [None, None]
         steps = [
-            lambda i: states.__setitem__(i, kernel.dispatch_send(*_inputs(p, rank, world, halves[i]))),
+            lambda i: states.__setitem__(i, kernel.dispatch_prepare(*_inputs(p, rank, world, halves[i]))),
+            lambda i: kernel.dispatch_send(states[i]),
             lambda i: kernel.compute_shared(states[i]),
             lambda i: kernel.dispatch_recv(states[i]),
             lambda i: kernel.compute_experts(states[i]),

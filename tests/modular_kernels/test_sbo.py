@@ -34,8 +34,9 @@ def _steps(kernel, p, rank, world):
     states = [None, None]
     steps = [
         lambda i: states.__setitem__(
-            i, kernel.dispatch_send(p.hidden[halves[i]], w1, w2, p.topk_weights[halves[i]], p.topk_ids[halves[i]])
+            i, kernel.dispatch_prepare(p.hidden[halves[i]], w1, w2, p.topk_weights[halves[i]], p.topk_ids[halves[i]])
         ),
+        lambda i: kernel.dispatch_send(states[i]),
         lambda i: kernel.compute_shared(states[i]),
         lambda i: kernel.dispatch_recv(states[i]),
         lambda i: kernel.compute_experts(states[i]),

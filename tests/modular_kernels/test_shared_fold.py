@@ -100,7 +100,8 @@ def _layer(dtype, moe_backend="triton", tokens=5, hidden=64, inter=32, experts=4
 def _steps(kernel, inputs, shared_first):
     """The kernel's steps in TBO's orders: decode runs the shared experts in the dispatch
     window, prefill in the combine window (after the experts)."""
-    state = kernel.dispatch_send(*inputs)
+    state = kernel.dispatch_prepare(*inputs)
+    kernel.dispatch_send(state)
     if shared_first:
         kernel.compute_shared(state)
     kernel.dispatch_recv(state)

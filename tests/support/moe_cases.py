@@ -94,6 +94,10 @@ class RecordingPrepareFinalize:
 
         return recorded_hook, receiver
 
+    def prepare_before_send(self, *args, **kwargs):
+        send = self._inner.prepare_before_send(*args, **kwargs)
+        return lambda: self._wrap("dispatch", send())
+
     def prepare_async(self, *args, **kwargs):
         return self._wrap("dispatch", self._inner.prepare_async(*args, **kwargs))
 

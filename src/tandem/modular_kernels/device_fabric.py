@@ -107,17 +107,27 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
     def _pair_bytes(hidden: torch.Tensor, topk_ids: torch.Tensor) -> int:
         return topk_ids.shape[0] * topk_ids.shape[1] * hidden.shape[1] * hidden.element_size()
 
+    def prepare_before_send(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
+        # The wrapped backend's halves (it may `yields_in_send`, as the wrapper says), with the
+        # modelled transfer issued by the send, after the wrapped one.
+        send_inner = self.inner.prepare_before_send(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)
+
+        def send():
+            hook, receive = send_inner()
+            if hook is not None:
+                hook()
+            arrival = self._transfer(hidden, self._pair_bytes(hidden, topk_ids))
+
+            def receiver() -> ExpertTokens:
+                arrival()
+                return receive()
+
+            return None, receiver
+
+        return send
+
     def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
-        hook, receive = self.inner.prepare_async(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)
-        if hook is not None:
-            hook()
-        arrival = self._transfer(hidden, self._pair_bytes(hidden, topk_ids))
-
-        def receiver() -> ExpertTokens:
-            arrival()
-            return receive()
-
-        return None, receiver
+        return self.prepare_before_send(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)()
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
         hook, receive = self.inner.finalize_async(expert_output, tokens, topk_weights, topk_ids)

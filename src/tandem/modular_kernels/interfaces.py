@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 import torch
 
@@ -65,6 +65,11 @@ class ExpertTokens:
         return dequantize_fp8(self.hidden, self.scales, self.dtype)
 
 
+#: The send half of a dispatch (`PrepareAndFinalize.prepare_before_send`): issues the transfer
+#: and returns `(hook, receiver)` as `prepare_async` does.
+DispatchSend = Callable[[], tuple[Optional[RecvHook], Callable[[], ExpertTokens]]]
+
+
 class BlockCombine(ABC):
     """A combine sent block by block while the down projection still runs (SBO
     `combine-down-gemm`). `blocks[i]` says what block i covers in the experts' layout:
@@ -100,7 +105,8 @@ class PrepareAndFinalize(ABC):
     name: str
     #: True when, under DBO, the backend's own send yields to the other ubatch (its transfer
     #: blocks the CPU, so the other ubatch queues its compute first): the kernel then adds
-    #: no yield of its own between send and receive.
+    #: no yield of its own between send and receive, and TBO's operation lists put the stage's
+    #: yield between `prepare_before_send` and the send it returns.
     yields_in_send: bool = False
     #: False when a transfer waits on the CPU for device data, which a captured graph
     #: never delivers: such a backend cannot run under `graph_mode="full"`.
@@ -164,6 +170,22 @@ class PrepareAndFinalize(ABC):
         """Start a combine that `Experts.apply_blocks` feeds block by block; `num_sms` caps
         the SMs its GPU kernels take (where the library allows it)."""
         raise NotImplementedError(f"the {self.name!r} all2all backend cannot combine block by block")
+
+    def prepare_before_send(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        use_fp8: bool,
+        ue8m0: bool = False,
+    ) -> DispatchSend:
+        """The dispatch in two halves: run now what comes before the transfer (never blocking
+        the host) and return the send, which issues it. A backend whose send blocks the host
+        (`yields_in_send`) does its casts and records its compute here, so TBO can run the send
+        after the stage's yield, once the other ubatch has queued its work. This default does
+        nothing before: the send is the whole `prepare_async`."""
+        return lambda: self.prepare_async(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)
 
     @abstractmethod
     def prepare_async(

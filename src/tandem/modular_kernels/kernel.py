@@ -16,7 +16,9 @@ from tandem.contexts import (
     dbo_yield,
     get_forward_context,
 )
-from tandem.modular_kernels.interfaces import BlockCombine, Experts, ExpertTokens, PrepareAndFinalize, RecvHook
+from tandem.modular_kernels.interfaces import (
+    BlockCombine, DispatchSend, Experts, ExpertTokens, PrepareAndFinalize, RecvHook,
+)  # fmt: skip
 from tandem.modular_kernels.sbo import (
     COMBINE_DOWN_GEMM,
     COMBINE_SHARED,
@@ -39,8 +41,10 @@ class MoEStepState:
     w2: torch.Tensor
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
-    #: the SBO mode this call runs (None: SBO off), fixed when the dispatch is sent.
+    #: the SBO mode this call runs (None: SBO off), fixed when the dispatch is prepared.
     sbo_mode: str | None = None
+    #: dispatch prepared, not sent yet: the send (`PrepareAndFinalize.prepare_before_send`).
+    dispatch_sender: DispatchSend | None = None
     #: dispatch in flight: the receive hook (None once run or handed to another ubatch)
     #: and the receiver that waits and returns the tokens.
     dispatch_hook: RecvHook | None = None
@@ -162,16 +166,10 @@ class FusedMoEModularKernel:
 
     # -- the steps (SGLang's names); `forward` and the TBO operation lists both run these --
 
-    def dispatch_send(
-        self,
-        hidden_states: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> MoEStepState:
-        """Validate the inputs and issue the dispatch; never yields. The receive hook (if
-        the backend has one) stays in the returned state for `dispatch_recv`."""
+    def dispatch_prepare(self, hidden_states, w1, w2, topk_weights, topk_ids) -> MoEStepState:
+        """Validate the inputs and run the backend's part of the dispatch before its send
+        (`prepare_before_send`: DeepEP's normal kernels cast and record this ubatch's compute;
+        the others nothing); never blocks the host, never yields."""
         self._check(hidden_states, w1, w2, topk_weights, topk_ids)
         state = MoEStepState(
             hidden_states, w1, w2, topk_weights, topk_ids, sbo_mode=self.active_sbo_mode(hidden_states.device)
@@ -181,10 +179,19 @@ class FusedMoEModularKernel:
             and self.prepare_finalize.dispatches_ue8m0
             and self.experts.takes_ue8m0_scales(hidden_states.device)
         )
-        state.dispatch_hook, state.dispatch_receiver = self.prepare_finalize.prepare_async(
+        state.dispatch_sender = self.prepare_finalize.prepare_before_send(
             hidden_states, topk_weights, topk_ids, use_fp8=self.use_fp8_dispatch, ue8m0=ue8m0
         )
         return state
+
+    def dispatch_send(self, state: MoEStepState) -> None:
+        """Issue the prepared dispatch (where the backend `yields_in_send`, the host may wait
+        here, and under DBO the backend yields first). The receive hook (if the backend has
+        one) stays in the state for `dispatch_recv`."""
+        send, state.dispatch_sender = state.dispatch_sender, None
+        if send is None:
+            raise RuntimeError("nothing to send: call dispatch_prepare first (each dispatch is sent once)")
+        state.dispatch_hook, state.dispatch_receiver = send()
 
     def dispatch_recv(self, state: MoEStepState) -> None:
         """Run the receive hook unless it was handed to another ubatch, wait, keep the tokens."""
@@ -279,10 +286,11 @@ class FusedMoEModularKernel:
             dbo_yield()
 
     def forward(self, hidden_states, w1, w2, topk_weights, topk_ids) -> torch.Tensor:
-        """The whole layer (inputs as `dispatch_send`): the steps in order, with the DBO
+        """The whole layer (inputs as `dispatch_prepare`): the steps in order, with the DBO
         handover at each transfer and the shared experts where the SBO mode puts them."""
         dbo_maybe_run_recv_hook()
-        state = self.dispatch_send(hidden_states, w1, w2, topk_weights, topk_ids)
+        state = self.dispatch_prepare(hidden_states, w1, w2, topk_weights, topk_ids)
+        self.dispatch_send(state)
         shared_at = self.shared_experts_placement(state.sbo_mode)
         state.shared_free = shared_at is None
         if shared_at == "dispatch":

@@ -17,7 +17,10 @@ drives a modelled fabric is only computed when a fabric is set and no graph capt
 High throughput under DBO follows vLLM's order: record the ubatch's compute on an event,
 yield and move to the comm stream (the dispatch spins the CPU until the peers' counts
 arrive, so the other ubatch queues its compute first), dispatch synchronously on the comm
-stream, then move back to the compute stream behind it; combine likewise. Its CPU wait
+stream, then move back to the compute stream behind it; combine likewise. Its dispatch comes
+in two halves (`prepare_before_send`, SGLang's `dispatch_a` / `dispatch_b`): the casts and the
+compute event, then the layout and the blocking dispatch, which TBO's operation lists run
+after the stage's yield. Its CPU wait
 makes it impossible to capture in a CUDA graph (`graph_capturable = False`).
 
 On CPU, `tandem.testing.fake_deep_ep.install()` puts an emulation of DeepEP's API in place.
@@ -297,7 +300,9 @@ class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         needs = {"num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes}
         return shared_buffer(self._deep_ep, self.group, low_latency=False, make=make, needs=needs)
 
-    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
+    def prepare_before_send(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
+        """SGLang's `dispatch_a`: the casts and this ubatch's compute event now; the layout and
+        the dispatch, which holds the host until the peers' counts arrive, in the send."""
         buffer = self.ensure_buffer(hidden.shape[1])
         ids = self._topk_ids(topk_ids)
         weights = topk_weights.to(torch.float32).contiguous()
@@ -305,11 +310,20 @@ class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         if use_fp8:
             q, scales = quantize_fp8_per_token_group(payload)
             payload = (q, scales.contiguous())
+        # What the dispatch must wait for: this ubatch's compute, recorded before any yield (a
+        # DBO one inside the send, a TBO stage's before it), so not the other ubatch's work
+        # queued on the stream by the time the send runs.
+        previous = buffer.capture()
+        return lambda: self._send_dispatch(buffer, payload, ids, weights, previous, hidden, use_fp8)
+
+    def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
+        return self.prepare_before_send(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)()
+
+    def _send_dispatch(self, buffer, payload, ids, weights, previous, hidden, use_fp8):
+        # Under DBO the dispatch blocks the CPU, so let the other ubatch queue its compute
+        # first, and issue the transfer on the comm stream; synchronous there, asynchronous
+        # (an event the receiver waits on) otherwise.
         under_dbo = dbo_enabled()
-        # Under DBO: this ubatch's compute is what the dispatch must wait for (recorded before
-        # the yield, so not the other ubatch's); the dispatch then blocks the CPU, so let the
-        # other ubatch queue its compute first, and issue the transfer on the comm stream.
-        previous = buffer.capture() if under_dbo else None
         dbo_yield_and_switch_from_compute_to_comm()
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
             ids, self.num_experts, previous_event=previous, async_finish=False, allocate_on_comm_stream=False

@@ -46,6 +46,9 @@ from tandem.modular_kernels.kernel import FusedMoEModularKernel
 from tandem.simulate.model_shape import ModelShape
 from tandem.simulate.ops import RECEIVES, SENDS
 
+#: Operations the simulator does not price on their own: the dispatch's half before its send
+#: (casts and an event record; the send's cost holds the transfer's work).
+_UNPRICED = {"dispatch_prepare"}
 #: The kernel's step methods, as operation names.
 _KERNEL_STEPS = {
     "dispatch_send": "dispatch_send", "dispatch_recv": "dispatch_recv", "compute_experts": "experts",
@@ -65,11 +68,15 @@ YIELD = Step(-2, "yield")
 
 
 class _Layer(DecoderLayerOperations):
-    """A decoder layer with only what `operations_strategy` reads."""
+    """A decoder layer with only what `operations_strategy` reads: whether the backend's
+    dispatch holds the host in its send (`yields_in_send`) places that send."""
 
-    def __init__(self, index: int, sparse: bool, shared: bool):
+    def __init__(self, index: int, sparse: bool, shared: bool, yields_in_send: bool = False):
         self.index = index
-        kernel = SimpleNamespace(shared_experts=object() if shared else None) if sparse else None
+        kernel = None
+        if sparse:
+            backend = SimpleNamespace(yields_in_send=yields_in_send)
+            kernel = SimpleNamespace(shared_experts=object() if shared else None, prepare_finalize=backend)
         self.feed_forward = SimpleNamespace(kernel=kernel)
 
 
@@ -78,9 +85,9 @@ class _Model(OperationsModel):
         self.model = SimpleNamespace(layers=layers)
 
 
-def stand_in_layers(shape: ModelShape) -> list[_Layer]:
+def stand_in_layers(shape: ModelShape, yields_in_send: bool = False) -> list[_Layer]:
     shared = shape.shared_intermediate > 0
-    return [_Layer(i, sparse, shared) for i, sparse in enumerate(shape.sparse_layers)]
+    return [_Layer(i, sparse, shared, yields_in_send) for i, sparse in enumerate(shape.sparse_layers)]
 
 
 def _steps(operations: Sequence) -> list[Step]:
@@ -88,15 +95,16 @@ def _steps(operations: Sequence) -> list[Step]:
     for op in operations:
         if isinstance(op, YieldOperation):
             out.append(YIELD)
-        else:
-            out.append(Step(op.__self__.index, op.__name__.removeprefix("op_")))
+        elif (name := op.__name__.removeprefix("op_")) not in _UNPRICED:
+            out.append(Step(op.__self__.index, name))
     return out
 
 
-def tbo_program(shape: ModelShape, decode: bool) -> tuple[list[Step], list[Step], int]:
+def tbo_program(shape: ModelShape, decode: bool, *, yields_in_send: bool = False) -> tuple[list[Step], list[Step], int]:
     """(leading layers run on the whole batch, the overlapped steps, delta_stages), as the
-    runtime's `OperationsModel` cuts them."""
-    model = _Model(stand_in_layers(shape))
+    runtime's `OperationsModel` cuts them for a backend whose dispatch holds the host in its
+    send (`PrepareAndFinalize.yields_in_send`: prefill issues that send after the yield) or not."""
+    model = _Model(stand_in_layers(shape, yields_in_send))
     first = model._first_overlapped_layer()
     prefix = [s for layer in model.model.layers[:first] for s in _steps(layer.operations_strategy(decode=False).operations)]
     strategy = model.operations_strategy(decode)
@@ -128,9 +136,11 @@ class _KernelTrace:
             dbo_yield()
         self._record(name)
 
-    def dispatch_send(self, *args):
-        self._send("dispatch_send")
+    def dispatch_prepare(self, *args):
         return SimpleNamespace(sbo_mode=self.sbo_mode, dispatch_hook=None, combine_hook=None)
+
+    def dispatch_send(self, state) -> None:
+        self._send("dispatch_send")
 
     def combine_send(self, state) -> None:
         self._send("combine_send")
