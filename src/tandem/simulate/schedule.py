@@ -8,7 +8,8 @@
   stage boundary where the real `_hand_over` yields, and the shared experts where
   `shared_experts_placement` puts them (the real methods, asked inside a ubatch, so
   `dbo_enabled()` answers as under DBO). A backend that `yields_in_send` (DeepEP's normal
-  kernels) hands the host to the other ubatch inside its send, before it issues the transfer.
+  kernels) hands the host to the other ubatch inside its send, before it issues the transfer;
+  TBO's lists issue that send after the stage's yield (`tbo_program(yields_in_send=...)`).
 - The interleave is the runtime's `StageExecutor`: each ubatch's operations are run by it
   with recorders in place of the tensor work, and the order they run in is the order the
   host issues them.
