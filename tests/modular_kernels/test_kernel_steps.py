@@ -67,6 +67,22 @@ def test_compute_shared_runs_the_shared_experts_once():
     assert _run_steps(plain, state) is state.routed_output
 
 
+def test_a_backend_whose_send_never_holds_the_host_sends_nothing_in_the_first_half():
+    """`dispatch_prepare` runs the backend's part before its send; for every backend but
+    DeepEP's normal kernels that is nothing: the whole `prepare_async` runs in `dispatch_send`."""
+    p = make_problem(0, "random")
+    kernel = _build()
+    assert not kernel.prepare_finalize.yields_in_send
+    sends = []
+    prepare_async = kernel.prepare_finalize.prepare_async
+    kernel.prepare_finalize.prepare_async = lambda *a, **k: sends.append(a[0].shape) or prepare_async(*a, **k)
+    state = kernel.dispatch_prepare(*_inputs(p))
+    assert sends == [] and state.dispatch_receiver is None
+    kernel.dispatch_send(state)
+    assert sends == [p.hidden.shape]
+    torch.testing.assert_close(_run_steps(kernel, state), kernel(*_inputs(p)))
+
+
 def test_a_skipped_or_repeated_step_is_a_clear_error():
     p = make_problem(0, "random")
     kernel = _build()
