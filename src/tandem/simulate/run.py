@@ -134,7 +134,7 @@ def _program(mode: str, shape: ModelShape, workload: Workload, ep_works: list[UB
         steps = layer_steps(shape, dbo=False, sbo_mode=SBO_MODES.get(mode)) + [HEAD]
         return issue_order([steps], [0]), ep_works, mode != "none"
     if mode == "tbo":
-        prefix, steps, delta = tbo_program(shape, workload.decode)
+        prefix, steps, delta = tbo_program(shape, workload.decode, yields_in_send=yields_in_send)
         works = workload.split(2)
         whole = [(0, s) for s in prefix]
         order = [(u + 1, s) for u, s in issue_order([steps, steps], [0, delta])]
@@ -152,8 +152,10 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     # DeepEP's normal kernels under DBO yield inside their sends, then join the compute stream to
     # the transfer they issued (`dbo_switch_to_compute_sync`): compute issued after a send waits
     # for it, as none's does; what the other ubatch queued during the yield runs beside it.
-    joins = alone.backend().yields_in_send and mode.startswith("dbo") and _ubatches(mode) > 1
-    order, works, overlapped = _program(mode, shape, workload, whole, yields_in_send=joins)
+    holds_host = alone.backend().yields_in_send
+    joins = holds_host and mode.startswith("dbo") and _ubatches(mode) > 1
+    # TBO's operation list issues such a send after its stage's yield (the dispatch's two steps).
+    order, works, overlapped = _program(mode, shape, workload, whole, yields_in_send=joins or (holds_host and mode == "tbo"))
     share = 1.0
     if overlapped:
         share = (hw.sms - hw.comm_sms(layout.low_latency)) / hw.sms
