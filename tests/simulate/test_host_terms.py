@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tandem.simulate import load_hardware, simulate
 from tandem.simulate.host_elementwise import ElementwiseFit
-from tandem.simulate.host_link import KINDS, LinkFit
+from tandem.simulate.host_link import KINDS, LinkFit, TimedAllToAll
 from tandem.simulate.host_ranks import measure_ranks
 from tandem.simulate.line_fit import UNRESOLVED, fit_line
 from tests.support.host_profiles import ROOFLINE, given_host
@@ -132,3 +133,26 @@ def _simulate_here():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class _Backend:
+    """A stand-in `torch_a2a` backend: its dispatch sends 3 rows, its calls return at once."""
+
+    name = "stand-in"
+
+    def prepare_async(self, hidden, topk_weights, topk_ids, **_):
+        return None, lambda: SimpleNamespace(handle=(None, [2, 1], [1, 1], 3))
+
+    def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
+        return None, lambda: "summed"
+
+
+def test_the_step_times_each_dispatch_and_combine_where_it_issues_them():
+    """The line's points come from calls timed inside the stack's step: each dispatch from its
+    issue to its received tokens, each combine to its sum, with the rows this rank sent."""
+    calls = []
+    timed = TimedAllToAll(_Backend(), calls)
+    tokens = timed.prepare_before_send(None, None, None, use_fp8=False)()[1]()
+    assert timed.finalize_async(None, tokens, None, None)[1]() == "summed"
+    assert [(kind, rows) for kind, _, rows in calls] == [("dispatch", 3), ("combine", 3)]
+    assert all(seconds >= 0 for _, seconds, _ in calls) and timed.name == "stand-in"

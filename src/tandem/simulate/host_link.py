@@ -57,7 +57,7 @@ class LinkFit:
         return f"{kind}: {pts} ({UNRESOLVED})" if kind in unresolved(self.points) else f"{kind}: {pts}"
 
 
-class _TimedAllToAll:
+class TimedAllToAll:
     """Times every dispatch (issue to received tokens) and combine (issue to the summed
     output) of the `torch_a2a` backend it wraps, as (kind, seconds, rows this rank sent)."""
 
@@ -108,7 +108,7 @@ def rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warm
 
     def timed_kernel(layer, **options):
         kernel = build(layer, **options)
-        kernel.prepare_finalize = _TimedAllToAll(kernel.prepare_finalize, calls)
+        kernel.prepare_finalize = TimedAllToAll(kernel.prepare_finalize, calls)
         return kernel
 
     stack._kernel = timed_kernel
@@ -125,4 +125,4 @@ def rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warm
                     statistics.median(s for k, s, _ in by_size[t] if k == kind)) for t in tokens] for kind in KINDS}
 
 
-__all__ = ["KINDS", "TOKENS", "LinkFit", "rank_calls"]
+__all__ = ["KINDS", "TOKENS", "LinkFit", "TimedAllToAll", "rank_calls"]
