@@ -5,6 +5,7 @@ gloo rank at once."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -40,13 +41,17 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def cold_weight_rate(size: int, *, passes: int = 2) -> tuple[float, int]:
+def cold_weight_rate(size: int, *, passes: int = 7) -> tuple[float, int]:
     """(bytes per second, bytes cycled): the extra time per weight byte of a [SMALL_M, size] x
     [size, size] float32 matmul whose weight comes from memory. The matmul runs once per weight
     over more distinct weights than the last-level cache holds, and half as many times over the
-    first weight alone (warm): the best of `passes` interleaved passes each, after one that
-    pages the weights in, so a passing load slows both alike. A cold pass not slower than the
-    warm one gives an infinite rate (free; its source says so: `COLD_UNRESOLVED`)."""
+    first weight alone (warm), in `passes` interleaved pairs after one pass that pages the
+    weights in; the extra time is the median of the pairs' differences. The extra is small
+    beside the matmul (the prefetchers hide most of the read), so it is a difference of two
+    near-equal times: the best of 2 passes each gave 1.7, 13.8 and 15.3 GB/s in three runs of
+    one day, as one slowed pass moved it; a pair is timed back to back, so a slow spell moves
+    both of its halves. A median difference <= 0 gives an infinite rate (free; its source
+    says so: `COLD_UNRESOLVED`)."""
     weight_bytes = size * size * 4
     total = max(COLD_MIN_BYTES, int(1.5 * last_level_cache_bytes()))
     weights = [torch.empty(size, size).fill_(0.01) for _ in range(-(-total // weight_bytes))]
@@ -60,8 +65,7 @@ def cold_weight_rate(size: int, *, passes: int = 2) -> tuple[float, int]:
 
     warm_only = [weights[0]] * (len(weights) // 2)
     cycle(weights)
-    cold, warm = zip(*((cycle(weights), cycle(warm_only)) for _ in range(passes)))
-    extra = min(cold) - min(warm)
+    extra = statistics.median(cycle(weights) - cycle(warm_only) for _ in range(passes))
     return (weight_bytes / extra if extra > 0 else float("inf")), weight_bytes * len(weights)
 
 
