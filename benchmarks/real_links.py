@@ -675,7 +675,7 @@ def _auto_table(result: dict) -> str:
     the best static mode and the best of its choices ('?': the repeats do not resolve it)."""
     lines = ["auto: the planner over none / dbo (threads), starting from the simulator's none and dbo at each row",
              f"{'job':<22}{'Mbit/s':>7}  {'prior and the choice of each step (warm-up | kept)':<52}{'auto':>6}"
-             f"  {'/ best static':<28}{'/ best of none, dbo':<22}"]
+             f"  {'/ best static':<28}{'/ best of none, dbo':<22}/ the mode it ran"]
     for job in result["jobs"]:
         for r in job["rows"]:
             if "auto" not in r["step_s"]:
@@ -685,8 +685,20 @@ def _auto_table(result: dict) -> str:
                 mark = ("" if g["met"] else " MISS") + ("" if g["resolved"] else "?")
                 cells.append(f"{g['figure']:.2f}x {g['mode']}{mark}")
             lines.append(f"{job['workload'] + ' ' + job['phase']:<22}{r['rate_mbit']:7.0f}  {_describe_auto(r):<52}"
-                         f"{r['step_s']['auto'] * 1e3:6.0f}  {cells[0]:<28}{cells[1]:<22}")
+                         f"{r['step_s']['auto'] * 1e3:6.0f}  {cells[0]:<28}{cells[1]:<22}{_auto_over_its_choice(r)}")
     return "\n".join(lines)
+
+
+def _auto_over_its_choice(row: dict) -> str:
+    """auto over the static mode of the one choice it ran on every kept step: what the planner
+    itself costs apart from its choice: on the MoE stack, the agreement all-reduce over the link
+    (`decide_overlap`), which the stack's static modes skip and a model step pays in every mode.
+    Empty where auto ran more than one choice."""
+    ran = set(row.get("auto_choices", {}).get("measured", []))
+    static = {"none": "none", "dbo-2": "dbo"}.get(ran.pop()) if len(ran) == 1 else None
+    if static is None or static not in row["step_s"]:
+        return ""
+    return f"{row['step_s']['auto'] / row['step_s'][static]:.2f}x {static}"
 
 
 def report(result: dict) -> str:
