@@ -180,16 +180,27 @@ class MoEStack:
         costed as a decode step (the decode threshold applies)."""
         planner = self.planners.planner(overlap, sbo=False) if overlap.overlap_policy == "auto" else None
         shape = StepShape(tokens)
-        start = time.perf_counter()
-        group = dist.group.WORLD if self.world > 1 else None
-        _, planned, k = decide_overlap(overlap, planner, shape, group=group)
-        agree_s = time.perf_counter() - start
+        planned, k, agree_s = self._agree(overlap, planner, shape)
         times = self.step("none" if k == 1 else "dbo", tokens, fabric, num_ubatches=k)
         # The agreement is part of the step (a synchronous collective: exposed communication).
         times = times.with_blocking(agree_s)
         if planner is not None:
             observe_step(planner, planned, shape, times)
         return times
+
+    def step_static(self, mode: str, overlap: OverlapConfig, tokens: int, fabric: FabricModel | None) -> StepTimes:
+        """One step of a fixed `mode` as the runtime runs it: the ranks agree on the step first
+        (the all-reduce of `coordinate_ubatching`, which the runtime's static policy does every
+        step too), so a fixed mode pays what `auto` pays, and only the planner's choice differs."""
+        _, _, agree_s = self._agree(overlap, None, StepShape(tokens))
+        return self.step(mode, tokens, fabric).with_blocking(agree_s)
+
+    def _agree(self, overlap: OverlapConfig, planner, shape: StepShape):
+        """(the planner's choice, the agreed ubatch count, the seconds the agreement took)."""
+        start = time.perf_counter()
+        group = dist.group.WORLD if self.world > 1 else None
+        _, planned, k = decide_overlap(overlap, planner, shape, group=group)
+        return planned, k, time.perf_counter() - start
 
     def step(self, mode: str, tokens: int, fabric: FabricModel | None, *, num_ubatches: int | None = None) -> StepTimes:
         """One step of `mode` on this rank (no barrier, no gathering): its time model."""

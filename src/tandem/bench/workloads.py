@@ -184,10 +184,16 @@ class MoEStackWorkload:
         self.stack.tracer = tracer
 
     def measure(self, mode: str, tokens: int) -> Sample:
+        """One step of a bench mode (each agrees with the other ranks first, as the runtime's
+        steps do) or of a floor part (`compute`, `comm`: the step's work alone, no agreement)."""
         if mode == "auto":
             return self.run_overlap(mode_overlap(self.base_overlap, mode), tokens)
         _barrier(self.distributed)
-        return _gather(self.stack.step(mode, tokens, self.fabric), self.distributed)
+        if mode in MODES:
+            times = self.stack.step_static(mode, mode_overlap(self.base_overlap, mode), tokens, self.fabric)
+        else:
+            times = self.stack.step(mode, tokens, self.fabric)
+        return _gather(times, self.distributed)
 
     def run_overlap(self, overlap: OverlapConfig, tokens: int) -> Sample:
         _barrier(self.distributed)
