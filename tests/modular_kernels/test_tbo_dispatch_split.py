@@ -66,23 +66,31 @@ def _recorded_buffer(buffer, log: list, seen: dict) -> None:
         setattr(buffer, method, recorded)
 
 
-def _dispatch_checks(seen: dict, layers: int) -> dict:
-    """Per ubatch: one layout and one dispatch per layer; the dispatch takes the layout's very
-    tensors and waits on the event its own first half captured (not one taken after the other
-    ubatch's work was queued)."""
+def _transfer_checks(seen: dict, layers: int) -> dict:
+    """Per ubatch: one layout, one dispatch and one combine per layer, and two captures (the
+    dispatch's first half, then the combine's right after the experts); the dispatch takes the
+    layout's very tensors and waits on the event its own first half captured, and the combine,
+    issued a stage later, on the event captured after its own experts: neither waits for the
+    other ubatch's work queued in between."""
     report = {}
     for ubatch in (0, 1):
         layouts, dispatches = seen[("get_dispatch_layout", ubatch)], seen[("dispatch", ubatch)]
+        combines = seen[("combine", ubatch)]
         captures = [c["returned"] for c in seen[("capture", ubatch)]]
-        report[f"ubatch{ubatch}/once-per-layer"] = len(layouts) == len(dispatches) == len(captures) == layers
+        report[f"ubatch{ubatch}/once-per-layer"] = (
+            len(layouts) == len(dispatches) == len(combines) == layers and len(captures) == 2 * layers
+        )
         same = True
-        for layout, dispatch, event in zip(layouts, dispatches, captures):
+        for layout, dispatch, event in zip(layouts, dispatches, captures[0::2]):
             per_rank, _, per_expert, in_rank, _ = layout["returned"]
             same &= dispatch["num_tokens_per_rank"] is per_rank and dispatch["is_token_in_rank"] is in_rank
             same &= dispatch["num_tokens_per_expert"] is per_expert
             same &= layout["previous_event"] is event and dispatch["previous_event"] is event
             same &= dispatch["async_finish"] is True and not dispatch.get("allocate_on_comm_stream", False)
         report[f"ubatch{ubatch}/layout-tensors-and-own-event"] = bool(same)
+        report[f"ubatch{ubatch}/combine-waits-on-its-own-experts"] = all(
+            combine["previous_event"] is event for combine, event in zip(combines, captures[1::2])
+        )
     return report
 
 
@@ -109,16 +117,18 @@ def _split_cases(rank, world):
     _recorded_buffer(kernel.prepare_finalize.ensure_buffer(HIDDEN), log, seen)
     split = tbo()
     # As the host issues them: the other ubatch's attention between a ubatch's first half
-    # (capture) and its blocking send (layout, dispatch); each combine a stage later, behind
-    # both dispatches on DeepEP's one comm stream, with the next layer's attention and capture.
+    # (capture) and its blocking send (layout, dispatch); the combine's capture right after
+    # the experts; each combine a stage later, behind both dispatches on DeepEP's one comm
+    # stream, with the next layer's attention and capture.
     layer_start = [("attn_core", 0), ("capture", 0), ("attn_core", 1), ("capture", 1)]
-    sends = [("get_dispatch_layout", 0), ("dispatch", 0), ("get_dispatch_layout", 1), ("dispatch", 1)]
+    sends = [("get_dispatch_layout", 0), ("dispatch", 0), ("capture", 0),
+             ("get_dispatch_layout", 1), ("dispatch", 1), ("capture", 1)]
     report["issue-order"] = log == [
         *layer_start[:2], *layer_start[2:], *sends,
         ("combine", 0), *layer_start[:2], ("combine", 1), *layer_start[2:], *sends,
         ("combine", 0), ("combine", 1),
     ]  # fmt: skip
-    report.update(_dispatch_checks(seen, len(layers)))
+    report.update(_transfer_checks(seen, len(layers)))
 
     # The same numbers as the cut before the split (send before the yield, combine with the
     # experts) and as each ubatch run alone.
@@ -143,4 +153,4 @@ def _split_cases(rank, world):
 
 def test_tbo_issues_the_blocking_dispatch_after_the_other_ubatchs_stage():
     per_rank = run_distributed(_split_cases, 2, timeout_s=150)
-    assert_every_case_passed(per_rank, 11)
+    assert_every_case_passed(per_rank, 13)

@@ -101,6 +101,10 @@ class RecordingPrepareFinalize:
     def prepare_async(self, *args, **kwargs):
         return self._wrap("dispatch", self._inner.prepare_async(*args, **kwargs))
 
+    def finalize_before_send(self, *args, **kwargs):
+        send = self._inner.finalize_before_send(*args, **kwargs)
+        return lambda: self._wrap("combine", send())
+
     def finalize_async(self, *args, **kwargs):
         return self._wrap("combine", self._inner.finalize_async(*args, **kwargs))
 

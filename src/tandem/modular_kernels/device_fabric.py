@@ -129,17 +129,25 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
     def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
         return self.prepare_before_send(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)()
 
+    def finalize_before_send(self, expert_output, tokens, topk_weights, topk_ids):
+        send_inner = self.inner.finalize_before_send(expert_output, tokens, topk_weights, topk_ids)
+
+        def send():
+            hook, receive = send_inner()
+            if hook is not None:
+                hook()
+            arrival = self._transfer(expert_output, self._pair_bytes(expert_output, topk_ids))
+
+            def receiver() -> torch.Tensor:
+                arrival()
+                return receive()
+
+            return None, receiver
+
+        return send
+
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
-        hook, receive = self.inner.finalize_async(expert_output, tokens, topk_weights, topk_ids)
-        if hook is not None:
-            hook()
-        arrival = self._transfer(expert_output, self._pair_bytes(expert_output, topk_ids))
-
-        def receiver() -> torch.Tensor:
-            arrival()
-            return receive()
-
-        return None, receiver
+        return self.finalize_before_send(expert_output, tokens, topk_weights, topk_ids)()
 
 
 def install_device_fabric(model: torch.nn.Module, fabric: FabricModel | None) -> int:

@@ -68,6 +68,9 @@ class ExpertTokens:
 #: The send half of a dispatch (`PrepareAndFinalize.prepare_before_send`): issues the transfer
 #: and returns `(hook, receiver)` as `prepare_async` does.
 DispatchSend = Callable[[], tuple[Optional[RecvHook], Callable[[], ExpertTokens]]]
+#: The send half of a combine (`PrepareAndFinalize.finalize_before_send`): issues it and
+#: returns `(hook, receiver)` as `finalize_async` does.
+CombineSend = Callable[[], tuple[Optional[RecvHook], Callable[[], torch.Tensor]]]
 
 
 class BlockCombine(ABC):
@@ -207,6 +210,19 @@ class PrepareAndFinalize(ABC):
         once sent, so the torch backends have no hook and wait in the receiver, where the
         data is needed: the next ubatch is never blocked on someone else's transfer.
         """
+
+    def finalize_before_send(
+        self,
+        expert_output: torch.Tensor,
+        tokens: ExpertTokens,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> CombineSend:
+        """The combine in two halves, as the dispatch: what must happen right after the
+        experts now (a backend whose combine waits on recorded compute records it here: TBO
+        issues that combine a stage later, once the other ubatch's experts are queued too,
+        and it must not wait for them), the send later. This default does nothing before."""
+        return lambda: self.finalize_async(expert_output, tokens, topk_weights, topk_ids)
 
     @abstractmethod
     def finalize_async(

@@ -17,7 +17,7 @@ from tandem.contexts import (
     get_forward_context,
 )
 from tandem.modular_kernels.interfaces import (
-    BlockCombine, DispatchSend, Experts, ExpertTokens, PrepareAndFinalize, RecvHook,
+    BlockCombine, CombineSend, DispatchSend, Experts, ExpertTokens, PrepareAndFinalize, RecvHook,
 )  # fmt: skip
 from tandem.modular_kernels.sbo import (
     COMBINE_DOWN_GEMM,
@@ -51,6 +51,8 @@ class MoEStepState:
     dispatch_receiver: Callable[[], ExpertTokens] | None = None
     tokens: ExpertTokens | None = None
     expert_out: torch.Tensor | None = None
+    #: combine prepared right after the experts, not sent yet (`finalize_before_send`).
+    combine_sender: CombineSend | None = None
     #: combine-down-gemm: the combine already sent block by block, and the blocks'
     #: outputs (kept alive until the combine has read them on its stream).
     block_combine: BlockCombine | None = None
@@ -212,6 +214,9 @@ class FusedMoEModularKernel:
             folded = {} if shared is None else {"shared": shared}
             state.expert_out = self.experts.apply(state.tokens, state.w1, state.w2, **folded)
             state.shared_folded = shared is not None
+            state.combine_sender = self.prepare_finalize.finalize_before_send(
+                state.expert_out, state.tokens, state.topk_weights, state.topk_ids
+            )
             return
         device = state.hidden_states.device
         combine = self.prepare_finalize.finalize_in_blocks(
@@ -228,8 +233,8 @@ class FusedMoEModularKernel:
     def combine_send(self, state: MoEStepState) -> None:
         """Issue the combine: in combine-shared on the comm stream; in combine-down-gemm
         its blocks are out already and this closes it."""
-        if state.block_combine is None and state.expert_out is None:
-            raise RuntimeError("combine_send needs the expert output: call compute_experts first")
+        if state.block_combine is None and state.combine_sender is None:
+            raise RuntimeError("combine_send needs the expert output: call compute_experts first (once per send)")
         if state.sbo_mode not in (COMBINE_SHARED, COMBINE_DOWN_GEMM):
             state.combine_hook, state.combine_receiver = self._issue_combine(state)
             return
@@ -242,7 +247,8 @@ class FusedMoEModularKernel:
         if state.block_combine is not None:
             combine, state.block_combine = state.block_combine, None
             return combine.finish()
-        return self.prepare_finalize.finalize_async(state.expert_out, state.tokens, state.topk_weights, state.topk_ids)
+        send, state.combine_sender = state.combine_sender, None
+        return send()
 
     def combine_recv(self, state: MoEStepState) -> None:
         """Run the receive hook unless it was handed to another ubatch, wait, keep the

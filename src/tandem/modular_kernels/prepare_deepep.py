@@ -350,11 +350,20 @@ class DeepEPHighThroughputPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
         return None, receiver
 
-    def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
+    def finalize_before_send(self, expert_output, tokens, topk_weights, topk_ids):
+        """The cast and this ubatch's compute event right after its experts; the combine in the
+        send. Without the event DeepEP's combine waits for everything on the compute stream
+        when it is issued: in TBO prefill, a stage later, the other ubatch's experts too."""
         buffer = self.buffer
         x = expert_output.to(DEEPEP_DTYPE).contiguous()
+        previous = buffer.capture()
+        return lambda: self._send_combine(buffer, x, tokens, previous)
+
+    def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
+        return self.finalize_before_send(expert_output, tokens, topk_weights, topk_ids)()
+
+    def _send_combine(self, buffer, x, tokens, previous):
         under_dbo = dbo_enabled()
-        previous = buffer.capture() if under_dbo else None
         dbo_yield_and_switch_from_compute_to_comm()
         combined, _, event = buffer.combine(
             x, tokens.handle, previous_event=previous, async_finish=not under_dbo, allocate_on_comm_stream=False

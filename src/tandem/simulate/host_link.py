@@ -81,6 +81,9 @@ class TimedAllToAll:
 
         return hook, received
 
+    def finalize_before_send(self, expert_output, tokens, topk_weights, topk_ids):
+        return lambda: self.finalize_async(expert_output, tokens, topk_weights, topk_ids)
+
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
         start = time.perf_counter()
         hook, receive = self.inner.finalize_async(expert_output, tokens, topk_weights, topk_ids)
