@@ -49,6 +49,8 @@ def _h200() -> str:
     (dict(device_type="cpu", pipeline_stages=2), None, "not 2 pipeline stages"),
     (dict(device_type="cpu", torchrun=True), None, "tandem tune --simulate here"),
     (dict(device_type="cuda", torchrun=True, device_name=_h200), "h200", ""),
+    (dict(device_type="cuda", device_name=_h200, all2all_backend="deepep_high_throughput"), "h200", ""),
+    (dict(device_type="cuda", device_name=_h200, all2all_backend="torch_a2a"), None, "not the torch_a2a backend"),
 ])
 def test_the_prior_is_simulated_on_the_hardware_the_ranks_run_on(over, hardware, reason):
     chosen, why = prior_hardware(**{"ranks": 2, **over})

@@ -189,8 +189,9 @@ class MoEStackWorkload:
         if mode == "auto":
             return self.run_overlap(mode_overlap(self.base_overlap, mode), tokens)
         _barrier(self.distributed)
-        if mode in MODES:
-            times = self.stack.step_static(mode, mode_overlap(self.base_overlap, mode), tokens, self.fabric)
+        if mode in MODES or mode == "dbo-shared@dispatch":  # a DBO variant: it agrees as dbo does
+            overlap = mode_overlap(self.base_overlap, mode if mode in MODES else "dbo")
+            times = self.stack.step_static(mode, overlap, tokens, self.fabric)
         else:
             times = self.stack.step(mode, tokens, self.fabric)
         return _gather(times, self.distributed)

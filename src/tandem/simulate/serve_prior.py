@@ -45,9 +45,11 @@ def hardware_for_device_name(name: str) -> str | None:
 
 
 def prior_hardware(*, device_type: str, ranks: int, pipeline_stages: int = 1, modelled_fabric: bool = False,
-                   torchrun: bool = False, device_name: Callable[[], str] | None = None) -> tuple[str | None, str]:
+                   torchrun: bool = False, device_name: Callable[[], str] | None = None,
+                   all2all_backend: str | None = None) -> tuple[str | None, str]:
     """(the hardware the prior is simulated on, or None; why none). `device_name` names the
-    CUDA device (asked only on CUDA)."""
+    CUDA device (asked only on CUDA). On CUDA the profiles price DeepEP's kernels, so another
+    `all2all_backend` (NCCL's all-to-all under torch_a2a) gets none."""
     if pipeline_stages > 1:
         return None, f"the simulator models DP attention x EP ranks, not {pipeline_stages} pipeline stages"
     if ranks < 2:
@@ -61,6 +63,8 @@ def prior_hardware(*, device_type: str, ranks: int, pipeline_stages: int = 1, mo
         return HERE, ""
     if device_type != "cuda" or device_name is None:
         return None, f"no hardware profile for a {device_type} device"
+    if all2all_backend is not None and not all2all_backend.startswith("deepep"):
+        return None, f"the GPU profiles model DeepEP's kernels, not the {all2all_backend} backend"
     try:
         name = device_name()
     except (RuntimeError, AssertionError) as exc:
@@ -102,8 +106,8 @@ def simulate_prior(model: str, hardware: str, *, ranks: int, num_ubatches: int, 
         return none(f"the simulator cannot model {model} ({exc})")
     try:
         profile = host.resolve_hardware(hardware, ranks)
-    except (ValueError, OSError, RuntimeError) as exc:
-        return none(f"measuring --hardware {hardware} failed ({exc})")
+    except Exception as exc:  # noqa: BLE001 - a failed measurement starts from nothing; serving goes on
+        return none(f"measuring --hardware {hardware} failed ({type(exc).__name__}: {exc})")
     try:
         _, document = simulated_tune(model, profile, ranks=ranks, num_ubatches=num_ubatches, grids=grids,
                                      contexts=contexts, margin=margin)
@@ -127,6 +131,7 @@ def with_simulated_prior(config, *, torchrun: bool = False, log: Callable[[str],
     hardware, why_not = prior_hardware(
         device_type=device.type, ranks=p.data_parallel_size, pipeline_stages=p.pipeline_parallel_size,
         modelled_fabric=modelled, torchrun=torchrun, device_name=lambda: _cuda_device_name(device),
+        all2all_backend=p.all2all_backend,
     )
     if hardware is None:
         log(f"auto starts with no prior: {why_not}")
