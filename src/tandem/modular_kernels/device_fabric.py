@@ -27,7 +27,7 @@ import torch
 
 from tandem.contexts.ubatch_context import current_ubatch_context
 from tandem.modular_kernels.fabric import FabricModel
-from tandem.modular_kernels.interfaces import ExpertTokens, PrepareAndFinalize
+from tandem.modular_kernels.interfaces import PrepareAndFinalize
 from tandem.platform import Platform, get_platform
 
 
@@ -107,48 +107,39 @@ class DeviceFabricPrepareAndFinalize(PrepareAndFinalize):
     def _pair_bytes(hidden: torch.Tensor, topk_ids: torch.Tensor) -> int:
         return topk_ids.shape[0] * topk_ids.shape[1] * hidden.shape[1] * hidden.element_size()
 
-    def prepare_before_send(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
-        # The wrapped backend's halves (it may `yields_in_send`, as the wrapper says), with the
-        # modelled transfer issued by the send, after the wrapped one.
-        send_inner = self.inner.prepare_before_send(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)
+    def _then_modelled(self, send_inner, like: torch.Tensor, nbytes: int):
+        """The wrapped backend's send, then the modelled transfer of `nbytes`: the wrapped
+        receive hook runs at once, the receiver waits for the modelled arrival first."""
 
         def send():
             hook, receive = send_inner()
             if hook is not None:
                 hook()
-            arrival = self._transfer(hidden, self._pair_bytes(hidden, topk_ids))
+            arrival = self._transfer(like, nbytes)
 
-            def receiver() -> ExpertTokens:
+            def receiver():
                 arrival()
                 return receive()
 
             return None, receiver
 
         return send
+
+    def prepare_before_send(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
+        # The wrapped backend's halves (it may `yields_in_send`, as the wrapper says), with the
+        # modelled transfer issued by the send, after the wrapped one.
+        send_inner = self.inner.prepare_before_send(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)
+        return self._then_modelled(send_inner, hidden, self._pair_bytes(hidden, topk_ids))
 
     def prepare_async(self, hidden, topk_weights, topk_ids, *, use_fp8, ue8m0=False):
         return self.prepare_before_send(hidden, topk_weights, topk_ids, use_fp8=use_fp8, ue8m0=ue8m0)()
 
     def finalize_before_send(self, expert_output, tokens, topk_weights, topk_ids):
         send_inner = self.inner.finalize_before_send(expert_output, tokens, topk_weights, topk_ids)
-
-        def send():
-            hook, receive = send_inner()
-            if hook is not None:
-                hook()
-            arrival = self._transfer(expert_output, self._pair_bytes(expert_output, topk_ids))
-
-            def receiver() -> torch.Tensor:
-                arrival()
-                return receive()
-
-            return None, receiver
-
-        return send
+        return self._then_modelled(send_inner, expert_output, self._pair_bytes(expert_output, topk_ids))
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
         return self.finalize_before_send(expert_output, tokens, topk_weights, topk_ids)()
-
 
 def install_device_fabric(model: torch.nn.Module, fabric: FabricModel | None) -> int:
     """Model `fabric` on the device for every MoE kernel of `model` (None: remove it);
