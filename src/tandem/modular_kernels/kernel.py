@@ -190,9 +190,7 @@ class FusedMoEModularKernel:
         """Issue the prepared dispatch (where the backend `yields_in_send`, the host may wait
         here, and under DBO the backend yields first). The receive hook (if the backend has
         one) stays in the state for `dispatch_recv`."""
-        send, state.dispatch_sender = state.dispatch_sender, None
-        if send is None:
-            raise RuntimeError("nothing to send: call dispatch_prepare first (each dispatch is sent once)")
+        send = _take(state, "dispatch_sender", "dispatch_prepare", verb="send", done="sent")
         state.dispatch_hook, state.dispatch_receiver = send()
 
     def dispatch_recv(self, state: MoEStepState) -> None:
@@ -247,8 +245,7 @@ class FusedMoEModularKernel:
         if state.block_combine is not None:
             combine, state.block_combine = state.block_combine, None
             return combine.finish()
-        send, state.combine_sender = state.combine_sender, None
-        return send()
+        return _take(state, "combine_sender", "compute_experts", verb="send", done="sent")()
 
     def combine_recv(self, state: MoEStepState) -> None:
         """Run the receive hook unless it was handed to another ubatch, wait, keep the
@@ -346,9 +343,11 @@ def _run_hook(state: MoEStepState, field: str) -> None:
         hook()
 
 
-def _take(state: MoEStepState, field: str, sender: str):
-    receiver = getattr(state, field)
-    if receiver is None:
-        raise RuntimeError(f"nothing to receive: call {sender} first (each transfer is received once)")
+def _take(state: MoEStepState, field: str, before: str, *, verb: str = "receive", done: str = "received"):
+    """The step's half of a transfer left in `state.field` by `before`, cleared: each transfer
+    is sent once and received once."""
+    half = getattr(state, field)
+    if half is None:
+        raise RuntimeError(f"nothing to {verb}: call {before} first (each transfer is {done} once)")
     setattr(state, field, None)
-    return receiver
+    return half
