@@ -44,7 +44,6 @@ STACK_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
 #: Half the bench's moe-stack width, so a round stays short on 2 shared cores.
 STACK_SHAPE = dict(hidden=512, intermediate=256)
 POLICIES = ["none", "dbo", "static-def", "static-best", "auto"]
-TUNE_MARGIN = 0.03
 
 
 def _overlaps(best: dict[str, int]):
@@ -125,6 +124,7 @@ class _ModelSteps:
 def _tune(steps, overlaps, repeat: int) -> tuple[dict[str, int], list]:
     """`tandem tune`'s rule on a none/dbo sweep of these steps: per phase, the smallest size
     from which DBO wins by the margin (median paired ratio) at every larger size."""
+    from tandem import tune_sweep
     from tandem.bench.tune import choose_threshold
 
     ratios: dict = {}
@@ -140,7 +140,7 @@ def _tune(steps, overlaps, repeat: int) -> tuple[dict[str, int], list]:
              statistics.median(d / n for n, d in v))
             for (p, t), v in ratios.items() if p == phase
         ]
-        decision = choose_threshold(phase, sizes, TUNE_MARGIN) if sizes else None
+        decision = choose_threshold(phase, sizes, tune_sweep.MARGIN) if sizes else None
         best[phase] = decision.threshold if decision else best.get("decode", 0)
         table += [(phase, *row) for row in (decision.table if decision else [])]
     return best, table

@@ -161,8 +161,8 @@ def auto_prior(job: dict, plan: dict, host: dict, rate_mbit: float) -> dict | No
     bench, `tandem.bench.modes`) for the job's step at `rate_mbit`, on the profile and link the
     row's predictions use. Filed under the phase the planner costs the step as: the MoE stack's
     steps are decode steps to it (no KV attention). None for a job the simulator has no model of."""
+    from tandem import tune_sweep
     from tandem.simulate.prior import simulated_step_tune
-    from tandem.simulate.serve_prior import PRIOR_MARGIN
     from tandem.simulate.shaped_link import over_link
 
     if "shape" in job:
@@ -170,7 +170,7 @@ def auto_prior(job: dict, plan: dict, host: dict, rate_mbit: float) -> dict | No
     c = CalibratedJob.of(job, plan, host)
     return simulated_step_tune(
         c.model, over_link(c.base, c.link(rate_mbit)), ranks=c.args["ep"], num_ubatches=2, phase=job["phase"],
-        tokens_per_rank=job["tokens"], context=c.args["context"], margin=PRIOR_MARGIN,
+        tokens_per_rank=job["tokens"], context=c.args["context"], margin=tune_sweep.MARGIN,
         costed_as="decode" if job["workload"] == "moe-stack" else job["phase"],
     )
 

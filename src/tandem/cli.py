@@ -6,9 +6,10 @@ import sys
 
 import typer
 
+from tandem import tune_sweep
 from tandem.cli_bench import (
     BENCH_CONTEXT_LEN, BENCH_DEFAULTS, BENCH_FLAGS, BENCH_HELPS, BENCH_PREFILL_LEN, BENCH_REPEAT, BENCH_WARMUP,
-    TUNE_MARGIN, TUNE_SIMULATE, auto_prior, bench_spec, describe_transport, int_list, run_bench_sweep, tune_simulated,
+    TUNE_SIMULATE, auto_prior, bench_spec, describe_transport, int_list, run_bench_sweep, tune_simulated,
     write_thresholds,
 )
 from tandem.cli_config import build_config, one_model, torchrun_parallel, torchrun_world
@@ -256,9 +257,9 @@ def _write_bench_files(result: dict, rows, config: dict, title: str, *, json_pat
 )
 def tune(
     output: str = typer.Option("dbo_thresholds.json", help="Thresholds file for serve/generate --thresholds-file."),
-    margin: float = typer.Option(TUNE_MARGIN, help="DBO must be at least this much faster (0.03 = 3%)."),
-    decode_tokens: str = typer.Option("8,16,32,64,128,256", help="Decode batch sizes (tokens per rank) to sweep."),
-    prefill_tokens: str = typer.Option("64,128,256,512,1024,2048", help="Prefill sizes (tokens per rank) to sweep."),
+    margin: float = typer.Option(tune_sweep.MARGIN, help="DBO must be at least this much faster (0.03 = 3%)."),
+    decode_tokens: str = typer.Option(tune_sweep.comma_list(tune_sweep.DECODE_TOKENS), help="Decode batch sizes (tokens per rank) to sweep."),
+    prefill_tokens: str = typer.Option(tune_sweep.comma_list(tune_sweep.PREFILL_TOKENS), help="Prefill sizes (tokens per rank) to sweep."),
     repeat: int = BENCH_REPEAT,
     warmup: int = BENCH_WARMUP,
     context_len: int = BENCH_CONTEXT_LEN,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from tandem import tune_sweep
 from tandem.cli_config import check_device, torchrun_world
 
 
@@ -29,8 +30,6 @@ BENCH_HELPS = {
     "fabric": "Modelled interconnect: a preset (deepep-ll-h800, deepep-ll-h800-ep64, ...) or 'calibrated' "
     "(bandwidth found so communication ≈ compute at the largest size).",
 }
-#: How much faster DBO must be to win a size (`tandem tune --margin`).
-TUNE_MARGIN = 0.03
 TUNE_SIMULATE = typer.Option(
     None, "--simulate", metavar="HW",
     help="Write the thresholds for a cluster you don't have: the simulator's none / DBO steps on hardware HW (h800, "
@@ -39,8 +38,8 @@ TUNE_SIMULATE = typer.Option(
 )
 BENCH_REPEAT = typer.Option(5, help="Timed runs per point (median reported); modes are interleaved.")
 BENCH_WARMUP = typer.Option(2, help="Untimed runs per point first.")
-BENCH_CONTEXT_LEN = typer.Option(128, help="Decode: cached tokens each request attends over.")
-BENCH_PREFILL_LEN = typer.Option(512, help="Prefill: new tokens per request (a batch is several).")
+BENCH_CONTEXT_LEN = typer.Option(tune_sweep.CONTEXT_LEN, help="Decode: cached tokens each request attends over.")
+BENCH_PREFILL_LEN = typer.Option(tune_sweep.PREFILL_LEN, help="Prefill: new tokens per request (a batch is several).")
 
 
 def int_list(text: str, flag: str, *, sort: bool = True) -> list[int]:
@@ -191,7 +190,7 @@ def auto_prior(flags: dict, modes: list[str], phase: str, tokens: list[int], *, 
     prior = simulate_prior(
         flags["model"], HERE, ranks=flags["data_parallel_size"], num_ubatches=flags["num_ubatches"],
         grids={"decode": tokens, "prefill": tokens}, contexts={"decode": context_len, "prefill": prefill_len},
-        phases=(phase,), margin=TUNE_MARGIN,
+        phases=(phase,), margin=tune_sweep.MARGIN,
     )
     print(f"[tandem] {prior.message}", file=sys.stderr)
     if prior.document is None:

@@ -11,6 +11,8 @@ import pytest
 
 from tandem.config import EngineConfig, OverlapConfig, ParallelConfig
 from tandem.simulate.serve_prior import (
+    PRIOR_CONTEXTS,
+    PRIOR_GRIDS,
     hardware_for_device_name,
     prior_hardware,
     simulate_prior,
@@ -127,3 +129,21 @@ def test_a_modelled_fabric_in_serving_gets_no_prior_and_says_why():
 def test_overlap_prior_takes_simulate_or_none():
     with pytest.raises(ValueError, match="--overlap-prior must be one of"):
         OverlapConfig(overlap_prior="measured")
+
+
+def test_the_serve_prior_is_the_document_tune_simulate_writes_by_default(tmp_path):
+    """No sizes given to either: `tandem tune --simulate h800` and serve's prior sweep the same
+    sizes at the same contexts and margin, so their thresholds and sweeps are one document."""
+    from typer.testing import CliRunner
+
+    from tandem.cli import app
+
+    out = tmp_path / "tuned.json"
+    result = CliRunner().invoke(app, ["tune", "--simulate", "h800", "--model", "deepseek-v3",
+                                      "--data-parallel-size", "32", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    tuned = json.loads(out.read_text())
+    prior = simulate_prior("deepseek-v3", "h800", ranks=32, num_ubatches=2, grids=PRIOR_GRIDS, contexts=PRIOR_CONTEXTS)
+    assert prior.document is not None, prior.message
+    for key in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold", "sweep", "margin"):
+        assert prior.document[key] == tuned[key], key

@@ -16,14 +16,13 @@ import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from tandem import tune_sweep
 from tandem.simulate.hardware import HERE, PROFILES
 
 #: The sweep the prior predicts: `tandem tune`'s default sizes and contexts, so the prior is the
 #: document `tandem tune --simulate HW` writes for the same layout.
-PRIOR_GRIDS = {"decode": [8, 16, 32, 64, 128, 256], "prefill": [64, 128, 256, 512, 1024, 2048]}
-PRIOR_CONTEXTS = {"decode": 128, "prefill": 512}
-#: How much faster DBO must be to win a size in the prior's thresholds (`tandem tune --margin`).
-PRIOR_MARGIN = 0.03
+PRIOR_GRIDS = {"decode": list(tune_sweep.DECODE_TOKENS), "prefill": list(tune_sweep.PREFILL_TOKENS)}
+PRIOR_CONTEXTS = {"decode": tune_sweep.CONTEXT_LEN, "prefill": tune_sweep.PREFILL_LEN}
 
 _GPU_NAME = re.compile(r"\b(" + "|".join(PROFILES) + r")\b")
 
@@ -88,7 +87,7 @@ def predicted_ratios(document: dict, phases: tuple[str, ...]) -> str:
 
 def simulate_prior(model: str, hardware: str, *, ranks: int, num_ubatches: int, grids: dict[str, list[int]],
                    contexts: dict[str, int], phases: tuple[str, ...] = ("decode", "prefill"),
-                   margin: float = PRIOR_MARGIN) -> StartingPrior:
+                   margin: float = tune_sweep.MARGIN) -> StartingPrior:
     """The simulator's tune document for `model` on `hardware` (a profile, or `here`: measured
     now, after the model is known to be one the simulator takes), and its line: the predicted
     DBO / none ratios of `phases`, or why there is no prior. Never raises for a model or a
@@ -154,6 +153,6 @@ def _cuda_device_name(device) -> str:
 
 
 __all__ = [
-    "PRIOR_CONTEXTS", "PRIOR_GRIDS", "PRIOR_MARGIN", "StartingPrior", "hardware_for_device_name", "predicted_ratios",
+    "PRIOR_CONTEXTS", "PRIOR_GRIDS", "StartingPrior", "hardware_for_device_name", "predicted_ratios",
     "prior_hardware", "simulate_prior", "with_simulated_prior",
 ]
