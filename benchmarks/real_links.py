@@ -175,6 +175,16 @@ def _steps(workload, mode: str, tokens: int, n: int) -> list[float]:
     return [workload.measure(mode, tokens).step_s for _ in range(n)]
 
 
+def _compute_alone(workload, tokens: int, n: int) -> float | None:
+    """The step's computation with no transfer (the MoE stack's floor part `compute`: experts
+    local, no all-to-all), median of `n`; None for a model step, which has no such mode. Beside
+    the unshaped none step it splits that step into compute and the transfers' CPU, so a
+    prediction that misses says which of the two it missed."""
+    if getattr(workload, "stack", None) is None:
+        return None
+    return _median(_steps(workload, "compute", tokens, n))
+
+
 def _none_comm(workload, tokens: int, n: int, compute_s: float) -> float:
     """Communication of the none step as the table defines it (shaped step minus the
     unshaped one, measured just before); where load noise makes that non-positive, the
@@ -273,8 +283,12 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
 
     set_rate(None)
     _steps(workload, "none", tokens, plan["warmup"] + 1)
-    compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
+    compute_s = unshaped_none_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
     log(f"  compute (unshaped none step) {compute_s * 1e3:.1f} ms")
+    alone_s = _compute_alone(workload, tokens, plan["compute_repeat"])
+    if alone_s is not None:
+        log(f"  compute alone (experts local, no transfer) {alone_s * 1e3:.1f} ms: the transfers' CPU over the "
+            f"unshaped veth is {(compute_s - alone_s) * 1e3:.1f} ms of the none step")
     veth_line = _veth_line(rank, world, log)
 
     # Calibration: the none step at two probe rates. A probe that leaves comm tiny next to
@@ -304,7 +318,8 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
 
     # What the row predictions calibrate from (`predict_job`), known before the first row.
     calibrated = {**job, "probe_mbit": probe, "probe_comm_s": probe_comm, "fit_alpha": alpha,
-                  "veth_line_points": veth_line, "compute_under_transfer": under_transfer}
+                  "veth_line_points": veth_line, "compute_under_transfer": under_transfer,
+                  "unshaped_none_s": unshaped_none_s, "compute_alone_s": alone_s}
     rows = []
     for ratio, rate in zip(plan["ratios"], rates):
         prior = _start_auto_from_prior(workload, calibrated, plan, host, rate) if "auto" in modes else None

@@ -152,7 +152,24 @@ def predict_job(job: dict, plan: dict, host: dict) -> dict:
                          for k in ("dispatch", "combine"))
     where = "the unshaped veth" if job.get("veth_line_points") else "loopback"
     return {"wire_bytes_per_step": c.wire_bytes, "probe_seconds_per_byte": c.probe_seconds_per_byte,
-            "transfer_cpu_line": f"{cpu_line} (over {where})", "rows": rows}
+            "transfer_cpu_line": f"{cpu_line} (over {where})", "unshaped_split": _unshaped_split(c), "rows": rows}
+
+
+def _unshaped_split(c: CalibratedJob) -> dict | None:
+    """The job's unshaped none step split into compute alone and the transfers' CPU, measured
+    (the step and the compute-only step at the job's start) and predicted (the step on the job's
+    profile, and on it with transfers free); None where the job measured no compute-only step."""
+    measured_alone = c.job.get("compute_alone_s")
+    if measured_alone is None or c.job.get("unshaped_none_s") is None:
+        return None
+    f = c.base.figures
+    free = _replaced(c.base, comm_latency_s={k: 0.0 for k in f["comm_latency_s"]},
+                     nvlink_bytes_per_s={k: float("inf") for k in f["nvlink_bytes_per_s"]})
+    step = _steps_s(c.model, c.base, c.args, ["none"])["none"]
+    alone = _steps_s(c.model, free, c.args, ["none"])["none"]
+    measured_step = c.job["unshaped_none_s"]
+    return {"compute_alone_s": {"measured": measured_alone, "predicted": alone},
+            "transfer_cpu_s": {"measured": measured_step - measured_alone, "predicted": step - alone}}
 
 
 def auto_prior(job: dict, plan: dict, host: dict, rate_mbit: float) -> dict | None:
@@ -329,6 +346,11 @@ def format_predictions(predictions: dict, host: dict) -> str:
             continue
         lines.append(f"  transfer CPU part: {job['transfer_cpu_line']}; wire {job['wire_bytes_per_step'] / 1e6:.2f} MB a step "
                      f"leaving a rank, {job['probe_seconds_per_byte'] * 1e9:.1f} ns/byte at the probe")
+        if split := job.get("unshaped_split"):
+            a, t = split["compute_alone_s"], split["transfer_cpu_s"]
+            lines.append(f"  unshaped none step: compute alone {a['measured'] * 1e3:.0f} / {a['predicted'] * 1e3:.0f} ms "
+                         f"({a['predicted'] / a['measured'] - 1:+.1%}), the transfers' CPU {t['measured'] * 1e3:.0f} / "
+                         f"{t['predicted'] * 1e3:.0f} ms (measured / predicted)")
         lines.append(f"{'Mbit/s':>7} {'mode':<20}{'meas ms':>9}{'pred ms':>9}{'error':>8}{'+-10%':>6}{'sign m/p':>10}"
                      f"{'at meas. C':>16}{'busy m / p':>13}  simulated terms above the floor (ms)")
         for r in job["rows"]:
