@@ -26,9 +26,11 @@ from tandem.modular_kernels.prepare_deepep import DeepEPHighThroughputPrepareAnd
 from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host_elementwise import ElementwiseFit, traced_op_time
+from tandem.simulate.kernel_trace import COMBINE_BLOCK
 from tandem.simulate.model_shape import ModelShape
 
-SENDS = {"dispatch_send": "dispatch", "combine_send": "combine"}
+#: Each transfer's kind by the step that sends it; combine-down-gemm sends the combine per block.
+SENDS = {"dispatch_send": "dispatch", "combine_send": "combine", COMBINE_BLOCK: "combine"}
 RECEIVES = {"dispatch_recv": "dispatch", "combine_recv": "combine"}
 BF16 = 2
 #: The payload `rdma_low_latency_sm_s` was measured at (h800.json's source): DeepSeek-V3's
@@ -255,8 +257,15 @@ class OpCosts:
         # Balanced routing (as DeepSeek's profile): every rank receives tokens x top-k rows.
         m = w.tokens * s.top_k / local
         time = self._gemm(m, 2 * s.moe_intermediate, s.hidden, groups=local)
-        time += self._gemm(m, s.hidden, s.moe_intermediate, groups=local)
+        time += self.down_projection(w)
         return time + self._memory(w.tokens * s.top_k * 2 * s.moe_intermediate * BF16 * 2)
+
+    def down_projection(self, w: UBatchWork, blocks: int = 1) -> float:
+        """The routed experts' down GEMM on one of `blocks` equal shares of the rows every local
+        expert received (combine-down-gemm's blocks: `block_combine`), priced at those rows, so
+        each block pays a smaller GEMM's rate and reads its weights again."""
+        s, local = self.shape, self.local_experts()
+        return self._gemm(w.tokens * s.top_k / local / blocks, s.hidden, s.moe_intermediate, groups=local)
 
     def _op_shared_experts(self, w: UBatchWork) -> float:
         s = self.shape

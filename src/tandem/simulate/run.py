@@ -11,7 +11,10 @@ Modes: `none` (transfers complete before the next op: compute + comm in sequence
 order of the runtime's stages with the kernel's DBO hand-overs), `tbo` (the layers'
 operation lists and `delta_stages`, leading dense layers on the whole batch), and
 `sbo-dispatch-shared` / `sbo-combine-shared` (one batch, the shared experts in the transfer's
-window; `combine-down-gemm` is not simulated).
+window) and `sbo-combine-down-gemm` (one batch, the down projection in one block per local
+expert, each block's combine sent as it is done, the shared experts in the dispatch window:
+`simulate.block_combine`; refused where the profile's transfers are DeepEP's, as the runtime
+refuses it there).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from tandem.simulate import block_combine
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host import resolve_hardware
 from tandem.simulate.model_shape import ModelShape, model_shape
@@ -27,7 +31,7 @@ from tandem.simulate.schedule import Span, Step, issue_order, layer_steps, play,
 from tandem.simulate.shaped_link import ShapedLink, link_seconds_per_byte, over_link, overlap_rate_over_link, wire_share
 from tandem.ubatch import split_by_tokens
 
-SBO_MODES = {"sbo-dispatch-shared": "dispatch-shared", "sbo-combine-shared": "combine-shared"}
+SBO_MODES = {"sbo-dispatch-shared": "dispatch-shared", "sbo-combine-shared": "combine-shared", block_combine.MODE: "combine-down-gemm"}
 HEAD = Step(-1, "head")
 
 
@@ -127,11 +131,13 @@ def _ubatches(mode: str) -> int:
     return n
 
 
-def _program(mode: str, shape: ModelShape, workload: Workload, ep_works: list[UBatchWork], yields_in_send: bool = False):
+def _program(mode: str, shape: ModelShape, workload: Workload, ep_works: list[UBatchWork], yields_in_send: bool = False,
+             blocks: int = 1):
     """(issue order, works per ubatch, overlapped?) of a mode; `yields_in_send`: the backend
-    hands the host to the other ubatch inside its sends (DeepEP's normal kernels under DBO)."""
+    hands the host to the other ubatch inside its sends (DeepEP's normal kernels under DBO);
+    `blocks`: combine-down-gemm's blocks per layer."""
     if mode == "none" or mode in SBO_MODES:
-        steps = layer_steps(shape, dbo=False, sbo_mode=SBO_MODES.get(mode)) + [HEAD]
+        steps = layer_steps(shape, dbo=False, sbo_mode=SBO_MODES.get(mode), blocks=blocks) + [HEAD]
         return issue_order([steps], [0]), ep_works, mode != "none"
     if mode == "tbo":
         prefix, steps, delta = tbo_program(shape, workload.decode, yields_in_send=yields_in_send)
@@ -154,8 +160,12 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     # for it, as none's does; what the other ubatch queued during the yield runs beside it.
     holds_host = alone.backend().yields_in_send
     joins = holds_host and mode.startswith("dbo") and _ubatches(mode) > 1
+    if mode == block_combine.MODE:
+        block_combine.refuse_without_block_combine(alone.backend(), hw.name)
+    blocks = block_combine.block_count(alone)
     # TBO's operation list issues such a send after its stage's yield (the dispatch's two steps).
-    order, works, overlapped = _program(mode, shape, workload, whole, yields_in_send=joins or (holds_host and mode == "tbo"))
+    order, works, overlapped = _program(mode, shape, workload, whole, yields_in_send=joins or (holds_host and mode == "tbo"),
+                                        blocks=blocks)
     share = 1.0
     if overlapped:
         share = (hw.sms - hw.comm_sms(layout.low_latency)) / hw.sms
@@ -164,9 +174,15 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     # while the other stream is busy.
     shared = OpCosts(shape, hw, layout, sm_share=share, overlapped=True) if overlapped else alone
 
+    def work(u: int, step: Step) -> UBatchWork:
+        """The work a step moves: a combine block's share, else its ubatch's."""
+        return block_combine.block_work(works[u], blocks) if step.name == block_combine.COMBINE_BLOCK else works[u]
+
     def priced(costs: OpCosts, u: int, step: Step) -> float:
         if step.name in SENDS:
-            return costs.transfer(SENDS[step.name], works[u])
+            return costs.transfer(SENDS[step.name], work(u, step))
+        if step.name in block_combine.COMPUTE_STEPS:
+            return block_combine.block_compute(costs, step.name, works[u], blocks)
         return costs.compute(step.name, works[u])
 
     def overlap_rate(u: int, step: Step) -> float:
@@ -180,28 +196,29 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     costs = shared if sync else alone
     if wire is None:
         cost = lambda u, step: priced(costs, u, step)  # noqa: E731
-        kernel = lambda u, step: costs.send_kernel(SENDS[step.name], works[u])  # noqa: E731
+        kernel = lambda u, step: costs.send_kernel(SENDS[step.name], work(u, step))  # noqa: E731
         rate = None if sync else overlap_rate
     else:
-        cost, kernel = _over_link(costs, works, wire, priced)
+        cost, kernel = _over_link(costs, work, wire, priced)
         rate = None if sync else overlap_rate_over_link(hw)
     spans = play(order, cost, sync_comm=sync or joins, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
-                 kernel=kernel, overlap_rate=rate, host_wait=lambda u, step: costs.host_wait(SENDS[step.name], works[u]))
+                 kernel=kernel, overlap_rate=rate, host_wait=lambda u, step: costs.host_wait(SENDS[step.name], work(u, step)))
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
     comm = sum(s.end - s.start for s in spans if s.lane == "comm")
     return ModeResult(mode, end, workload.output_tokens, compute, comm, spans)
 
 
-def _over_link(costs: OpCosts, works: list[UBatchWork], seconds_per_byte: float, priced):
+def _over_link(costs: OpCosts, work, seconds_per_byte: float, priced):
     """(cost, kernel) of `play` over a shaped link: a send's CPU part (the host's measured
     transfer line) is its kernel on the compute stream, its bytes leaving the rank at the link's
-    seconds per byte the transfer on the comm stream (`simulate.shaped_link`)."""
+    seconds per byte the transfer on the comm stream (`simulate.shaped_link`); `work(u, step)`: the
+    work a step moves."""
     share = wire_share(costs.layout.ep)
 
     def cost(u: int, step: Step) -> float:
         if step.name in SENDS:
-            return costs.transfer_bytes(SENDS[step.name], works[u]) * share * seconds_per_byte
+            return costs.transfer_bytes(SENDS[step.name], work(u, step)) * share * seconds_per_byte
         return priced(costs, u, step)
 
     return cost, lambda u, step: priced(costs, u, step)

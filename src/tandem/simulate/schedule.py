@@ -104,11 +104,14 @@ def tbo_program(shape: ModelShape, decode: bool, *, yields_in_send: bool = False
     return [s for s in prefix if s is not YIELD], _steps(strategy.operations), strategy.delta_stages
 
 
-def layer_steps(shape: ModelShape, *, dbo: bool, sbo_mode: str | None = None, yields_in_send: bool = False) -> list[Step]:
+def layer_steps(
+    shape: ModelShape, *, dbo: bool, sbo_mode: str | None = None, yields_in_send: bool = False, blocks: int = 1
+) -> list[Step]:
     """Every layer's operations (the runtime's prefill list, which has no stage cut outside
-    the MoE), with its MoE part in the kernel's `forward` order (`moe_forward_order`)."""
+    the MoE), with its MoE part in the kernel's `forward` order (`moe_forward_order`; `blocks`:
+    combine-down-gemm's)."""
     shared = shape.shared_intermediate > 0
-    moe = moe_forward_order(shared, dbo=dbo, sbo_mode=sbo_mode, yields_in_send=yields_in_send)
+    moe = moe_forward_order(shared, dbo=dbo, sbo_mode=sbo_mode, yields_in_send=yields_in_send, blocks=blocks)
     out: list[Step] = []
     for layer in stand_in_layers(shape):
         inserted = False
