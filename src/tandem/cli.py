@@ -330,7 +330,8 @@ def simulate(
     context: int = typer.Option(4096, help="Prompt length (prefill) or cached tokens per request (decode)."),
     draft_tokens: int = typer.Option(0, help="Decode: MTP draft tokens each request verifies per step (DeepSeek's profile: 1)."),
     acceptance: float = typer.Option(0.0, help="Decode: share of the draft tokens kept, for tokens/s (the published figure: 0.6)."),
-    modes: str = typer.Option("none,dbo,tbo", help="Comma-separated: none, dbo (2 ubatches), dboN, tbo, sbo-dispatch-shared, sbo-combine-shared."),
+    modes: str = typer.Option("none,dbo,tbo", help="Comma-separated: none, dbo (2 ubatches), dboN, tbo, sbo-dispatch-shared, "
+                              "sbo-combine-shared, sbo-combine-down-gemm (torch_a2a only: --hardware here; DeepEP refuses it)."),
     trace: str = typer.Option(None, help="Write the simulated timelines as Chrome trace JSON to this file."),
     timeline: str = typer.Option(None, help="Draw each mode's timeline to PNG files named after this one (needs matplotlib)."),
     validate: bool = typer.Option(False, help="Also print DeepSeek-V3 on this hardware against DeepSeek's published throughput."),
