@@ -12,6 +12,8 @@ LAYERS: tuple[str, ...] = (
     "distributed",
     "modular_kernels",
     "config",
+    # `tandem tune`'s default sweep and margin: the CLI's defaults and the simulated prior's sweep.
+    "tune_sweep",
     "models",
     # One step of one rank (model runner, ubatch wrapper, sampler, KV cache).
     "worker",
