@@ -27,8 +27,8 @@ comm at the probe over the bytes the simulated step sends, times (probe / rate) 
 exponent). Per row: measured against predicted, the error, the sign of (mode - none) both ways,
 and the simulated terms between the step and its floor (switch cost, split loss, transfer CPU or
 exposed wire; the ranks' imbalance is not modelled); beside it the overlap model alone (every CPU
-cost scaled to the row's measured compute; `real_links_predict.py`). Modes the simulator has no
-model of (sbo-combine-down-gemm; auto, which picks per step) are listed as such.
+cost scaled to the row's measured compute; `real_links_predict.py`). `auto`, which picks a mode
+per step, is listed, not predicted.
 
 `auto` (the planner over none and DBO on threads, `tandem.bench.modes`) starts each row from the
 simulator's prior: the none and DBO steps that row predicts, as a `tandem tune` document made on
@@ -66,6 +66,8 @@ from real_links_predict import auto_prior, format_predictions, measure_host, pre
 MODES = ["none", "dbo", "dbo-greenlet", "tbo", "sbo-combine-down-gemm", "sbo-combine-shared", "sbo-dispatch-shared", "auto"]
 #: comm / compute targets of the three link rates.
 TARGET_RATIOS = (0.5, 1.0, 2.0)
+#: The link rate the run measures compute under a transfer at (`_run_compute_under_transfer`).
+UNDER_TRANSFER_MBIT = 400.0
 RESULT = HERE / "results" / "real_links.json"
 #: The host profile the driver hands the ranks, in the control directory.
 HOST_PROFILE_FILE = "host_profile.json"
@@ -268,7 +270,11 @@ def _measure_row(workload, modes: list[str], tokens: int, plan: dict) -> dict:
     return out
 
 
-def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: int, world: int, log) -> dict:
+def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: int, world: int, log,
+            under_transfer: dict | None = None) -> dict:
+    """One (workload, phase): its compute, transfer line and probes, then every row; the
+    run's compute-under-transfer measurement (`_compute_under_transfer`) is kept with the job,
+    which its predictions read."""
     import torch.distributed as dist
 
     def set_rate(mbit: float | None) -> None:
@@ -314,7 +320,6 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
         f"  probes {probe:.0f} / {probe / 2:.0f} Mbit/s → comm {probe_comm * 1e3:.1f} / {half_comm * 1e3:.1f} ms "
         f"(comm ~ rate^-{alpha:.2f}); rates " + ", ".join(f"{r:.0f}" for r in rates)
     )
-    under_transfer = _compute_under_transfer(probe / 2, log)
 
     # What the row predictions calibrate from (`predict_job`), known before the first row.
     calibrated = {**job, "probe_mbit": probe, "probe_comm_s": probe_comm, "fit_alpha": alpha,
@@ -362,7 +367,9 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
     the wire (issued just before it, sized to outlast it), on both ranks at once as a DBO step
     runs them, the two interleaved, median of `repeat`. Their ratio is the rate compute keeps
     while a shaped transfer is in flight: the CPU the transfer takes from the cores as its
-    packets trickle through (a transfer merely pending costs none: gloo does not spin)."""
+    packets trickle through (a transfer merely pending costs none: gloo does not spin). The same
+    all-to-all timed alone gives the wire's seconds per byte it was measured at, so the CPU per
+    byte it implies does not lean on any job's calibration."""
     import torch
     import torch.distributed as dist
 
@@ -391,10 +398,38 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
         busy.append(loop())
         overlapped.append(not work.is_completed())
         work.wait()
+    wire = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_to_all_single(out, payload)
+        wire.append(time.perf_counter() - start)
+    leaving = payload.numel() * payload.element_size() * (world - 1) / world
     rate = _median(alone) / _median(busy)
     log(f"  compute under a transfer at {rate_mbit:.0f} Mbit/s: {_median(busy) * 1e3:.1f} ms against "
         f"{_median(alone) * 1e3:.1f} ms alone (rate {rate:.2f}; the wire outlasted the loop {sum(overlapped)} of {repeat})")
-    return {"rate_mbit": rate_mbit, "alone_s": alone, "under_transfer_s": busy, "outlasted": overlapped, "rate": rate}
+    return {"rate_mbit": rate_mbit, "alone_s": alone, "under_transfer_s": busy, "outlasted": overlapped, "rate": rate,
+            "wire_s": wire, "wire_seconds_per_byte": _median(wire) / leaving}
+
+
+def _run_compute_under_transfer(plan: dict, control: Control | None, log) -> dict:
+    """`_compute_under_transfer` once for the whole run, at `UNDER_TRANSFER_MBIT`: what a
+    transfer's packets take from compute is the host's, not a job's, and a rate where the loss
+    is well above the noise measures it best (a job's low probe rate left it at 1.00, no loss,
+    where the same run measured 0.47-0.58 at 200 Mbit/s)."""
+    import torch.distributed as dist
+
+    rate = plan.get("under_transfer_mbit", UNDER_TRANSFER_MBIT)
+    log(f"compute under a transfer, once for the run at {rate:.0f} Mbit/s")
+    if control is not None:
+        control.request(rate_mbit=rate)
+    dist.barrier()
+    try:
+        return _compute_under_transfer(rate, log)
+    finally:
+        if control is not None:
+            control.request(rate_mbit=None)
+        dist.barrier()
 
 
 def _veth_line(rank: int, world: int, log) -> dict:
@@ -427,9 +462,10 @@ def worker_main(args) -> None:
         if rank == 0:
             print(f"[real_links] {msg}", file=sys.stderr, flush=True)
 
+    under_transfer = _run_compute_under_transfer(plan, control, log)
     jobs = []
     for job in plan["jobs"]:
-        jobs.append(run_job(job, plan, host, control, rank, world, log))
+        jobs.append(run_job(job, plan, host, control, rank, world, log, under_transfer))
         if rank == 0:  # after every job: a run cut short by its timeout keeps what it measured
             tmp = Path(args.control) / "result.json.tmp"
             tmp.write_text(json.dumps({"plan": plan, "jobs": jobs, "complete": len(jobs) == len(plan["jobs"])}, indent=1))

@@ -20,11 +20,10 @@ import time
 #: The goal of #31 on this host: every real-link row within +-10 % of the step measured in the same run.
 TOLERANCE = 0.10
 #: Modes the simulator plays, as it names them; dbo-greenlet is DBO at the greenlet executor's hand-over.
-SIMULATED = {"none": "none", "dbo": "dbo", "dbo-greenlet": "dbo", "tbo": "tbo",
+SIMULATED = {"none": "none", "dbo": "dbo", "dbo-greenlet": "dbo", "tbo": "tbo", "sbo-combine-down-gemm": "sbo-combine-down-gemm",
              "sbo-combine-shared": "sbo-combine-shared", "sbo-dispatch-shared": "sbo-dispatch-shared"}
 CUSTOM_SHAPE = "a custom stack shape: the simulator's moe-stack is tandem bench's"
 NOT_SIMULATED = {
-    "sbo-combine-down-gemm": "not modelled: the simulator has no block combine (combine-down-gemm)",
     "auto": "not predicted as a mode: the planner picks none or dbo per step, starting from the simulator's "
             "none and dbo at this row (the row's auto_prior)",
 }
@@ -218,13 +217,14 @@ def _mode_step(played: dict, mode: str) -> float:
 
 
 def _wire_cpu_per_byte(job: dict, probe_s_per_byte: float) -> tuple[float | None, str]:
-    """CPU seconds per wire byte from the job's `_compute_under_transfer`: the share of a core the
+    """CPU seconds per wire byte from the run's `_compute_under_transfer`: the share of a core the
     loop lost while the transfer trickled through, over the wire's seconds per byte at that rate
     (packets cost per byte, so the share grows with the rate). None where the job has none."""
     under = job.get("compute_under_transfer")
     if not under:
         return None, ""
-    at = _link(job, under["rate_mbit"], probe_s_per_byte).seconds_per_byte
+    # The wire as the measurement's own all-to-all timed it; a run before that took the job's link.
+    at = under.get("wire_seconds_per_byte") or _link(job, under["rate_mbit"], probe_s_per_byte).seconds_per_byte
     lost = 1.0 - min(under["rate"], 1.0)
     how = (f"a matmul loop on both ranks kept {under['rate']:.2f} of its core while an all-to-all outlasted it on "
            f"the wire at {under['rate_mbit']:.0f} Mbit/s ({at * 1e9:.1f} ns per byte there)")
