@@ -10,9 +10,11 @@ import pytest
 
 from tandem.modular_kernels.kernel import FusedMoEModularKernel
 from tandem.modular_kernels.prepare_deepep import DeepEPHighThroughputPrepareAndFinalize, DeepEPLowLatencyPrepareAndFinalize
+from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
 from tandem.simulate import load_hardware, model_shape
 from tandem.simulate.ops import Layout, OpCosts, UBatchWork
 from tandem.simulate.schedule import Step, issue_order, layer_steps, moe_forward_order, play
+from tests.support.host_profiles import given_host
 
 HW, V3 = load_hardware("h800"), model_shape("deepseek-v3")
 SEND, RECV, EXPERTS, ATTN = Step(0, "dispatch_send"), Step(0, "dispatch_recv"), Step(0, "experts"), Step(0, "attn_core")
@@ -40,24 +42,47 @@ def test_the_notify_queues_behind_the_comm_stream():
     combine = Step(0, "combine_send")
     order = [(1, EXPERTS), (1, combine), (0, SEND), (0, ATTN)]
     got = play(order, lambda u, s: COST[s.name], sync_comm=False,
-               host_wait=lambda u, s: 2.0 if s.name == "dispatch_send" else 0.0)
+               host_wait=lambda u, s: 2.0 if s.name == "dispatch_send" else None)
     assert [(s.ubatch, s.step.name, s.start, s.end) for s in got] == [
         (1, "experts", 0.0, 5.0), (1, "combine_send", 5.0, 9.0), (0, "dispatch_send", 9.0, 19.0), (0, "attn_core", 11.0, 14.0)]
 
 
 def test_the_wait_is_the_normal_dispatchs_notify_across_nodes():
     """EP32, 8,192 tokens: the dispatch's barrier, 0.276 of its bytes at DeepEP's 58 GB/s; the
-    combine reuses the dispatch's layout (no wait); low-latency, intranode and gloo: none."""
+    combine reuses the dispatch's layout (not held); low-latency and intranode: not held."""
     work = UBatchWork(8192, 2, 0)
     normal = OpCosts(V3, HW, Layout(ep=32, decode=False, low_latency=False), sm_share=108 / 132, overlapped=True)
     assert normal.backend() is DeepEPHighThroughputPrepareAndFinalize
     expected = normal.transfer_bytes("dispatch", work) / 58e9 * 0.276
     assert normal.host_wait("dispatch", work) == pytest.approx(expected, rel=1e-12)
     assert expected == pytest.approx(1.037e-3, rel=1e-3)  # the chart's 2.08 ms a layer over two calls
-    assert normal.host_wait("combine", work) == 0.0
+    assert normal.host_wait("combine", work) is None
     low_latency = OpCosts(V3, HW, Layout(ep=128, decode=True, low_latency=True))
-    assert low_latency.backend() is DeepEPLowLatencyPrepareAndFinalize and low_latency.host_wait("dispatch", work) == 0.0
-    assert OpCosts(V3, HW, Layout(ep=8, decode=False, low_latency=False)).host_wait("dispatch", work) == 0.0
+    assert low_latency.backend() is DeepEPLowLatencyPrepareAndFinalize and low_latency.host_wait("dispatch", work) is None
+    assert OpCosts(V3, HW, Layout(ep=8, decode=False, low_latency=False)).host_wait("dispatch", work) is None
+
+
+def test_gloos_dispatch_holds_the_host_until_its_transfer_starts():
+    """`torch_a2a` exchanges the split sizes with a synchronous all-to-all that queues behind the
+    bytes already on the link: the host is held until the dispatch's transfer starts (0 after
+    it); its combine reuses the sizes and returns at once."""
+    gloo = OpCosts(model_shape("moe-stack"), given_host(small_rate=100e9, switch_s=0.0), Layout(ep=2, decode=True, low_latency=False))
+    assert gloo.backend() is TorchAllToAllPrepareAndFinalize
+    work = UBatchWork(64, 64, 64)
+    assert (gloo.host_wait("dispatch", work), gloo.host_wait("combine", work)) == (0.0, None)
+
+
+def test_a_dispatch_held_behind_the_link_stalls_what_its_ubatch_issues_next():
+    """Ubatch 0's dispatch is on the link (0-10); ubatch 1's dispatch is issued at once but its
+    transfer starts only when the link frees (10): held until then, the attention ubatch 1 issued
+    after it starts at 10, not 0. Not held (None), it runs at once."""
+    send_1 = Step(0, "dispatch_send")
+    order = [(0, SEND), (1, send_1), (1, ATTN)]
+    held = play(order, lambda u, s: COST[s.name], sync_comm=False, host_wait=lambda u, s: 0.0)
+    free = play(order, lambda u, s: COST[s.name], sync_comm=False, host_wait=lambda u, s: None)
+    assert [(s.ubatch, s.step.name, s.start) for s in held] == [(0, "dispatch_send", 0.0), (1, "dispatch_send", 10.0),
+                                                                (1, "attn_core", 10.0)]
+    assert [s.start for s in free] == [0.0, 10.0, 0.0]
 
 
 def test_dbo_issues_a_normal_send_after_the_backends_yield():
@@ -90,7 +115,7 @@ def test_the_runtimes_dbo_order_hides_the_wait_a_send_before_the_yield_pays_it()
     steps = {y: layer_steps(model_shape("moe-stack"), dbo=True, yields_in_send=y) for y in (False, True)}
     orders = {y: issue_order([s, s], [0, 0]) for y, s in steps.items()}
     cost = lambda u, s: 2.0 if s.name in ("dispatch_send", "combine_send") else 1.0  # noqa: E731
-    wait = lambda u, s: 0.5 if s.name == "dispatch_send" else 0.0  # noqa: E731
+    wait = lambda u, s: 0.5 if s.name == "dispatch_send" else None  # noqa: E731
 
     def step(order, sync, host_wait=None):
         return max(s.end for s in play(order, cost, sync_comm=sync, host_wait=host_wait))

@@ -328,19 +328,24 @@ class OpCosts:
             return TorchAllToAllPrepareAndFinalize
         return DeepEPLowLatencyPrepareAndFinalize if self.layout.low_latency else DeepEPHighThroughputPrepareAndFinalize
 
-    def host_wait(self, kind: str, work: UBatchWork) -> float:
-        """How long after a send's transfer starts the host is held inside the call: DeepEP's
-        normal dispatch launches its notify kernel, then busy-waits on the CPU for the received
-        counts it writes before it can allocate the receive buffers and launch the dispatch
-        (DeepEP docs/legacy.md: "an implicit CPU wait for GPU received count signal"; figure
-        normal.png: launch notify, waiting, tensor allocation, launch dispatch). The notify is
-        the call's barrier (`normal_barrier_share`, the profile's Dispatch Barrier). The combine
-        reuses the dispatch's layout and never waits; the low-latency kernels never wait; the
-        intranode notify has no figure (0)."""
-        if kind != "dispatch" or self.backend() is not DeepEPHighThroughputPrepareAndFinalize:
+    def host_wait(self, kind: str, work: UBatchWork) -> float | None:
+        """How long after a send's transfer starts the host is held inside the call; None where
+        the call returns at once. DeepEP's normal dispatch launches its notify kernel, then
+        busy-waits on the CPU for the received counts it writes before it can allocate the
+        receive buffers and launch the dispatch (DeepEP docs/legacy.md: "an implicit CPU wait for
+        GPU received count signal"; figure normal.png: launch notify, waiting, tensor allocation,
+        launch dispatch). The notify is the call's barrier (`normal_barrier_share`, the profile's
+        Dispatch Barrier); the intranode notify has no figure (not held). gloo's dispatch
+        (`torch_a2a`) exchanges its split sizes with a synchronous all-to-all on the issuing
+        thread, which crosses the link behind every byte already queued on it (TCP is FIFO): the
+        host is held until the transfer starts (0). Combines reuse the dispatch's layout and
+        never wait; the low-latency kernels never wait."""
+        if kind != "dispatch":
+            return None
+        if self.backend() is TorchAllToAllPrepareAndFinalize:
             return 0.0
-        if self.layout.ep <= self.hw.gpus_per_node:
-            return 0.0
+        if self.backend() is not DeepEPHighThroughputPrepareAndFinalize or self.layout.ep <= self.hw.gpus_per_node:
+            return None
         wire = self.hw.transfer_time(kind, self.transfer_bytes(kind, work), ep=self.layout.ep, low_latency=False)
         return wire * self.hw.figures.get("normal_barrier_share", {}).get(kind, 0.0)
 

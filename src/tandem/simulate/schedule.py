@@ -20,9 +20,11 @@
   from one ubatch to another in the issue order costs the host `switch_s`, which delays the
   next compute op (a profile's `ubatch_switch_s`). A send with a `kernel` time runs that
   kernel on the compute stream first (a low-latency call's SM part), then its transfer. A send
-  with a `host_wait` holds the host (DeepEP's normal dispatch: the CPU busy-waits for the
+  with a `host_wait` (not None) holds the host: no op issued after it starts before the
+  transfer has started and run that long (DeepEP's normal dispatch: the CPU busy-waits for the
   received counts its notify kernel writes, before it can allocate the receive buffers and launch
-  the dispatch): no op issued after it starts before the transfer has run that long.
+  the dispatch; gloo's dispatch: its counts exchange is a synchronous all-to-all queued behind
+  the bytes already on the link, 0 after the transfer starts).
 - An op's `cost` is its time alone. With `overlap_rate`, its work progresses at that rate
   (<= 1) while the other stream runs something and at 1 otherwise: a compute op at the SMs a
   normal DeepEP transfer leaves it only while a transfer is in flight, a transfer at the
@@ -222,7 +224,7 @@ def _issue(order, cost, sync_comm, switch_s, kernel, overlap_rate, host_wait) ->
             start = comm_free.join(at).join(host)
             end = add(u, "comm", step, start, cost(u, step), rate(u, step))
             comm_free = landing[(u, SENDS[step.name])] = end
-            if waited := (host_wait(u, step) if host_wait else 0.0):
+            if (waited := host_wait(u, step) if host_wait else None) is not None:
                 host = start + waited
             if sync_comm:
                 compute_free, ready[u] = compute_free.join(end), end
@@ -271,7 +273,8 @@ def play(
 ) -> list[Span]:
     """Time an issue order on one compute and one comm stream (see the module docstring):
     `cost` is each op's time alone, `overlap_rate` its progress while the other stream runs,
-    `host_wait` how long after a send's transfer starts the host can issue again."""
+    `host_wait` how long after a send's transfer starts the host can issue again (None: the
+    send does not hold the host)."""
     return _run(_issue(order, cost, sync_comm, switch_s, kernel, overlap_rate, host_wait))
 
 
