@@ -15,8 +15,8 @@ projection once for every row, "experts_up", then the down projection per block,
 from __future__ import annotations
 
 import contextvars
-from types import SimpleNamespace
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Callable, Iterator
 
 from tandem.contexts.dbo import dbo_yield
@@ -71,9 +71,6 @@ class _CommStream:
 
     def joined(self, hook, device):
         return hook
-
-    def join(self, device) -> None:
-        pass
 
 
 class _KernelTrace:

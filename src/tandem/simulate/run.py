@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
+from tandem.modular_kernels.sbo import COMBINE_DOWN_GEMM
 from tandem.simulate import block_combine
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host import resolve_hardware
@@ -31,7 +33,7 @@ from tandem.simulate.schedule import Span, Step, issue_order, layer_steps, play,
 from tandem.simulate.shaped_link import ShapedLink, link_seconds_per_byte, over_link, overlap_rate_over_link, wire_share
 from tandem.ubatch import split_by_tokens
 
-SBO_MODES = {"sbo-dispatch-shared": "dispatch-shared", "sbo-combine-shared": "combine-shared", block_combine.MODE: "combine-down-gemm"}
+SBO_MODES = {"sbo-dispatch-shared": "dispatch-shared", "sbo-combine-shared": "combine-shared", block_combine.MODE: COMBINE_DOWN_GEMM}
 HEAD = Step(-1, "head")
 
 
@@ -160,9 +162,10 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     # for it, as none's does; what the other ubatch queued during the yield runs beside it.
     holds_host = alone.backend().yields_in_send
     joins = holds_host and mode.startswith("dbo") and _ubatches(mode) > 1
+    blocks = 1
     if mode == block_combine.MODE:
         block_combine.refuse_without_block_combine(alone.backend(), hw.name)
-    blocks = block_combine.block_count(alone)
+        blocks = block_combine.block_count(alone)
     # TBO's operation list issues such a send after its stage's yield (the dispatch's two steps).
     order, works, overlapped = _program(mode, shape, workload, whole, yields_in_send=joins or (holds_host and mode == "tbo"),
                                         blocks=blocks)
@@ -174,13 +177,13 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     # while the other stream is busy.
     shared = OpCosts(shape, hw, layout, sm_share=share, overlapped=True) if overlapped else alone
 
-    def work(u: int, step: Step) -> UBatchWork:
+    def moved_work(u: int, step: Step) -> UBatchWork:
         """The work a step moves: a combine block's share, else its ubatch's."""
         return block_combine.block_work(works[u], blocks) if step.name == block_combine.COMBINE_BLOCK else works[u]
 
     def priced(costs: OpCosts, u: int, step: Step) -> float:
         if step.name in SENDS:
-            return costs.transfer(SENDS[step.name], work(u, step))
+            return costs.transfer(SENDS[step.name], moved_work(u, step))
         if step.name in block_combine.COMPUTE_STEPS:
             return block_combine.block_compute(costs, step.name, works[u], blocks)
         return costs.compute(step.name, works[u])
@@ -196,20 +199,20 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     costs = shared if sync else alone
     if wire is None:
         cost = lambda u, step: priced(costs, u, step)  # noqa: E731
-        kernel = lambda u, step: costs.send_kernel(SENDS[step.name], work(u, step))  # noqa: E731
+        kernel = lambda u, step: costs.send_kernel(SENDS[step.name], moved_work(u, step))  # noqa: E731
         rate = None if sync else overlap_rate
     else:
-        cost, kernel = _over_link(costs, work, wire, priced)
+        cost, kernel = _over_link(costs, moved_work, wire, priced)
         rate = None if sync else overlap_rate_over_link(hw)
     spans = play(order, cost, sync_comm=sync or joins, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
-                 kernel=kernel, overlap_rate=rate, host_wait=lambda u, step: costs.host_wait(SENDS[step.name], work(u, step)))
+                 kernel=kernel, overlap_rate=rate, host_wait=lambda u, step: costs.host_wait(SENDS[step.name], moved_work(u, step)))
     end = max(s.end for s in spans)
     compute = sum(s.end - s.start for s in spans if s.lane == "compute")
     comm = sum(s.end - s.start for s in spans if s.lane == "comm")
     return ModeResult(mode, end, workload.output_tokens, compute, comm, spans)
 
 
-def _over_link(costs: OpCosts, work, seconds_per_byte: float, priced):
+def _over_link(costs: OpCosts, work: Callable[[int, Step], UBatchWork], seconds_per_byte: float, priced):
     """(cost, kernel) of `play` over a shaped link: a send's CPU part (the host's measured
     transfer line) is its kernel on the compute stream, its bytes leaving the rank at the link's
     seconds per byte the transfer on the comm stream (`simulate.shaped_link`); `work(u, step)`: the
