@@ -66,8 +66,6 @@ from real_links_predict import auto_prior, format_predictions, measure_host, pre
 MODES = ["none", "dbo", "dbo-greenlet", "tbo", "sbo-combine-down-gemm", "sbo-combine-shared", "sbo-dispatch-shared", "auto"]
 #: comm / compute targets of the three link rates.
 TARGET_RATIOS = (0.5, 1.0, 2.0)
-#: The link rate the run measures compute under a transfer at (`_run_compute_under_transfer`).
-UNDER_TRANSFER_MBIT = 400.0
 RESULT = HERE / "results" / "real_links.json"
 #: The host profile the driver hands the ranks, in the control directory.
 HOST_PROFILE_FILE = "host_profile.json"
@@ -88,9 +86,11 @@ def full_plan() -> dict:
         "ratios": list(TARGET_RATIOS),
         #: Rounds per row not kept: the auto planner's first step (decided by its prior alone) is one.
         "warmup": 1,
-        "repeat": 3,
+        "repeat": 5,
         "compute_repeat": 5,
         "probe_mbit": 400.0,
+        #: The rate compute under a transfer is measured at, once for the run.
+        "under_transfer_mbit": 400.0,
         "context_len": 256,
         "threads": 1,
     }
@@ -184,6 +184,7 @@ def _compute_alone(workload, tokens: int, n: int) -> float | None:
     prediction that misses says which of the two it missed."""
     if getattr(workload, "stack", None) is None:
         return None
+    _steps(workload, "compute", tokens, 1)  # its first step builds the local kernels
     return _median(_steps(workload, "compute", tokens, n))
 
 
@@ -389,15 +390,17 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
     # The wire at 2x the loop's time alone, at the nominal rate: the loop runs under it throughout.
     rows = max(world, int(2.0 * alone_s * rate_mbit * 1e6 / 8 / 4096 * world / (world - 1)))
     payload, out = torch.randn(rows, 1024), torch.empty(rows, 1024)
-    alone, busy, overlapped = [], [], []
+    alone, busy, overlapped, beside = [], [], [], []
     for _ in range(repeat):
         dist.barrier()
         alone.append(loop())
         dist.barrier()
+        start = time.perf_counter()
         work = dist.all_to_all_single(out, payload, async_op=True)
         busy.append(loop())
         overlapped.append(not work.is_completed())
         work.wait()
+        beside.append(time.perf_counter() - start)
     wire = []
     for _ in range(3):
         dist.barrier()
@@ -408,18 +411,23 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
     rate = _median(alone) / _median(busy)
     log(f"  compute under a transfer at {rate_mbit:.0f} Mbit/s: {_median(busy) * 1e3:.1f} ms against "
         f"{_median(alone) * 1e3:.1f} ms alone (rate {rate:.2f}; the wire outlasted the loop {sum(overlapped)} of {repeat})")
+    # The transfer ran beside the loop for the loop's time, then alone: what it did not move
+    # while the loop ran is the share of its pace compute took from it.
+    wire_rate = min(max((_median(wire) - (_median(beside) - _median(busy))) / _median(busy), 0.05), 1.0)
+    log(f"  the transfer beside the loop: {_median(beside) * 1e3:.1f} ms against {_median(wire) * 1e3:.1f} ms alone "
+        f"(the wire kept {wire_rate:.2f} of its pace while compute ran)")
     return {"rate_mbit": rate_mbit, "alone_s": alone, "under_transfer_s": busy, "outlasted": overlapped, "rate": rate,
-            "wire_s": wire, "wire_seconds_per_byte": _median(wire) / leaving}
+            "wire_s": wire, "wire_seconds_per_byte": _median(wire) / leaving, "beside_loop_s": beside, "wire_rate": wire_rate}
 
 
 def _run_compute_under_transfer(plan: dict, control: Control | None, log) -> dict:
-    """`_compute_under_transfer` once for the whole run, at `UNDER_TRANSFER_MBIT`: what a
+    """`_compute_under_transfer` once for the whole run, at the plan's `under_transfer_mbit`: what a
     transfer's packets take from compute is the host's, not a job's, and a rate where the loss
     is well above the noise measures it best (a job's low probe rate left it at 1.00, no loss,
     where the same run measured 0.47-0.58 at 200 Mbit/s)."""
     import torch.distributed as dist
 
-    rate = plan.get("under_transfer_mbit", UNDER_TRANSFER_MBIT)
+    rate = plan["under_transfer_mbit"]
     log(f"compute under a transfer, once for the run at {rate:.0f} Mbit/s")
     if control is not None:
         control.request(rate_mbit=rate)

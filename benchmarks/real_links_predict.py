@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 
 
@@ -133,7 +134,14 @@ class CalibratedJob:
         job's compute-under-transfer measurement where it has one."""
         link = _link(self.job, rate_mbit, self.probe_seconds_per_byte)
         cpu_per_byte, cpu_how = _wire_cpu_per_byte(self.job, self.probe_seconds_per_byte)
-        return link if cpu_per_byte is None else link.with_cpu_per_byte(cpu_per_byte, cpu_how)
+        link = link if cpu_per_byte is None else link.with_cpu_per_byte(cpu_per_byte, cpu_how)
+        under = self.job.get("compute_under_transfer") or {}
+        if "wire_rate" not in under:  # a run before the wire's side was measured
+            return link
+        how = (f"an all-to-all issued beside a matmul loop on both ranks took {_median_ms(under['beside_loop_s'])} ms, "
+               f"{_median_ms(under['wire_s'])} alone, the loop {_median_ms(under['under_transfer_s'])} of it, at "
+               f"{under['rate_mbit']:.0f} Mbit/s: the wire kept {under['wire_rate']:.2f} of its pace while the loop ran")
+        return link.with_wire_rate(under["wire_rate"], how)
 
 
 def predict_job(job: dict, plan: dict, host: dict) -> dict:
@@ -204,8 +212,10 @@ def _play(model: str, args: dict, base, host: dict, link, modes: list[str]) -> d
     out = {"step": _steps_s(model, over_link(base, link), args, sims, busy), "busy": busy,
            "greenlet": _steps_s(model, greenlet, args, ["dbo"]) if "dbo-greenlet" in modes else {},
            "no_switch": _steps_s(model, over_link(free_switch, link), args, sims),
-           # Free hand-overs and packets that take no CPU: what the wire's CPU adds is the difference.
-           "no_packet_cpu": _steps_s(model, over_link(free_switch, dataclasses.replace(link, compute_rate=1.0)), args, sims),
+           # Free hand-overs, packets that take no CPU and a wire compute does not slow: what the
+           # transfers and compute take from each other on the cores is the difference.
+           "no_packet_cpu": _steps_s(model, over_link(free_switch, dataclasses.replace(link, compute_rate=1.0, wire_rate=1.0)),
+                                     args, sims),
            "unshaped": _steps_s(model, free_switch, args, sims)}
     out["compute"] = out["unshaped"]["none"]
     out["comm"] = out["step"]["none"] - out["compute"]
@@ -216,6 +226,10 @@ def _mode_step(played: dict, mode: str) -> float:
     return played["greenlet"]["dbo"] if mode == "dbo-greenlet" else played["step"][SIMULATED[mode]]
 
 
+def _median_ms(samples: list[float]) -> str:
+    return f"{statistics.median(samples) * 1e3:.1f}"
+
+
 def _wire_cpu_per_byte(job: dict, probe_s_per_byte: float) -> tuple[float | None, str]:
     """CPU seconds per wire byte from the run's `_compute_under_transfer`: the share of a core the
     loop lost while the transfer trickled through, over the wire's seconds per byte at that rate
@@ -223,8 +237,9 @@ def _wire_cpu_per_byte(job: dict, probe_s_per_byte: float) -> tuple[float | None
     under = job.get("compute_under_transfer")
     if not under:
         return None, ""
-    # The wire as the measurement's own all-to-all timed it; a run before that took the job's link.
-    at = under.get("wire_seconds_per_byte") or _link(job, under["rate_mbit"], probe_s_per_byte).seconds_per_byte
+    # In the job's link's units (its calibrated seconds per byte), which `with_cpu_per_byte`
+    # divides by at each row's rate: at the measurement's own rate the loss is the measured one.
+    at = _link(job, under["rate_mbit"], probe_s_per_byte).seconds_per_byte
     lost = 1.0 - min(under["rate"], 1.0)
     how = (f"a matmul loop on both ranks kept {under['rate']:.2f} of its core while an all-to-all outlasted it on "
            f"the wire at {under['rate_mbit']:.0f} Mbit/s ({at * 1e9:.1f} ns per byte there)")

@@ -29,7 +29,7 @@ def test_real_links_runs_on_shaped_namespace_hosts_and_dbo_changes_no_output(tmp
     plan = {
         "jobs": [{"workload": "moe-stack", "phase": "prefill", "tokens": 32, "shape": {"hidden": 128, "intermediate": 64, "layers": 2}}],
         "modes": ["none", "dbo"], "ratios": [1.0], "warmup": 0, "repeat": 1, "compute_repeat": 1,
-        "probe_mbit": 50.0, "context_len": 64, "threads": 1, "one_host": False,
+        "probe_mbit": 50.0, "under_transfer_mbit": 50.0, "context_len": 64, "threads": 1, "one_host": False,
     }
     out = tmp_path / "real_links.json"
     result = subprocess.run(
@@ -46,6 +46,11 @@ def test_real_links_runs_on_shaped_namespace_hosts_and_dbo_changes_no_output(tmp
     assert row["vs_none"]["none"] == 1.0 and all(v > 0 for v in row["step_s"].values())
     # The rate the driver set on the link is the row's rate (then the link is unshaped again).
     assert row["rate_mbit"] in data["link"]["rates_set_mbit"] and data["link"]["rates_set_mbit"][-1] is None
+    # Compute under a transfer is measured once, first, at the plan's rate, and kept with each job;
+    # the job also timed its compute-only step, which the unshaped none step's transfers add to.
+    under = job["compute_under_transfer"]
+    assert data["link"]["rates_set_mbit"][0] == under["rate_mbit"] == 50.0 and 0 < under["wire_rate"] <= 1
+    assert 0 < job["compute_alone_s"] < job["unshaped_none_s"] + 1.0
     # DBO over the real link gives exactly the unsplit outputs.
     assert job["outputs"]["max_abs_diff"] < 1e-5 and job["outputs"]["none_sum"] == pytest.approx(job["outputs"]["dbo_sum"], rel=1e-5)
     assert "moe-stack prefill" in result.stdout and "goals:" in result.stdout

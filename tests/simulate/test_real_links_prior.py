@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem import tune_sweep
 from tandem.config import OverlapConfig
 from tandem.simulate import simulate
 from tandem.simulate.prior import agreed_document, simulated_step_tune
@@ -37,7 +38,7 @@ def _real_links_predict():
 def test_a_step_document_holds_the_simulated_none_and_dbo_under_the_phase_it_is_costed_as():
     hw = given_host(2, small_rate=100e9, switch_s=1e-3)
     document = simulated_step_tune("moe-stack", hw, ranks=2, num_ubatches=2, phase="prefill", tokens_per_rank=128,
-                                   context=1, margin=0.03, costed_as="decode")
+                                   context=1, margin=tune_sweep.MARGIN, costed_as="decode")
     none, dbo = simulate("moe-stack", hw, ep=2, phase="prefill", tokens_per_rank=128, context=1,
                          modes=["none", "dbo2"]).results
     (row,) = document["sweep"]["decode"]
@@ -56,7 +57,7 @@ def test_a_step_document_holds_the_simulated_none_and_dbo_under_the_phase_it_is_
 def test_a_step_is_costed_as_decode_or_prefill():
     with pytest.raises(ValueError, match="costed as one of decode, prefill"):
         simulated_step_tune("moe-stack", given_host(2, small_rate=100e9, switch_s=0.0), ranks=2, num_ubatches=2,
-                            phase="decode", tokens_per_rank=8, context=1, margin=0.03, costed_as="verify")
+                            phase="decode", tokens_per_rank=8, context=1, margin=tune_sweep.MARGIN, costed_as="verify")
 
 
 @pytest.mark.skipif(not SAVED_RUN.exists(), reason="no saved real_links run")
@@ -78,6 +79,22 @@ def test_auto_starts_at_each_row_from_the_steps_that_row_predicts_for_none_and_d
         assert f"{row['rate_mbit']:g} Mbit/s link" in document["config"]["simulated"]["hardware"]
         return
     pytest.skip("the saved run has no moe-stack prefill job")
+
+
+@pytest.mark.skipif(not SAVED_RUN.exists(), reason="no saved real_links run")
+def test_a_rows_link_loses_at_the_measured_rate_what_the_measurement_lost():
+    """The run's compute-under-transfer (a loop kept 0.7 of its core at 300 Mbit/s; the wire
+    kept 0.8 of its pace beside it) on a saved job: the job's link at 300 Mbit/s gives compute
+    0.7, a slower link less loss (the packets' CPU is per byte), and the wire its 0.8."""
+    rlp = _real_links_predict()
+    saved = json.loads(SAVED_RUN.read_text())
+    job = next(j for j in saved["jobs"] if j["workload"] == "moe-stack" and j["phase"] == "prefill")
+    under = {"rate_mbit": 300.0, "rate": 0.7, "wire_rate": 0.8, "beside_loop_s": [0.3], "wire_s": [0.25],
+             "under_transfer_s": [0.1]}
+    c = rlp.CalibratedJob.of({**job, "compute_under_transfer": under}, saved["plan"], saved["host_profile"])
+    at, slower = c.link(300.0), c.link(150.0)
+    assert at.compute_rate == pytest.approx(0.7, rel=1e-9) and at.wire_rate == 0.8
+    assert 0.7 < slower.compute_rate < 1.0 and slower.wire_rate == 0.8
 
 
 def test_a_custom_stack_shape_gets_no_prior():

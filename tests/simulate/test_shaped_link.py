@@ -166,3 +166,17 @@ def test_compute_under_a_transfer_runs_at_the_links_compute_rate():
     slowed = play(order, cost, sync_comm=False, overlap_rate=overlap_rate_over_link(hw))
     assert max(s.end for s in slowed) == pytest.approx(5.0)
     assert max(s.end for s in play(order, cost, sync_comm=False, overlap_rate=overlap_rate_over_link(free_host()))) == 4.0
+
+
+def test_a_transfer_beside_compute_keeps_the_links_wire_rate():
+    # ubatch 0 sends (4 ms alone), ubatch 1 computes 3 ms meanwhile: at half its pace for those
+    # 3 ms the wire moves 1.5 ms of its bytes, the last 2.5 ms alone: it lands at 5.5 ms, and
+    # compute, which keeps its whole core here, ends at 3.
+    order = [(0, Step(0, "dispatch_send")), (1, Step(0, "attn_core")), (0, Step(0, "dispatch_recv"))]
+    costs = {"dispatch_send": 4.0, "attn_core": 3.0}
+    link = ShapedLink(100.0, 1e-9, "test").with_wire_rate(0.5, "test")
+    assert link.wire_rate == 0.5 and link.wire_rate_source == "measured in this run: test"
+    spans = play(order, lambda u, s: costs[s.name], sync_comm=False, overlap_rate=overlap_rate_over_link(over_link(free_host(), link)))
+    assert {s.step.name: s.end for s in spans} == pytest.approx({"dispatch_send": 5.5, "attn_core": 3.0})
+    with pytest.raises(ValueError, match="wire rate under compute"):
+        link.with_wire_rate(0.0, "test")

@@ -10,7 +10,9 @@ transfer there is two parts:
   on the comm stream, so `none` waits for it and an overlapped mode can hide it. Its packets
   still cost the cores something as they trickle through (per packet, where an unshaped link
   moves large segments): with a measured `compute_rate` < 1, compute runs at that share of its
-  core while a transfer is on the wire (`schedule.play`'s overlap rate).
+  core while a transfer is on the wire (`schedule.play`'s overlap rate). The other way round,
+  the transfer's own threads (gloo's, the kernel's TCP work) share the core with compute: with a
+  measured `wire_rate` < 1 the wire keeps that share of its pace while compute runs.
 
 `run.simulate_mode` plays a send on such a profile as `schedule.play`'s kernel-then-transfer:
 the CPU part on the compute stream, then the wire part on the comm stream.
@@ -26,6 +28,7 @@ wire per 1448 of TCP payload at MTU 1500, at the set rate) or the link's measure
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -44,6 +47,8 @@ COMPUTE_RATE_FIGURE = "link_compute_rate"
 #: ksoftirqd, a normal thread the scheduler shares the core with fairly (Linux, kernel/softirq.c:
 #: MAX_SOFTIRQ_TIME 2 ms, MAX_SOFTIRQ_RESTART 10), so a faster link slows the wire, not compute.
 FAIR_SHARE = 0.5
+#: The share of its pace the wire keeps while compute runs (1: compute takes none).
+WIRE_RATE_FIGURE = "link_wire_rate"
 
 
 def _check_rate(name: str, mbit: float) -> float:
@@ -64,10 +69,14 @@ class ShapedLink:
     #: The share of its core compute keeps while a transfer is on the wire, and where that comes from.
     compute_rate: float = 1.0
     compute_rate_source: str = "derived: a transfer on the wire takes no CPU from compute (not measured)"
+    #: The share of its pace the wire keeps while compute runs, and where that comes from.
+    wire_rate: float = 1.0
+    wire_rate_source: str = "derived: compute takes nothing from the wire (not measured)"
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.compute_rate) and 0.0 < self.compute_rate <= 1.0):
-            raise ValueError(f"the compute rate under a transfer must be in (0, 1], got {self.compute_rate!r}")
+        for name, value in (("compute rate under a transfer", self.compute_rate), ("wire rate under compute", self.wire_rate)):
+            if not (math.isfinite(value) and 0.0 < value <= 1.0):
+                raise ValueError(f"the {name} must be in (0, 1], got {value!r}")
 
     @classmethod
     def nominal(cls, rate_mbit: float) -> ShapedLink:
@@ -106,13 +115,19 @@ class ShapedLink:
         rate = max(1.0 - cpu_seconds_per_byte / self.seconds_per_byte, FAIR_SHARE)
         source = (f"measured in this run: {how}; {cpu_seconds_per_byte * 1e9:.2f} ns of a core per byte on the wire, "
                   f"over {self.seconds_per_byte * 1e9:.2f} ns per byte at {self.rate_mbit:g} Mbit/s")
-        return ShapedLink(self.rate_mbit, self.seconds_per_byte, self.source, rate, source)
+        return dataclasses.replace(self, compute_rate=rate, compute_rate_source=source)
+
+    def with_wire_rate(self, wire_rate: float, how: str) -> ShapedLink:
+        """This link with the wire keeping `wire_rate` of its pace while compute runs (the
+        transfer's threads sharing the core with it), measured as `how` says."""
+        return dataclasses.replace(self, wire_rate=wire_rate, wire_rate_source=f"measured in this run: {how}")
 
     def figures(self) -> dict[str, tuple[float, str]]:
         return {
             RATE_FIGURE: (self.rate_mbit, "given: the tbf rate the link is set to"),
             LINK_FIGURE: (self.seconds_per_byte, self.source),
             COMPUTE_RATE_FIGURE: (self.compute_rate, self.compute_rate_source),
+            WIRE_RATE_FIGURE: (self.wire_rate, self.wire_rate_source),
         }
 
 
@@ -140,16 +155,21 @@ def link_compute_rate(hw: HardwareProfile) -> float:
     return float(hw.figures.get(COMPUTE_RATE_FIGURE, 1.0))
 
 
+def link_wire_rate(hw: HardwareProfile) -> float:
+    """The share of its pace the wire keeps while compute runs (1 without a measured one)."""
+    return float(hw.figures.get(WIRE_RATE_FIGURE, 1.0))
+
+
 def overlap_rate_over_link(hw: HardwareProfile):
     """`schedule.play`'s overlap rate on the profile's link: a compute op keeps
-    `link_compute_rate` of its core while a transfer is on the wire, the wire keeps its pace;
-    None where compute keeps all of it."""
+    `link_compute_rate` of its core while a transfer is on the wire, a transfer keeps
+    `link_wire_rate` of its pace while compute runs; None where both keep all of it."""
     from tandem.simulate.ops import SENDS
 
-    rate = link_compute_rate(hw)
-    if rate >= 1.0:
+    rate, wire = link_compute_rate(hw), link_wire_rate(hw)
+    if rate >= 1.0 and wire >= 1.0:
         return None
-    return lambda u, step: 1.0 if step.name in SENDS else rate
+    return lambda u, step: wire if step.name in SENDS else rate
 
 
 def wire_share(ep: int) -> float:
@@ -158,5 +178,6 @@ def wire_share(ep: int) -> float:
     return (ep - 1) / ep if ep > 1 else 0.0
 
 
-__all__ = ["COMPUTE_RATE_FIGURE", "FRAME_PAYLOAD_BYTES", "FRAME_WIRE_BYTES", "LINK_FIGURE", "ShapedLink",
-           "link_compute_rate", "link_seconds_per_byte", "over_link", "overlap_rate_over_link", "wire_share"]
+__all__ = ["COMPUTE_RATE_FIGURE", "FRAME_PAYLOAD_BYTES", "FRAME_WIRE_BYTES", "LINK_FIGURE", "WIRE_RATE_FIGURE", "ShapedLink",
+           "link_compute_rate", "link_seconds_per_byte", "link_wire_rate", "over_link", "overlap_rate_over_link",
+           "wire_share"]
