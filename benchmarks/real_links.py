@@ -294,8 +294,8 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
     log(f"  compute (unshaped none step) {compute_s * 1e3:.1f} ms")
     alone_s = _compute_alone(workload, tokens, plan["compute_repeat"])
     if alone_s is not None:
-        log(f"  compute alone (experts local, no transfer) {alone_s * 1e3:.1f} ms: the transfers' CPU over the "
-            f"unshaped veth is {(compute_s - alone_s) * 1e3:.1f} ms of the none step")
+        log(f"  compute alone (experts local, no transfer) {alone_s * 1e3:.1f} ms: the transfers over the unshaped "
+            f"veth and the step's agreement are {(compute_s - alone_s) * 1e3:.1f} ms of the none step")
     veth_line = _veth_line(rank, world, log)
 
     # Calibration: the none step at two probe rates. A probe that leaves comm tiny next to

@@ -163,9 +163,12 @@ def predict_job(job: dict, plan: dict, host: dict) -> dict:
 
 
 def _unshaped_split(c: CalibratedJob) -> dict | None:
-    """The job's unshaped none step split into compute alone and the transfers' CPU, measured
-    (the step and the compute-only step at the job's start) and predicted (the step on the job's
-    profile, and on it with transfers free); None where the job measured no compute-only step."""
+    """The job's unshaped none step split into compute alone and what the transfers add to it,
+    measured (the step and the compute-only step at the job's start) and predicted (the step on
+    the job's profile, and on it with transfers free); None where the job measured no
+    compute-only step. The measured part also holds the step's agreement all-reduce (the none
+    step agrees with the other rank first, the compute-only step does not), which the
+    simulator does not price."""
     measured_alone = c.job.get("compute_alone_s")
     if measured_alone is None or c.job.get("unshaped_none_s") is None:
         return None
@@ -364,8 +367,8 @@ def format_predictions(predictions: dict, host: dict) -> str:
         if split := job.get("unshaped_split"):
             a, t = split["compute_alone_s"], split["transfer_cpu_s"]
             lines.append(f"  unshaped none step: compute alone {a['measured'] * 1e3:.0f} / {a['predicted'] * 1e3:.0f} ms "
-                         f"({a['predicted'] / a['measured'] - 1:+.1%}), the transfers' CPU {t['measured'] * 1e3:.0f} / "
-                         f"{t['predicted'] * 1e3:.0f} ms (measured / predicted)")
+                         f"({a['predicted'] / a['measured'] - 1:+.1%}), the transfers (and the step's agreement) "
+                         f"{t['measured'] * 1e3:.0f} / {t['predicted'] * 1e3:.0f} ms (measured / predicted)")
         lines.append(f"{'Mbit/s':>7} {'mode':<20}{'meas ms':>9}{'pred ms':>9}{'error':>8}{'+-10%':>6}{'sign m/p':>10}"
                      f"{'at meas. C':>16}{'busy m / p':>13}  simulated terms above the floor (ms)")
         for r in job["rows"]:
