@@ -37,7 +37,7 @@ alike: their choices are agreed from their predictions), a fresh planner per row
 the prior and the choice auto ran at every step; the goals put auto against the best static
 mode and the best of none and dbo, and say where the repeats do not resolve 1.03x.
 
-    sudo python benchmarks/real_links.py            # full run (~12 min on 2 cores)
+    sudo python benchmarks/real_links.py            # full run (~7 min on 2 cores, 5 repeats a row)
     python benchmarks/real_links.py --predict benchmarks/results/real_links.json   # predict a saved run again
     sudo python benchmarks/real_links.py --quick    # smoke run: small shapes, one rate
 
