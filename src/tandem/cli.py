@@ -9,8 +9,8 @@ import typer
 from tandem import tune_sweep
 from tandem.cli_bench import (
     BENCH_CONTEXT_LEN, BENCH_DEFAULTS, BENCH_FLAGS, BENCH_HELPS, BENCH_PREFILL_LEN, BENCH_REPEAT, BENCH_WARMUP,
-    TUNE_SIMULATE, auto_prior, bench_spec, describe_transport, int_list, run_bench_sweep, tune_simulated,
-    write_thresholds,
+    TUNE_SIMULATE, auto_prior, bench_spec, describe_transport, int_list, print_simulation, run_bench_sweep,
+    tune_simulated, write_thresholds,
 )
 from tandem.cli_config import build_config, one_model, torchrun_parallel, torchrun_world
 from tandem.cli_options import ENGINE_SECTIONS, Flags, config_command
@@ -339,13 +339,17 @@ def simulate(
         None, help="With --hardware here: the ranks joined by a link shaped to this many Mbit/s (tbf's rate, whole "
         "frames): each transfer's CPU part as measured here, plus its bytes on that link, which overlap can hide.",
     ),
+    host_step_ms: float = typer.Option(
+        None, help="The engine's CPU work a step outside the forward (scheduling, output processing), in ms: adds each "
+        "mode's step under the normal and the overlapped scheduler loop. No default: tandem has no GPU figure.",
+    ),
 ) -> None:
     """One step per rank under each overlap mode: step time, tokens/s/GPU, speed-up over none,
     and the floor max(compute, comm). The layer structure comes from the model config as the
     runtime reads it, the schedules from the runtime's own operation lists and MoE kernel, the
     hardware from a profile of public figures (each cited in its file) or, with --hardware here,
     from this host measured in the same run. See docs/simulate.md."""
-    from tandem.simulate import format_table, format_validation, simulate as run, validation_rows, write_timelines, write_trace
+    from tandem.simulate import simulate as run
     from tandem.simulate.hardware import HERE
 
     try:
@@ -354,18 +358,11 @@ def simulate(
                              "host; benchmarks/simulate_here.py checks --hardware here against tandem bench")
         sim = run(model, hardware, ep=ep, phase=phase, tokens_per_rank=tokens_per_rank, context=context,
                   modes=[m for m in modes.split(",") if m.strip()], draft_tokens=draft_tokens, acceptance=acceptance,
-                  link_mbit=link_mbit)
+                  link_mbit=link_mbit, host_step_ms=host_step_ms)
     except (ValueError, OSError) as exc:
         print(f"[tandem] error: {exc}", file=sys.stderr, flush=True)
         raise typer.Exit(code=2) from None
-    print(format_table(sim))
-    if validate:
-        print("\n" + format_validation(validation_rows(hardware)))
-    if trace:
-        print(f"wrote {write_trace(trace, sim)}", file=sys.stderr)
-    if timeline:
-        for path in write_timelines(timeline, sim):
-            print(f"wrote {path}", file=sys.stderr)
+    print_simulation(sim, validate=hardware if validate else None, trace=trace, timeline=timeline)
 
 
 @app.command(short_help="Where one prefill and one decode step spend their time, per module, against the roofline.")

@@ -152,6 +152,25 @@ def tune_simulated(hardware: str, flags: dict, *, output: str, grids: dict[str, 
     write_thresholds(output, decisions, document)
 
 
+def print_simulation(sim, *, validate: str | None, trace: str | None, timeline: str | None) -> None:
+    """`tandem simulate`'s output: the table (with a host figure, the scheduler loops' below it;
+    without, one line on stderr saying the loop was not simulated), the validation on the
+    `validate` profile, the Chrome trace and the timelines."""
+    from tandem.simulate import format_table, format_validation, validation_rows, write_timelines, write_trace
+    from tandem.simulate.host_loop import format_loops
+
+    print(format_table(sim))
+    if sim.host_step_s is None:
+        print(format_loops(sim), file=sys.stderr)
+    if validate:
+        print("\n" + format_validation(validation_rows(validate)))
+    if trace:
+        print(f"wrote {write_trace(trace, sim)}", file=sys.stderr)
+    if timeline:
+        for path in write_timelines(timeline, sim):
+            print(f"wrote {path}", file=sys.stderr)
+
+
 def write_thresholds(output: str, decisions: list, document: dict) -> None:
     """Print `tune`'s verdicts, write its thresholds file and say how to use it."""
     from tandem.bench.tune import NEVER, format_decisions

@@ -156,7 +156,7 @@ def test_the_cli_plays_it_on_here_and_refuses_it_on_a_gpu(monkeypatch):
     result = CliRunner().invoke(app, ["simulate", "--hardware", "here", *stack, "--modes", f"none,{DOWN_GEMM}",
                                       "--link-mbit", "1000"], terminal_width=200)
     assert result.exit_code == 0, result.output
-    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[2:]}
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
     assert set(rows) == {"none", DOWN_GEMM}
     refused = CliRunner().invoke(app, ["simulate", "--hardware", "h800", "--modes", DOWN_GEMM], terminal_width=200)
     assert refused.exit_code == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tandem.simulate.host_loop import format_loops
 from tandem.simulate.run import Simulation, simulate
 
 #: DeepSeek-V3 on H800 in DeepSeek's published settings (deepseek-ai/profile-data README:
@@ -20,6 +21,8 @@ PUBLISHED = (
 
 
 def format_table(sim: Simulation) -> str:
+    """Each mode's step; with a host figure (`host_step_ms`), below it each mode's step under
+    the normal and the overlapped scheduler loop (`host_loop.format_loops`)."""
     w, lay = sim.workload, sim.layout
     if sim.hardware.transfers_on_compute:
         kernels = "gloo transfers on the computing cores"
@@ -36,7 +39,8 @@ def format_table(sim: Simulation) -> str:
             f"{r.mode:<22}{r.step_s * 1e3:>10.2f}{r.tokens_per_s:>12.0f}{'' if speed is None else f'{speed:.2f}x':>9}"
             f"{r.compute_s * 1e3:>12.2f}{r.comm_s * 1e3:>10.2f}{r.floor_s * 1e3:>10.2f}{r.step_s / r.floor_s:>8.2f}x"
         )
-    return "\n".join([head, *rows])
+    table = "\n".join([head, *rows])
+    return table if sim.host_step_s is None else f"{table}\n\n{format_loops(sim)}"
 
 
 def validation_rows(hardware: str = "h800") -> list[dict]:

@@ -27,6 +27,7 @@ from tandem.modular_kernels.sbo import COMBINE_DOWN_GEMM
 from tandem.simulate import block_combine
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host import resolve_hardware
+from tandem.simulate.host_loop import SchedulerLoops, host_step_seconds, scheduler_loops
 from tandem.simulate.model_shape import ModelShape, model_shape
 from tandem.simulate.ops import SENDS, Layout, OpCosts, UBatchWork
 from tandem.simulate.schedule import Span, Step, issue_order, layer_steps, play, tbo_program
@@ -100,6 +101,8 @@ class ModeResult:
     compute_s: float
     comm_s: float
     spans: list[Span] = field(repr=False)
+    #: The step under the normal and the overlapped scheduler loop (with a host figure only).
+    loops: SchedulerLoops | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,6 +120,8 @@ class Simulation:
     layout: Layout
     workload: Workload
     results: list[ModeResult]
+    #: The engine's CPU work a step outside the forward (`simulate.host_loop`); None: not given.
+    host_step_s: float | None = None
 
     def speedup(self, result: ModeResult) -> float | None:
         base = next((r for r in self.results if r.mode == "none"), None)
@@ -240,6 +245,7 @@ def simulate(
     draft_tokens: int = 0,
     acceptance: float = 0.0,
     link_mbit: float | None = None,
+    host_step_ms: float | None = None,
 ) -> Simulation:
     """Simulate one step per mode. `hardware` is a profile, a profile name or file, or `here`
     (this CPU with `ep` gloo ranks, measured now). `low_latency` (DeepEP's low-latency kernels)
@@ -247,7 +253,10 @@ def simulate(
     so does a host whose cores do the transfers (gloo has no low-latency path). `draft_tokens`
     and `acceptance`: MTP in decode (see `Workload`). `link_mbit`: the ranks joined by a link
     shaped to that rate (`simulate.shaped_link`, nominal; only on a host whose cores move the
-    transfers, as `here`)."""
+    transfers, as `here`). `host_step_ms`: the engine's CPU work a step outside the forward;
+    with it each result's `loops` holds its step under the normal and the overlapped scheduler
+    loop (`simulate.host_loop`)."""
+    host_s = None if host_step_ms is None else host_step_seconds(host_step_ms)  # refused before any measurement
     shape = model_shape(model)
     workload = Workload(phase, tokens_per_rank, context, draft_tokens, acceptance)
     link = None if link_mbit is None else ShapedLink.nominal(link_mbit)  # a bad rate fails before any measurement
@@ -260,7 +269,10 @@ def simulate(
     low_latency = (workload.decode and not gloo) if low_latency is None else low_latency
     layout = Layout(ep=ep, decode=workload.decode, low_latency=low_latency)
     results = [simulate_mode(m.strip(), shape, hw, layout, workload) for m in modes if m.strip()]
-    return Simulation(shape, hw, layout, workload, results)
+    if host_s is not None:
+        for r in results:
+            r.loops = scheduler_loops(r.step_s, r.tokens, host_s, hw)
+    return Simulation(shape, hw, layout, workload, results, host_s)
 
 
 __all__ = ["ModeResult", "SBO_MODES", "Simulation", "Workload", "simulate", "simulate_mode"]
