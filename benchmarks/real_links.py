@@ -296,7 +296,7 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
     if alone_s is not None:
         log(f"  compute alone (experts local, no transfer) {alone_s * 1e3:.1f} ms: the transfers over the unshaped "
             f"veth and the step's agreement are {(compute_s - alone_s) * 1e3:.1f} ms of the none step")
-    veth_line = _veth_line(rank, world, log)
+    veth_line, veth_sync_wait = _veth_line(rank, world, log)
 
     # Calibration: the none step at two probe rates. A probe that leaves comm tiny next to
     # compute measures mostly noise: lower it.
@@ -324,7 +324,7 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
 
     # What the row predictions calibrate from (`predict_job`), known before the first row.
     calibrated = {**job, "probe_mbit": probe, "probe_comm_s": probe_comm, "fit_alpha": alpha,
-                  "veth_line_points": veth_line, "compute_under_transfer": under_transfer,
+                  "veth_line_points": veth_line, "veth_sync_wait_s": veth_sync_wait, "compute_under_transfer": under_transfer,
                   "unshaped_none_s": unshaped_none_s, "compute_alone_s": alone_s}
     rows = []
     for ratio, rate in zip(plan["ratios"], rates):
@@ -443,13 +443,15 @@ def _run_compute_under_transfer(plan: dict, control: Control | None, log) -> dic
 def _veth_line(rank: int, world: int, log) -> dict:
     """The transfers' CPU part on this path: `tandem.simulate.host_link`'s dispatch and combine
     calls between the two namespace hosts over the unshaped veth (no tbf: nothing waits on a
-    rate), (bytes per rank, seconds) on rank 0; its line is what a transfer costs the cores."""
+    rate), (bytes per rank, seconds) on rank 0, whose line is what a transfer costs the cores;
+    and the ranks' skew at those calls (`host_link.sync_wait`)."""
     from tandem.simulate.host_link import TOKENS, rank_calls
 
-    points = rank_calls(rank, world, TOKENS, repeat=7, warmup=2)
+    points, waited = rank_calls(rank, world, TOKENS, repeat=7, warmup=2)
     log("  gloo over the unshaped veth: " + "; ".join(
-        f"{kind} " + ", ".join(f"{b / 1e6:.2f} MB {t * 1e3:.2f} ms" for b, t in pts) for kind, pts in points.items()))
-    return points
+        f"{kind} " + ", ".join(f"{b / 1e6:.2f} MB {t * 1e3:.2f} ms" for b, t in pts) for kind, pts in points.items())
+        + f"; the last rank comes {waited * 1e3:.2f} ms after the ranks' mean")
+    return points, waited
 
 
 def worker_main(args) -> None:

@@ -28,6 +28,8 @@ from tandem.bench.moe_stack import STACK_SHAPE
 from tandem.simulate.line_fit import UNRESOLVED, fit_rates, unresolved
 
 KINDS = ("dispatch", "combine")
+#: The profile's figure for the ranks' skew at a collective call (`sync_wait`), in seconds.
+SYNC_WAIT_FIGURE = "sync_wait_s"
 #: Tokens per rank of the measured calls: a decode ubatch to a large prefill.
 TOKENS = (16, 128, 512)
 
@@ -40,10 +42,12 @@ class LinkFit:
     fixed_s: dict[str, float]
     bytes_per_s: dict[str, float]
     points: dict[str, list[tuple[float, float]]]
+    #: The ranks' skew at a call (`sync_wait`): the wait it adds beyond the line; 0: not measured.
+    sync_wait_s: float = 0.0
 
     @classmethod
-    def from_points(cls, points: dict[str, list[tuple[float, float]]]) -> LinkFit:
-        return cls(*fit_rates(points), points)
+    def from_points(cls, points: dict[str, list[tuple[float, float]]], sync_wait_s: float = 0.0) -> LinkFit:
+        return cls(*fit_rates(points), points, sync_wait_s)
 
     @classmethod
     def copies(cls, bytes_per_s: float) -> LinkFit:
@@ -59,10 +63,12 @@ class LinkFit:
 
 class TimedAllToAll:
     """Times every dispatch (issue to received tokens) and combine (issue to the summed
-    output) of the `torch_a2a` backend it wraps, as (kind, seconds, rows this rank sent)."""
+    output) of the `torch_a2a` backend it wraps, as (kind, seconds, rows this rank sent), and
+    when each was called (`arrivals`, `time.perf_counter`)."""
 
-    def __init__(self, inner, calls: list[tuple[str, float, int]]):
+    def __init__(self, inner, calls: list[tuple[str, float, int]], arrivals: list[float] | None = None):
         self.inner, self.calls = inner, calls
+        self.arrivals = arrivals if arrivals is not None else []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -72,6 +78,7 @@ class TimedAllToAll:
 
     def prepare_async(self, hidden, topk_weights, topk_ids, **kwargs):
         start = time.perf_counter()
+        self.arrivals.append(start)
         hook, receive = self.inner.prepare_async(hidden, topk_weights, topk_ids, **kwargs)
 
         def received():
@@ -86,6 +93,7 @@ class TimedAllToAll:
 
     def finalize_async(self, expert_output, tokens, topk_weights, topk_ids):
         start = time.perf_counter()
+        self.arrivals.append(start)
         hook, receive = self.inner.finalize_async(expert_output, tokens, topk_weights, topk_ids)
 
         def received():
@@ -96,36 +104,55 @@ class TimedAllToAll:
         return hook, received
 
 
-def rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warmup: int) -> dict:
+def rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warmup: int) -> tuple[dict, float]:
     """One rank: (bytes sent per rank, seconds) of each dispatch and combine size, each the
     median of its calls inside `repeat` unsplit MoE-stack steps (after `warmup` more), every
     rank stepping at once; the sizes take turns within each repeat, so a passing load touches
-    them alike."""
+    them alike. Also the ranks' skew (`sync_wait`): how much later than the ranks' mean the last
+    rank reaches each call, median over the calls."""
     import torch.distributed as dist
 
     from tandem.bench.moe_stack import MoEStack
 
     stack = MoEStack(rank, world, backend="torch_a2a")
     calls: list[tuple[str, float, int]] = []
+    arrivals: list[float] = []
     build = stack._kernel
 
     def timed_kernel(layer, **options):
         kernel = build(layer, **options)
-        kernel.prepare_finalize = TimedAllToAll(kernel.prepare_finalize, calls)
+        kernel.prepare_finalize = TimedAllToAll(kernel.prepare_finalize, calls, arrivals)
         return kernel
 
     stack._kernel = timed_kernel
     by_size: dict[int, list[tuple[str, float, int]]] = {t: [] for t in tokens}
+    kept_arrivals: list[float] = []
     for i in range(warmup + repeat):
         for t in tokens:
             dist.barrier()
             calls.clear()
+            arrivals.clear()
             stack.step("none", t, None)
             if i >= warmup:
                 by_size[t].extend(calls)
+                kept_arrivals.extend(arrivals)
     hidden = STACK_SHAPE["hidden"]
-    return {kind: [(float(statistics.median(rows for k, _, rows in by_size[t] if k == kind)) * hidden * 4,
-                    statistics.median(s for k, s, _ in by_size[t] if k == kind)) for t in tokens] for kind in KINDS}
+    points = {kind: [(float(statistics.median(rows for k, _, rows in by_size[t] if k == kind)) * hidden * 4,
+                      statistics.median(s for k, s, _ in by_size[t] if k == kind)) for t in tokens] for kind in KINDS}
+    return points, sync_wait(kept_arrivals, world)
 
 
-__all__ = ["KINDS", "TOKENS", "LinkFit", "TimedAllToAll", "rank_calls"]
+def sync_wait(arrivals: list[float], world: int) -> float:
+    """The ranks' skew at their collective calls: every rank's `arrivals` (one clock: the ranks
+    share a host) gathered, and per call how much later than the ranks' mean the last rank came,
+    median over the calls. A rank that comes first waits that long beyond an even share, and the
+    step is the last rank's (two ranks: half the gap between them)."""
+    import torch.distributed as dist
+
+    every: list = [None] * world
+    dist.all_gather_object(every, arrivals)
+    late = [max(call) - sum(call) / len(call) for call in zip(*every)]
+    return float(statistics.median(late)) if late else 0.0
+
+
+__all__ = ["KINDS", "SYNC_WAIT_FIGURE", "TOKENS", "LinkFit", "TimedAllToAll", "rank_calls", "sync_wait"]
