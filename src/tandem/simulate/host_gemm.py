@@ -21,8 +21,10 @@ COLD_MIN_BYTES = 256 * 2**20
 COLD_UNRESOLVED = "not resolved: the cold pass was not slower than the warm one, priced as free"
 
 
-def small_gemm_rate(size: int, repeat: int = 5) -> float:
-    """FLOP/s of a [SMALL_M, size] x [size, size] float32 matmul (the best of `repeat`)."""
+def small_gemm_rate(size: int, repeat: int = 25) -> float:
+    """FLOP/s of a [SMALL_M, size] x [size, size] float32 matmul (the best of `repeat`: each
+    call is under a millisecond, so a short busy spell on the host can cover all of a few; 5
+    calls once read 2.4x slow, which priced every short GEMM 1.7x dear)."""
     timed = device_timer(torch.device("cpu"))
     a, b = torch.randn(SMALL_M, size), torch.randn(size, size)
     out = torch.empty(SMALL_M, size)
