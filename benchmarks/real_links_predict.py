@@ -62,9 +62,9 @@ def _replaced(hw, **figures):
 
 def _veth_figures(job: dict) -> dict:
     """The transfers' CPU part as the job measured it over the unshaped veth (`_veth_line`), in
-    place of the loopback line, and the ranks' skew there; none where the job has no such
-    measurement."""
-    from tandem.simulate.host_link import SYNC_WAIT_FIGURE, LinkFit
+    place of the loopback line; none where the job has no such measurement. (The ranks' skew it
+    also measured is not priced: rank 0's timed calls already hold its waits for the peer.)"""
+    from tandem.simulate.host_link import LinkFit
 
     points = job.get("veth_line_points")
     if not points:
@@ -73,13 +73,8 @@ def _veth_figures(job: dict) -> dict:
     how = ("measured in this run: the runtime's torch_a2a dispatch and combine between the two namespace hosts over "
            "the unshaped veth (no tbf), float32, median on rank 0, a least-squares line through ("
            + "; ".join(line.describe(kind) for kind in line.points) + ")")
-    figures = {"nvlink_bytes_per_s": (line.bytes_per_s, f"{how}: its slope, per byte sent per rank"),
-               "comm_latency_s": (line.fixed_s, f"{how}: its intercept, fixed per call")}
-    if job.get("veth_sync_wait_s"):  # a run before the skew was measured keeps the host profile's
-        figures[SYNC_WAIT_FIGURE] = (job["veth_sync_wait_s"], (
-            "measured in this run: in the same steps over the unshaped veth, how much later than the ranks' mean the "
-            "last rank called each dispatch and combine, median over the calls"))
-    return figures
+    return {"nvlink_bytes_per_s": (line.bytes_per_s, f"{how}: its slope, per byte sent per rank"),
+            "comm_latency_s": (line.fixed_s, f"{how}: its intercept, fixed per call")}
 
 
 def _sim_args(job: dict, plan: dict) -> dict:

@@ -42,7 +42,7 @@ from tandem.simulate.host_gemm import (
     last_level_cache_bytes,
     small_gemm_rate,
 )
-from tandem.simulate.host_link import SYNC_WAIT_FIGURE, LinkFit
+from tandem.simulate.host_link import LinkFit
 from tandem.simulate.host_ranks import measure_ranks
 
 
@@ -161,15 +161,10 @@ def _link_figures(link: LinkFit) -> dict:
            "on this host, float32, each call timed where the MoE stack's unsplit step issues it, median time on rank 0 at "
            "a few sizes, a least-squares line through ")
     points = "; ".join(link.describe(kind) for kind in link.points)
-    figures = {
+    return {
         "nvlink_bytes_per_s": (link.bytes_per_s, f"{how}({points}): its slope, per byte sent per rank"),
         "comm_latency_s": (link.fixed_s, f"{how}({points}): its intercept, fixed per call"),
     }
-    if link.sync_wait_s > 0:
-        figures[SYNC_WAIT_FIGURE] = (link.sync_wait_s, (
-            "measured in this run (simulate.host_link.sync_wait): in the same steps, every rank stamped when it called "
-            "each dispatch and combine; how much later than the ranks' mean the last rank came, median over the calls"))
-    return figures
 
 
 def resolve_hardware(name: str, ranks: int) -> HardwareProfile:

@@ -28,8 +28,6 @@ from tandem.bench.moe_stack import STACK_SHAPE
 from tandem.simulate.line_fit import UNRESOLVED, fit_rates, unresolved
 
 KINDS = ("dispatch", "combine")
-#: The profile's figure for the ranks' skew at a collective call (`sync_wait`), in seconds.
-SYNC_WAIT_FIGURE = "sync_wait_s"
 #: Tokens per rank of the measured calls: a decode ubatch to a large prefill.
 TOKENS = (16, 128, 512)
 
@@ -42,12 +40,10 @@ class LinkFit:
     fixed_s: dict[str, float]
     bytes_per_s: dict[str, float]
     points: dict[str, list[tuple[float, float]]]
-    #: The ranks' skew at a call (`sync_wait`): the wait it adds beyond the line; 0: not measured.
-    sync_wait_s: float = 0.0
 
     @classmethod
-    def from_points(cls, points: dict[str, list[tuple[float, float]]], sync_wait_s: float = 0.0) -> LinkFit:
-        return cls(*fit_rates(points), points, sync_wait_s)
+    def from_points(cls, points: dict[str, list[tuple[float, float]]]) -> LinkFit:
+        return cls(*fit_rates(points), points)
 
     @classmethod
     def copies(cls, bytes_per_s: float) -> LinkFit:
@@ -151,8 +147,11 @@ def sync_wait(arrivals: list[float], world: int) -> float:
 
     every: list = [None] * world
     dist.all_gather_object(every, arrivals)
+    if len({len(a) for a in every}) != 1:
+        raise ValueError(f"sync_wait: the ranks made different numbers of calls ({[len(a) for a in every]}), "
+                         "so their arrivals cannot be paired")
     late = [max(call) - sum(call) / len(call) for call in zip(*every)]
     return float(statistics.median(late)) if late else 0.0
 
 
-__all__ = ["KINDS", "SYNC_WAIT_FIGURE", "TOKENS", "LinkFit", "TimedAllToAll", "rank_calls", "sync_wait"]
+__all__ = ["KINDS", "TOKENS", "LinkFit", "TimedAllToAll", "rank_calls", "sync_wait"]

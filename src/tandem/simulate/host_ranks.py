@@ -114,7 +114,7 @@ def measure_ranks(ranks: int, *, matmul_size: int = 1024, tokens: tuple[int, ...
     outputs = run_ranks([argv] * world, [{**env, "RANK": str(r)} for r in range(world)], timeout_s=timeout_s,
                         what="the gloo ranks' measurement (cold weights, elementwise lines, transfers)")
     doc = json.loads(outputs[0])
-    link = LinkFit.from_points({k: [tuple(p) for p in v] for k, v in doc["points"].items()}, doc["sync_wait_s"])
+    link = LinkFit.from_points({k: [tuple(p) for p in v] for k, v in doc["points"].items()})
     fit = None
     if doc["elementwise"] is not None:
         from tandem.simulate.host_elementwise import ElementwiseFit
@@ -157,11 +157,11 @@ def _main(argv: list[str]) -> None:
         size = int(argv[3])
         cold = _rank_cold_rate(size) if size else (0.0, 0)
         elementwise = _rank_elementwise() if int(argv[4]) else None
-        points, waited = rank_calls(rank, world, tuple(int(t) for t in argv[0].split(",")), int(argv[1]), int(argv[2]))
+        points, _ = rank_calls(rank, world, tuple(int(t) for t in argv[0].split(",")), int(argv[1]), int(argv[2]))
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps({"points": points, "sync_wait_s": waited, "cold": cold, "elementwise": elementwise}))
+        print(json.dumps({"points": points, "cold": cold, "elementwise": elementwise}))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from tandem.modular_kernels.sbo import COMBINE_DOWN_GEMM
 from tandem.simulate import block_combine
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host import resolve_hardware
-from tandem.simulate.host_link import SYNC_WAIT_FIGURE
 from tandem.simulate.host_loop import SchedulerLoops, host_step_seconds, scheduler_loops
 from tandem.simulate.model_shape import ModelShape, model_shape
 from tandem.simulate.ops import SENDS, Layout, OpCosts, UBatchWork
@@ -203,15 +202,12 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     # mode; over a shaped link only its CPU part does, and its wire part can be overlapped.
     sync = not overlapped or (hw.transfers_on_compute and wire is None)
     costs = shared if sync else alone
-    # The ranks' skew: a transfer completes when the last rank has come to it, a wait on the
-    # comm stream that the other ubatch's work can hide (a host's measured `sync_wait_s`).
-    skew = float(hw.figures.get(SYNC_WAIT_FIGURE, 0.0))
     if wire is None:
-        cost = lambda u, step: priced(costs, u, step) + (skew if step.name in SENDS else 0.0)  # noqa: E731
+        cost = lambda u, step: priced(costs, u, step)  # noqa: E731
         kernel = lambda u, step: costs.send_kernel(SENDS[step.name], moved_work(u, step))  # noqa: E731
         rate = None if sync else overlap_rate
     else:
-        cost, kernel = _over_link(costs, moved_work, wire, priced, skew)
+        cost, kernel = _over_link(costs, moved_work, wire, priced)
         rate = None if sync else overlap_rate_over_link(hw)
     spans = play(order, cost, sync_comm=sync or joins, switch_s=float(hw.figures.get("ubatch_switch_s", 0.0)),
                  kernel=kernel, overlap_rate=rate, host_wait=lambda u, step: costs.host_wait(SENDS[step.name], moved_work(u, step)))
@@ -221,17 +217,16 @@ def simulate_mode(mode: str, shape: ModelShape, hw: HardwareProfile, layout: Lay
     return ModeResult(mode, end, workload.output_tokens, compute, comm, spans)
 
 
-def _over_link(costs: OpCosts, work: Callable[[int, Step], UBatchWork], seconds_per_byte: float, priced,
-               skew: float = 0.0):
+def _over_link(costs: OpCosts, work: Callable[[int, Step], UBatchWork], seconds_per_byte: float, priced):
     """(cost, kernel) of `play` over a shaped link: a send's CPU part (the host's measured
     transfer line) is its kernel on the compute stream, its bytes leaving the rank at the link's
-    seconds per byte the transfer on the comm stream (`simulate.shaped_link`), after the ranks'
-    `skew`; `work(u, step)`: the work a step moves."""
+    seconds per byte the transfer on the comm stream (`simulate.shaped_link`); `work(u, step)`: the
+    work a step moves."""
     share = wire_share(costs.layout.ep)
 
     def cost(u: int, step: Step) -> float:
         if step.name in SENDS:
-            return costs.transfer_bytes(SENDS[step.name], work(u, step)) * share * seconds_per_byte + skew
+            return costs.transfer_bytes(SENDS[step.name], work(u, step)) * share * seconds_per_byte
         return priced(costs, u, step)
 
     return cost, lambda u, step: priced(costs, u, step)
