@@ -269,7 +269,7 @@ def _run(ops: list[_Op]) -> list[Span]:
 def play(
     order: Sequence[tuple[int, Step]], cost: Callable[[int, Step], float], *, sync_comm: bool, switch_s: float = 0.0,
     kernel: Callable[[int, Step], float] | None = None, overlap_rate: Callable[[int, Step], float] | None = None,
-    host_wait: Callable[[int, Step], float] | None = None,
+    host_wait: Callable[[int, Step], float | None] | None = None,
 ) -> list[Span]:
     """Time an issue order on one compute and one comm stream (see the module docstring):
     `cost` is each op's time alone, `overlap_rate` its progress while the other stream runs,
