@@ -6,8 +6,8 @@ the first rank there waits for the other, and the step is the slower rank's. Thi
 a size on that term. Two gloo ranks over loopback run `tandem bench`'s MoE stack (`none`: the
 runtime's `torch_a2a` dispatch and combine between the layers' GEMMs) and its compute-only
 step (experts local, no transfer), one intra-op thread each, interleaved; every dispatch and
-combine records when its rank called it (`time.perf_counter`, one monotonic clock for both
-processes on one host). Per call: the arrival gap between the ranks (rank 0 minus rank 1) and
+combine records when its rank called it (`simulate.host_link.time_calls`, `time.perf_counter`:
+one monotonic clock for both processes on one host). Per call: the arrival gap between the ranks (rank 0 minus rank 1) and
 its magnitude, median over the steps; per step: the sum of the magnitudes, and the none and
 compute-only steps of each rank (medians).
 
@@ -33,23 +33,17 @@ def _rank(rank: int, world: int, tokens: int, steps: int, warmup: int) -> dict:
     import torch.distributed as dist
 
     from tandem.bench.moe_stack import MoEStack
-    from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
+    from tandem.simulate.host_link import time_calls
 
     torch.set_num_threads(1)
+    calls: list[tuple[str, float, int]] = []
     arrivals: list[float] = []
-    backend = TorchAllToAllPrepareAndFinalize
-
-    def stamped(method):
-        def call(self, *args, **kwargs):
-            arrivals.append(time.perf_counter())
-            return method(self, *args, **kwargs)
-        return call
-
-    backend.prepare_async, backend.finalize_async = stamped(backend.prepare_async), stamped(backend.finalize_async)
     stack = MoEStack(rank, world)
+    time_calls(stack, calls, arrivals)
     out = {"none_s": [], "compute_s": [], "arrivals": []}
     for i in range(warmup + steps):
         dist.barrier()
+        calls.clear()
         arrivals.clear()
         start = time.perf_counter()
         stack.step("none", tokens, None)

@@ -100,6 +100,21 @@ class TimedAllToAll:
         return hook, received
 
 
+def time_calls(stack, calls: list[tuple[str, float, int]], arrivals: list[float]) -> None:
+    """Every kernel with transfers that the MoE stack `stack` builds from now on times them into
+    `calls` and stamps their calls into `arrivals` (`TimedAllToAll`); the compute-only step's
+    local kernels move nothing and are left as built."""
+    build = stack._kernel
+
+    def timed_kernel(layer, **options):
+        kernel = build(layer, **options)
+        if options["comm"]:
+            kernel.prepare_finalize = TimedAllToAll(kernel.prepare_finalize, calls, arrivals)
+        return kernel
+
+    stack._kernel = timed_kernel
+
+
 def rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warmup: int) -> tuple[dict, float]:
     """One rank: (bytes sent per rank, seconds) of each dispatch and combine size, each the
     median of its calls inside `repeat` unsplit MoE-stack steps (after `warmup` more), every
@@ -113,14 +128,7 @@ def rank_calls(rank: int, world: int, tokens: tuple[int, ...], repeat: int, warm
     stack = MoEStack(rank, world, backend="torch_a2a")
     calls: list[tuple[str, float, int]] = []
     arrivals: list[float] = []
-    build = stack._kernel
-
-    def timed_kernel(layer, **options):
-        kernel = build(layer, **options)
-        kernel.prepare_finalize = TimedAllToAll(kernel.prepare_finalize, calls, arrivals)
-        return kernel
-
-    stack._kernel = timed_kernel
+    time_calls(stack, calls, arrivals)
     by_size: dict[int, list[tuple[str, float, int]]] = {t: [] for t in tokens}
     kept_arrivals: list[float] = []
     for i in range(warmup + repeat):
@@ -154,4 +162,4 @@ def sync_wait(arrivals: list[float], world: int) -> float:
     return float(statistics.median(late)) if late else 0.0
 
 
-__all__ = ["KINDS", "TOKENS", "LinkFit", "TimedAllToAll", "rank_calls", "sync_wait"]
+__all__ = ["KINDS", "TOKENS", "LinkFit", "TimedAllToAll", "rank_calls", "sync_wait", "time_calls"]
