@@ -369,8 +369,8 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
     runs them, the two interleaved, median of `repeat`. Their ratio is the rate compute keeps
     while a shaped transfer is in flight: the CPU the transfer takes from the cores as its
     packets trickle through (a transfer merely pending costs none: gloo does not spin). The same
-    all-to-all timed alone gives the wire's seconds per byte it was measured at, so the CPU per
-    byte it implies does not lean on any job's calibration."""
+    all-to-all timed alone, against its time beside the loop, gives the share of its pace the
+    wire keeps while compute runs."""
     import torch
     import torch.distributed as dist
 
@@ -407,7 +407,6 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
         start = time.perf_counter()
         dist.all_to_all_single(out, payload)
         wire.append(time.perf_counter() - start)
-    leaving = payload.numel() * payload.element_size() * (world - 1) / world
     rate = _median(alone) / _median(busy)
     log(f"  compute under a transfer at {rate_mbit:.0f} Mbit/s: {_median(busy) * 1e3:.1f} ms against "
         f"{_median(alone) * 1e3:.1f} ms alone (rate {rate:.2f}; the wire outlasted the loop {sum(overlapped)} of {repeat})")
@@ -419,7 +418,7 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
                f"not resolved: beside the loop it went faster than alone ({kept:.2f}), priced as 1.00")
     log(f"  the transfer beside the loop: {_median(beside) * 1e3:.1f} ms against {_median(wire) * 1e3:.1f} ms alone ({verdict})")
     return {"rate_mbit": rate_mbit, "alone_s": alone, "under_transfer_s": busy, "outlasted": overlapped, "rate": rate,
-            "wire_s": wire, "wire_seconds_per_byte": _median(wire) / leaving, "beside_loop_s": beside, "wire_rate": wire_rate}
+            "wire_s": wire, "beside_loop_s": beside, "wire_rate": wire_rate}
 
 
 def _run_compute_under_transfer(plan: dict, control: Control | None, log) -> dict:

@@ -119,6 +119,8 @@ class CalibratedJob:
     wire_bytes: float
     probe_seconds_per_byte: float
     job: dict
+    #: The simulated none step on `base` (no link: the unshaped step).
+    unshaped_none_s: float
 
     @classmethod
     def of(cls, job: dict, plan: dict, host: dict) -> "CalibratedJob":
@@ -127,8 +129,9 @@ class CalibratedJob:
         model, args = job["workload"], _sim_args(job, plan)
         base = _profile(host, **_veth_figures(job))
         unit = over_link(base, ShapedLink(1.0, 1.0, "one second per byte: the step's wire bytes"))
-        wire_bytes = _steps_s(model, unit, args, ["none"])["none"] - _steps_s(model, base, args, ["none"])["none"]
-        return cls(model, args, base, wire_bytes, job["probe_comm_s"] / wire_bytes, job)
+        unshaped = _steps_s(model, base, args, ["none"])["none"]
+        wire_bytes = _steps_s(model, unit, args, ["none"])["none"] - unshaped
+        return cls(model, args, base, wire_bytes, job["probe_comm_s"] / wire_bytes, job, unshaped)
 
     def link(self, rate_mbit: float):
         """The shaped link at `rate_mbit`: its wire from the probes, the packets' CPU from the
@@ -176,11 +179,10 @@ def _unshaped_split(c: CalibratedJob) -> dict | None:
     f = c.base.figures
     free = _replaced(c.base, comm_latency_s={k: 0.0 for k in f["comm_latency_s"]},
                      nvlink_bytes_per_s={k: float("inf") for k in f["nvlink_bytes_per_s"]})
-    step = _steps_s(c.model, c.base, c.args, ["none"])["none"]
     alone = _steps_s(c.model, free, c.args, ["none"])["none"]
     measured_step = c.job["unshaped_none_s"]
     return {"compute_alone_s": {"measured": measured_alone, "predicted": alone},
-            "transfer_cpu_s": {"measured": measured_step - measured_alone, "predicted": step - alone}}
+            "transfer_cpu_s": {"measured": measured_step - measured_alone, "predicted": c.unshaped_none_s - alone}}
 
 
 def auto_prior(job: dict, plan: dict, host: dict, rate_mbit: float) -> dict | None:
