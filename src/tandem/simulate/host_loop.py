@@ -41,7 +41,7 @@ class SchedulerLoops:
     overlapped loop's second thread takes its cores from the forward (`SchedulerConfig.
     overlaps_schedule`: it stalls the forward at each parallel region), so nothing is hidden
     and its step is device + host, as the normal loop's (measured on this CPU across the runs of
-    benchmarks/README.md: 0.94-0.99x the normal loop, the host work 0.6 % of a step)."""
+    benchmarks/README.md: 0.93-0.99x the normal loop, the host work 0.6-0.7 % of a step)."""
 
     device_s: float
     host_s: float
@@ -54,7 +54,7 @@ class SchedulerLoops:
 
     @property
     def overlapped_s(self) -> float:
-        return max(self.device_s, self.host_s) if self.hides_host else self.device_s + self.host_s
+        return max(self.device_s, self.host_s) if self.hides_host else self.normal_s
 
     @property
     def normal_tokens_per_s(self) -> float:
