@@ -88,6 +88,8 @@ def full_plan() -> dict:
         "warmup": 1,
         "repeat": 5,
         "compute_repeat": 5,
+        #: none steps that probe the link at each row's rate before the row.
+        "link_repeat": 3,
         "probe_mbit": 400.0,
         #: The rate compute under a transfer is measured at, once for the run.
         "under_transfer_mbit": 400.0,
@@ -107,6 +109,7 @@ def quick_plan() -> dict:
         warmup=1,
         repeat=2,
         compute_repeat=2,
+        link_repeat=1,
         one_host=False,
     )
     return plan
@@ -325,14 +328,18 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
     # What the row predictions calibrate from (`predict_job`), known before the first row.
     calibrated = {**job, "probe_mbit": probe, "probe_comm_s": probe_comm, "fit_alpha": alpha,
                   "veth_line_points": veth_line, "veth_sync_wait_s": veth_sync_wait, "compute_under_transfer": under_transfer,
-                  "unshaped_none_s": unshaped_none_s, "compute_alone_s": alone_s}
+                  "unshaped_none_s": unshaped_none_s, "compute_alone_s": alone_s,
+                  "half_probe_comm_s": half_comm, "rate_probes": []}
     rows = []
     for ratio, rate in zip(plan["ratios"], rates):
-        prior = _start_auto_from_prior(workload, calibrated, plan, host, rate) if "auto" in modes else None
         # The machine's load drifts: compute is re-measured (unshaped) right before each row.
         set_rate(None)
         compute_s = _median(_steps(workload, "none", tokens, plan["compute_repeat"]))
         set_rate(rate)
+        # The link at the row's own rate, for the predictions and the auto prior: two probes
+        # extrapolated to rates 7x apart missed the rows' comm by -26 to +33 %.
+        calibrated["rate_probes"].append([rate, max(_none_comm(workload, tokens, plan.get("link_repeat", 3), compute_s), 1e-4)])
+        prior = _start_auto_from_prior(workload, calibrated, plan, host, rate) if "auto" in modes else None
         measured = _measure_row(workload, modes, tokens, plan)
         samples = measured.pop("samples_s")
         medians = {m: _median(v) for m, v in samples.items()}
@@ -360,7 +367,7 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
     set_rate(None)
     digest = _outputs_digest(workload, tokens)
     del workload
-    return {**calibrated, "half_probe_comm_s": half_comm, "rows": rows, "outputs": digest}
+    return {**calibrated, "rows": rows, "outputs": digest}
 
 
 def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:

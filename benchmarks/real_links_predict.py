@@ -98,13 +98,24 @@ def _steps_s(model: str, hw, args: dict, modes: list[str], busy: dict | None = N
     return {r.mode: r.step_s for r in results}
 
 
-def _link(job: dict, rate: float, probe_s_per_byte: float):
+def link_probes(job: dict) -> list[tuple[float, float]]:
+    """(Mbit/s, comm seconds of the none step) the job measured its link at: the probe, half its
+    rate (a run before it recorded the half probe's rate: none) and each row's rate just before
+    the row (`rate_probes`; a run before them: none)."""
+    probes = [(job["probe_mbit"], job["probe_comm_s"])]
+    if "half_probe_comm_s" in job:
+        probes.append((job["probe_mbit"] / 2, job["half_probe_comm_s"]))
+    return probes + [tuple(p) for p in job.get("rate_probes", ())]
+
+
+def _link(job: dict, rate: float, wire_bytes: float):
     from tandem.simulate.shaped_link import ShapedLink
 
-    how = (f"the none step's comm at the {job['probe_mbit']:.0f} Mbit/s probe ({job['probe_comm_s'] * 1e3:.1f} ms, "
-           f"shaped minus unshaped) over the bytes the simulated step sends, the exponent from the probe and half its rate")
-    return ShapedLink.calibrated(rate, probe_mbit=job["probe_mbit"], probe_seconds_per_byte=probe_s_per_byte,
-                                 exponent=job["fit_alpha"], how=how)
+    probes = link_probes(job)
+    how = (f"the none step's comm (shaped minus unshaped) at {len(probes)} rates ("
+           + ", ".join(f"{mbit:.0f} Mbit/s {s * 1e3:.1f} ms" for mbit, s in sorted(probes))
+           + ") over the bytes the simulated step sends")
+    return ShapedLink.calibrated(rate, probes=[(mbit, s / wire_bytes) for mbit, s in probes], exponent=job["fit_alpha"], how=how)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +147,8 @@ class CalibratedJob:
     def link(self, rate_mbit: float):
         """The shaped link at `rate_mbit`: its wire from the probes, the packets' CPU from the
         job's compute-under-transfer measurement where it has one."""
-        link = _link(self.job, rate_mbit, self.probe_seconds_per_byte)
-        cpu_per_byte, cpu_how = _wire_cpu_per_byte(self.job, self.probe_seconds_per_byte)
+        link = _link(self.job, rate_mbit, self.wire_bytes)
+        cpu_per_byte, cpu_how = _wire_cpu_per_byte(self.job, self.wire_bytes)
         link = link if cpu_per_byte is None else link.with_cpu_per_byte(cpu_per_byte, cpu_how)
         under = self.job.get("compute_under_transfer") or {}
         if "wire_rate" not in under:  # a run before the wire's side was measured
@@ -236,7 +247,7 @@ def _median_ms(samples: list[float]) -> str:
     return f"{statistics.median(samples) * 1e3:.1f}"
 
 
-def _wire_cpu_per_byte(job: dict, probe_s_per_byte: float) -> tuple[float | None, str]:
+def _wire_cpu_per_byte(job: dict, wire_bytes: float) -> tuple[float | None, str]:
     """CPU seconds per wire byte from the run's `_compute_under_transfer`: the share of a core the
     loop lost while the transfer trickled through, over the wire's seconds per byte at that rate
     (packets cost per byte, so the share grows with the rate). None where the job has none."""
@@ -245,7 +256,7 @@ def _wire_cpu_per_byte(job: dict, probe_s_per_byte: float) -> tuple[float | None
         return None, ""
     # In the job's link's units (its calibrated seconds per byte), which `with_cpu_per_byte`
     # divides by at each row's rate: at the measurement's own rate the loss is the measured one.
-    at = _link(job, under["rate_mbit"], probe_s_per_byte).seconds_per_byte
+    at = _link(job, under["rate_mbit"], wire_bytes).seconds_per_byte
     lost = 1.0 - min(under["rate"], 1.0)
     how = (f"a matmul loop on both ranks kept {under['rate']:.2f} of its core while an all-to-all outlasted it on "
            f"the wire at {under['rate_mbit']:.0f} Mbit/s ({at * 1e9:.1f} ns per byte there)")
@@ -345,10 +356,13 @@ def predict(result: dict, host: dict) -> dict:
     jobs = [{"workload": j["workload"], "phase": j["phase"], "tokens": j["tokens"], **predict_job(j, result["plan"], host)}
             for j in result["jobs"]]
     rows = [m for j in jobs for r in j.get("rows", []) for m in r["modes"].values() if "predicted_s" in m]
+    # The none rows' link is probed at their own rate just before them: the overlap modes are the test.
+    overlapped = [m for j in jobs for r in j.get("rows", []) for mode, m in r["modes"].items() if "predicted_s" in m and mode != "none"]
     signs = [m for m in rows if "sign_right" in m]
     resolved = [m for m in signs if m.get("sign_resolved")]
     listed = sorted({mode for j in jobs for r in j.get("rows", []) for mode, m in r["modes"].items() if "not_modelled" in m})
     return {"jobs": jobs, "tolerance": TOLERANCE, "rows": len(rows), "met": sum(m["met"] for m in rows),
+            "overlap_rows": len(overlapped), "overlap_met": sum(m["met"] for m in overlapped),
             "met_at_measured_compute": sum(abs(m["at_measured_compute"]["error"]) <= TOLERANCE for m in rows),
             "signs": len(signs), "signs_right": sum(m["sign_right"] for m in signs), "signs_resolved": len(resolved),
             "signs_resolved_right": sum(m["sign_right"] for m in resolved), "not_modelled_modes": listed}
@@ -382,7 +396,8 @@ def format_predictions(predictions: dict, host: dict) -> str:
                          f"compute keeps {r['link_compute_rate']:.2f} of its core under a transfer")
             for mode, m in r["modes"].items():
                 lines.append(_format_mode(mode, m))
-    lines.append(f"\nwithin +-{predictions['tolerance']:.0%}: {predictions['met']} of {predictions['rows']} rows; sign of "
+    lines.append(f"\nwithin +-{predictions['tolerance']:.0%}: {predictions['met']} of {predictions['rows']} rows "
+                 f"({predictions.get('overlap_met', '?')} of the {predictions.get('overlap_rows', '?')} overlapped ones); sign of "
                  f"(mode - none) right on {predictions['signs_right']} of {predictions['signs']} ({predictions['signs_resolved_right']} "
                  f"of the {predictions['signs_resolved']} the repeats resolve: no overlap of their ranges); with the CPU costs scaled to "
                  f"each row's measured compute (the overlap model alone): {predictions['met_at_measured_compute']} of "

@@ -97,6 +97,19 @@ def test_a_rows_link_loses_at_the_measured_rate_what_the_measurement_lost():
     assert 0.7 < slower.compute_rate < 1.0 and slower.wire_rate == 0.8
 
 
+@pytest.mark.skipif(not SAVED_RUN.exists(), reason="no saved real_links run")
+def test_a_rows_link_is_the_probe_taken_at_its_own_rate():
+    """A job that probed its link at a row's rate (the none step's comm there, before the row)
+    prices that row's wire from that probe, not from the two probes' exponent."""
+    rlp = _real_links_predict()
+    saved = json.loads(SAVED_RUN.read_text())
+    job = next(j for j in saved["jobs"] if j["workload"] == "small-moe" and j["phase"] == "decode")
+    c = rlp.CalibratedJob.of({**job, "rate_probes": [[60.0, 0.25]]}, saved["plan"], saved["host_profile"])
+    assert c.link(60.0).seconds_per_byte == pytest.approx(0.25 / c.wire_bytes, rel=1e-9)
+    extrapolated = rlp.CalibratedJob.of({k: v for k, v in job.items() if k != "rate_probes"}, saved["plan"], saved["host_profile"])
+    assert extrapolated.link(60.0).seconds_per_byte != pytest.approx(0.25 / c.wire_bytes, rel=0.05)
+
+
 def test_a_custom_stack_shape_gets_no_prior():
     rlp = _real_links_predict()
     assert rlp.auto_prior({"workload": "moe-stack", "phase": "decode", "tokens": 8, "shape": {"hidden": 64}}, {}, {}, 100.0) is None

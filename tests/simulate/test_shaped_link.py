@@ -86,9 +86,21 @@ def test_the_nominal_link_charges_whole_frames_at_the_set_rate():
 
 
 def test_a_calibrated_link_scales_the_probe_by_the_measured_exponent():
-    link = ShapedLink.calibrated(100.0, probe_mbit=400.0, probe_seconds_per_byte=2e-8, exponent=1.5, how="two probes")
+    link = ShapedLink.calibrated(100.0, probes=[(400.0, 2e-8)], exponent=1.5, how="two probes")
     assert link.seconds_per_byte == pytest.approx(2e-8 * 4**1.5)
     assert link.source.startswith("measured in this run: two probes")
+
+
+def test_a_calibrated_link_is_its_probe_at_a_probed_rate_and_log_log_between_probes():
+    probes = [(400.0, 2e-8), (100.0, 1.2e-7), (200.0, 5e-8)]  # any order
+    at = lambda rate: ShapedLink.calibrated(rate, probes=probes, exponent=1.0, how="probes").seconds_per_byte  # noqa: E731
+    assert at(200.0) == pytest.approx(5e-8)
+    # Halfway in log rate between 100 and 200 Mbit/s: the geometric mean of their times.
+    assert at(100.0 * 2**0.5) == pytest.approx((1.2e-7 * 5e-8) ** 0.5)
+    # Beyond the probes, the nearest one at the given exponent, not the end pair's slope.
+    assert at(50.0) == pytest.approx(1.2e-7 * 2.0)
+    assert at(800.0) == pytest.approx(2e-8 / 2.0)
+    assert "between the 100 and 200 Mbit/s probes" in ShapedLink.calibrated(150.0, probes=probes, exponent=1.0, how="p").source
 
 
 def test_the_link_is_a_figure_of_the_profile_with_its_source():
@@ -105,11 +117,10 @@ def test_a_bad_rate_is_refused(rate):
         ShapedLink.nominal(rate)
 
 
-@pytest.mark.parametrize("field, value", [("probe_seconds_per_byte", 0.0), ("exponent", -1.0), ("probe_mbit", 0.0)])
-def test_a_bad_calibration_is_refused(field, value):
-    args = {"probe_mbit": 400.0, "probe_seconds_per_byte": 2e-8, "exponent": 1.0, field: value}
+@pytest.mark.parametrize("probes, exponent", [([(400.0, 0.0)], 1.0), ([(400.0, 2e-8)], -1.0), ([(0.0, 2e-8)], 1.0), ([], 1.0)])
+def test_a_bad_calibration_is_refused(probes, exponent):
     with pytest.raises(ValueError):
-        ShapedLink.calibrated(100.0, how="test", **args)
+        ShapedLink.calibrated(100.0, probes=probes, exponent=exponent, how="test")
 
 
 def test_a_gpu_profile_gets_no_shaped_link():

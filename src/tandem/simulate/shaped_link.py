@@ -22,8 +22,8 @@ What crosses the wire: each token once to every other rank holding one of its to
 counts the rank's own copy too) times (ep - 1) / ep under uniform routing. The seconds per such
 byte are either nominal (`ShapedLink.nominal`: tbf counts whole frames, so 1514 bytes on the
 wire per 1448 of TCP payload at MTU 1500, at the set rate) or the link's measured behaviour
-(`ShapedLink.calibrated`: the seconds per byte a `none` step paid at a probe rate, scaled by
-(probe / rate) ** exponent, the exponent measured between two probe rates).
+(`ShapedLink.calibrated`: the seconds per byte a `none` step paid at a few probe rates, joined
+in log-log, and beyond them scaled by (probe / rate) ** exponent).
 """
 
 from __future__ import annotations
@@ -89,22 +89,24 @@ class ShapedLink:
             "tbf's burst and TCP's own pacing are not modelled"))
 
     @classmethod
-    def calibrated(cls, rate_mbit: float, *, probe_mbit: float, probe_seconds_per_byte: float, exponent: float,
-                   how: str) -> ShapedLink:
-        """The link's measured behaviour: `probe_seconds_per_byte` measured at `probe_mbit`,
-        scaled to `rate_mbit` as time ~ rate ** -`exponent` (measured between two probe rates);
-        `how` says how they were measured."""
+    def calibrated(cls, rate_mbit: float, *, probes: list[tuple[float, float]], exponent: float, how: str) -> ShapedLink:
+        """The link's measured behaviour: `probes`, (Mbit/s, seconds per byte) measured at a few
+        rates, joined in log-log (time ~ rate ** -slope between neighbouring probes: tbf's queue
+        and TCP's backing off make a shaped link not linear in 1 / rate); beyond the probes, the
+        nearest one scaled as time ~ rate ** -`exponent`. `how` says how they were measured."""
         rate = _check_rate("the link rate", rate_mbit)
-        probe = _check_rate("the probe rate", probe_mbit)
-        if not (math.isfinite(probe_seconds_per_byte) and probe_seconds_per_byte > 0):
-            raise ValueError(f"the probe's seconds per byte must be positive, got {probe_seconds_per_byte!r}")
+        if not probes:
+            raise ValueError("a calibrated link needs at least one probe")
+        table: dict[float, float] = {}
+        for mbit, seconds_per_byte in probes:
+            if not (math.isfinite(seconds_per_byte) and seconds_per_byte > 0):
+                raise ValueError(f"a probe's seconds per byte must be positive, got {seconds_per_byte!r}")
+            table[_check_rate("the probe rate", mbit)] = seconds_per_byte
         if not (math.isfinite(exponent) and exponent > 0):
             raise ValueError(f"the rate exponent must be positive, got {exponent!r}")
-        seconds = probe_seconds_per_byte * (probe / rate) ** exponent
+        seconds, said = _through_probes(rate, sorted(table.items()), exponent)
         nominal = cls.nominal(rate).seconds_per_byte
-        return cls(rate, seconds, (
-            f"measured in this run: {how}; {probe_seconds_per_byte * 1e9:.2f} ns per byte at {probe:g} Mbit/s, "
-            f"x ({probe:g} / {rate:g}) ** {exponent:.3f} = {seconds / nominal:.3f}x the nominal frame rate"))
+        return cls(rate, seconds, f"measured in this run: {how}; {said} = {seconds / nominal:.3f}x the nominal frame rate")
 
     def with_cpu_per_byte(self, cpu_seconds_per_byte: float, how: str) -> ShapedLink:
         """This link with its packets' CPU: `cpu_seconds_per_byte` of a core per byte on the wire,
@@ -129,6 +131,24 @@ class ShapedLink:
             COMPUTE_RATE_FIGURE: (self.compute_rate, self.compute_rate_source),
             WIRE_RATE_FIGURE: (self.wire_rate, self.wire_rate_source),
         }
+
+
+def _through_probes(rate: float, table: list[tuple[float, float]], exponent: float) -> tuple[float, str]:
+    """(seconds per byte at `rate`, how it was had) from the ascending (Mbit/s, seconds per byte)
+    `table`: the probe itself, log-log between the two around it, or the nearest end scaled by
+    `exponent`."""
+    ns = lambda v: f"{v * 1e9:.2f} ns per byte"  # noqa: E731
+    for mbit, seconds in table:
+        if math.isclose(mbit, rate, rel_tol=1e-6):
+            return seconds, f"{ns(seconds)} at its own {mbit:g} Mbit/s probe"
+    if rate < table[0][0] or rate > table[-1][0]:
+        mbit, seconds = table[0] if rate < table[0][0] else table[-1]
+        scaled = seconds * (mbit / rate) ** exponent
+        return scaled, f"{ns(seconds)} at {mbit:g} Mbit/s, x ({mbit:g} / {rate:g}) ** {exponent:.3f}"
+    (lo, lo_s), (hi, hi_s) = next((a, b) for a, b in zip(table, table[1:]) if a[0] < rate < b[0])
+    slope = math.log(lo_s / hi_s) / math.log(hi / lo)
+    seconds = lo_s * (lo / rate) ** slope
+    return seconds, f"between the {lo:g} and {hi:g} Mbit/s probes ({ns(lo_s)}, {ns(hi_s)}: time ~ rate ** -{slope:.3f})"
 
 
 def over_link(hw: HardwareProfile, link: ShapedLink) -> HardwareProfile:
