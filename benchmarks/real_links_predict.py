@@ -153,6 +153,10 @@ class CalibratedJob:
         under = self.job.get("compute_under_transfer") or {}
         if "wire_rate" not in under:  # a run before the wire's side was measured
             return link
+        if not resolved_slower(under["beside_loop_s"], under["wire_s"]):
+            return link.with_wire_rate(1.0, (
+                f"not resolved: an all-to-all beside a matmul loop took {_ms_range(under['beside_loop_s'])} ms, alone "
+                f"{_ms_range(under['wire_s'])} ms at {under['rate_mbit']:.0f} Mbit/s (the ranges overlap), priced as 1.00"))
         how = (f"an all-to-all issued beside a matmul loop on both ranks took {_median_ms(under['beside_loop_s'])} ms, "
                f"{_median_ms(under['wire_s'])} alone, the loop {_median_ms(under['under_transfer_s'])} of it, at "
                f"{under['rate_mbit']:.0f} Mbit/s: the wire kept {under['wire_rate']:.2f} of its pace while the loop ran")
@@ -247,6 +251,19 @@ def _median_ms(samples: list[float]) -> str:
     return f"{statistics.median(samples) * 1e3:.1f}"
 
 
+def resolved_slower(slow: list[float], fast: list[float]) -> bool:
+    """Whether the repeats resolve `slow` as slower than `fast`: every one of its samples above
+    every one of the other's. The run's compute-under-transfer is a ratio of near-equal noisy
+    times that sets every overlapped row's CPU under the wire; one run read the wire at 0.28 of
+    its pace beside compute from samples whose ranges overlapped (0.14-0.26 s beside, 0.13-0.25
+    alone), which made the split modes' wire-bound rows 20-59 % too slow."""
+    return min(slow) > max(fast)
+
+
+def _ms_range(samples: list[float]) -> str:
+    return f"{min(samples) * 1e3:.0f}-{max(samples) * 1e3:.0f}"
+
+
 def _wire_cpu_per_byte(job: dict, wire_bytes: float) -> tuple[float | None, str]:
     """CPU seconds per wire byte from the run's `_compute_under_transfer`: the share of a core the
     loop lost while the transfer trickled through, over the wire's seconds per byte at that rate
@@ -257,6 +274,10 @@ def _wire_cpu_per_byte(job: dict, wire_bytes: float) -> tuple[float | None, str]
     # In the job's link's units (its calibrated seconds per byte), which `with_cpu_per_byte`
     # divides by at each row's rate: at the measurement's own rate the loss is the measured one.
     at = _link(job, under["rate_mbit"], wire_bytes).seconds_per_byte
+    if not resolved_slower(under["under_transfer_s"], under.get("alone_s", [0.0])):
+        return 0.0, (f"not resolved: a matmul loop on both ranks took {_ms_range(under['under_transfer_s'])} ms while an "
+                     f"all-to-all was on the wire at {under['rate_mbit']:.0f} Mbit/s, {_ms_range(under['alone_s'])} ms alone "
+                     "(the ranges overlap), priced as no loss")
     lost = 1.0 - min(under["rate"], 1.0)
     how = (f"a matmul loop on both ranks kept {under['rate']:.2f} of its core while an all-to-all outlasted it on "
            f"the wire at {under['rate_mbit']:.0f} Mbit/s ({at * 1e9:.1f} ns per byte there)")
