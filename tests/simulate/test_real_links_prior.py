@@ -125,6 +125,21 @@ def test_a_slowdown_the_repeats_do_not_resolve_is_priced_as_none():
     assert "not resolved" in link.wire_rate_source and "not resolved" in link.compute_rate_source
 
 
+@pytest.mark.skipif(not SAVED_RUN.exists(), reason="no saved real_links run")
+def test_a_job_prices_its_unshaped_none_step_as_it_measured_it_keeping_its_own_transfer_line():
+    """The profile's CPU costs are scaled to the job's unshaped none step (measured at its start,
+    before any row), the job's own transfer line (measured on the ranks) left as measured."""
+    rlp = _real_links_predict()
+    saved = json.loads(SAVED_RUN.read_text())
+    job = next(j for j in saved["jobs"] if j["workload"] == "moe-stack" and j["phase"] == "decode")
+    slower = {**job, "unshaped_none_s": 1.3 * job["unshaped_none_s"]}
+    c, s = (rlp.CalibratedJob.of(j, saved["plan"], saved["host_profile"]) for j in (job, slower))
+    assert c.unshaped_none_s == pytest.approx(job["unshaped_none_s"], rel=1e-6)
+    assert s.unshaped_none_s == pytest.approx(slower["unshaped_none_s"], rel=1e-6) and s.cpu_scale > c.cpu_scale
+    assert s.base.figures["comm_latency_s"] == c.base.figures["comm_latency_s"]
+    assert s.base.figures["bf16_flops"] < c.base.figures["bf16_flops"]
+
+
 def test_a_custom_stack_shape_gets_no_prior():
     rlp = _real_links_predict()
     assert rlp.auto_prior({"workload": "moe-stack", "phase": "decode", "tokens": 8, "shape": {"hidden": 64}}, {}, {}, 100.0) is None
