@@ -373,7 +373,7 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
 def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
     """At the current shaped rate: a fixed matmul loop timed alone and while an all-to-all is on
     the wire (issued just before it, sized to outlast it), on both ranks at once as a DBO step
-    runs them, the two interleaved, median of `repeat`. Their ratio is the rate compute keeps
+    runs them, the two interleaved, `repeat` each. Their means' ratio is the rate compute keeps
     while a shaped transfer is in flight: the CPU the transfer takes from the cores as its
     packets trickle through (a transfer merely pending costs none: gloo does not spin). The same
     all-to-all timed alone, against its time beside the loop, gives the share of its pace the
@@ -414,9 +414,9 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
         start = time.perf_counter()
         dist.all_to_all_single(out, payload)
         wire.append(time.perf_counter() - start)
-    rate = _median(alone) / _median(busy)
-    log(f"  compute under a transfer at {rate_mbit:.0f} Mbit/s: {_median(busy) * 1e3:.1f} ms against "
-        f"{_median(alone) * 1e3:.1f} ms alone (rate {rate:.2f}; the wire outlasted the loop {sum(overlapped)} of {repeat})")
+    rate = statistics.mean(alone) / statistics.mean(busy)  # bimodal: see real_links_predict._wire_cpu_per_byte
+    log(f"  compute under a transfer at {rate_mbit:.0f} Mbit/s: {statistics.mean(busy) * 1e3:.1f} ms against "
+        f"{statistics.mean(alone) * 1e3:.1f} ms alone (means; rate {rate:.2f}; the wire outlasted the loop {sum(overlapped)} of {repeat})")
     # The transfer ran beside the loop for the loop's time, then alone: what it did not move
     # while the loop ran is the share of its pace compute took from it.
     kept = (_median(wire) - (_median(beside) - _median(busy))) / _median(busy)
