@@ -352,7 +352,8 @@ def _predict_row(row: dict, model: str, args: dict, base, host: dict, link, nomi
 
 #: The host profile's figures that are rates (a CPU cost divides by them) and fixed times.
 _RATES = ("hbm_bytes_per_s", "bf16_flops", "fp8_flops", "cold_weight_bytes_per_s", "attention_decode_flops",
-          "attention_decode_bytes_per_s", "nvlink_bytes_per_s", "elementwise_units_per_s")
+          "attention_decode_bytes_per_s", "nvlink_bytes_per_s", "elementwise_units_per_s", "fused_experts_weight_bytes_per_s",
+          "fused_experts_flops")
 _FIXED = ("comm_latency_s", "elementwise_op_s", "ubatch_switch_s")
 
 

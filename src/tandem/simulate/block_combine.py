@@ -5,7 +5,8 @@ The runtime (`FusedMoEModularKernel.compute_experts`) runs the experts' up proje
 then the down projection block by block, and sends each finished block's combine on the comm
 stream at once; the order comes from that method (`kernel_trace`), the costs from here:
 
-- the up projection and activation (`EXPERTS_UP`): the unsplit experts op less its down GEMM;
+- the up projection and activation (`EXPERTS_UP`): the experts as GEMMs less their down GEMM
+  (blocks take torch's path, not the fused CPU kernel `OpCosts` prices a model's experts at);
 - one block's down projection (`DOWN_BLOCK`): `OpCosts.down_projection` on the block's share of
   every local expert's rows, priced as the GEMM of those rows, not as a share of the whole;
 - one block's combine (`COMBINE_BLOCK`, a send): the combine of the block's share of the
@@ -57,7 +58,9 @@ def block_work(work: UBatchWork, blocks: int) -> UBatchWork:
 def block_compute(costs: OpCosts, name: str, work: UBatchWork, blocks: int) -> float:
     """Seconds of a compute step of combine-down-gemm's experts (`COMPUTE_STEPS`)."""
     if name == EXPERTS_UP:
-        return costs.compute("experts", work) - costs.down_projection(work)
+        # The runtime runs blocks on torch's path, never the fused CPU kernel (`TorchExperts.apply_blocks`).
+        experts = costs.compute("experts", work) if costs.fused is None else costs.gemm_experts(work)
+        return experts - costs.down_projection(work)
     if name == DOWN_BLOCK:
         return costs.down_projection(work, blocks)
     raise KeyError(f"{name!r} is not a step of combine-down-gemm's experts")

@@ -14,6 +14,8 @@ beyond them, each measured here:
 - gloo's transfers (`simulate.host_link`, on the ranks of `simulate.host_ranks`): the runtime's dispatch and combine between real
   gloo ranks on this host at a few sizes, timed where the MoE stack's unsplit step issues them
   (back to back they cost a third to a half of that), a fixed cost per call plus a cost per byte;
+- a model's routed experts (`simulate.host_experts`): tandem's fused CPU kernel, which the
+  runtime runs a model's experts in, timed at a few token counts (weights read from memory);
 - the non-GEMM ops (`simulate.host_elementwise`): lines for a float32 add, a tanh and the
   runtime's `select_experts`, each on a GEMM's fresh output, on every rank at once; the MoE
   stack's own ops, counted from its code, are priced on them.
@@ -42,6 +44,7 @@ from tandem.simulate.host_gemm import (
     last_level_cache_bytes,
     small_gemm_rate,
 )
+from tandem.simulate.host_experts import FusedExpertsFit, measure_fused_experts
 from tandem.simulate.host_link import LinkFit
 from tandem.simulate.host_ranks import measure_ranks
 
@@ -78,13 +81,14 @@ def gemm_m_half(big_m: int, small_m: int, rate_ratio: float) -> float:
 def host_profile(
     ranks: int, *, executor: str = "thread", roofline: Roofline | None = None, small_rate: float | None = None,
     switch_s: float | None = None, cold_rate: float | None = None, link: LinkFit | None = None,
-    elementwise: ElementwiseFit | None = None,
+    elementwise: ElementwiseFit | None = None, experts: FusedExpertsFit | None = None,
 ) -> HardwareProfile:
     """This CPU with `ranks` gloo ranks on it, one intra-op thread each, its ubatches on the
     runtime's `executor`. `roofline`, `small_rate` (FLOP/s of the small GEMM), `switch_s` (one
     hand-over), `cold_rate` (bytes/s of a cold weight's read), `link` (gloo's dispatch and
-    combine) and `elementwise` (the non-GEMM ops' lines; `ElementwiseFit.unmeasured()`: none)
-    are measured here when not given."""
+    combine), `elementwise` (the non-GEMM ops' lines; `ElementwiseFit.unmeasured()`: none) and
+    `experts` (the fused CPU experts kernel, `simulate.host_experts`; where tandem's CPU kernels
+    are not built, or given `FusedExpertsFit.unmeasured()`: none) are measured here when not given."""
     if ranks < 1:
         raise ValueError(f"a host profile needs at least one rank, got {ranks}")
     if roofline is None:
@@ -94,6 +98,7 @@ def host_profile(
     small_rate = small_rate if small_rate is not None else small_gemm_rate(size)
     switch_s = switch_s if switch_s is not None else measure_switch_s(executor)
     cold_rate, cold_how, link, elementwise = _measure_missing(ranks, size, cold_rate, link, elementwise, roofline)
+    experts = experts if experts is not None else measure_fused_experts()
     half = gemm_m_half(size, SMALL_M, small_rate / roofline.matmul_flops_per_s)
     measured = f"measured in this run (tandem.bench.roofline, float32, one thread; {size}-wide matmul"
     flops, read = roofline.matmul_flops_per_s, roofline.read_bandwidth_bytes_per_s
@@ -115,6 +120,7 @@ def host_profile(
         "comm_sms_normal": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
         "comm_sms_low_latency": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
         **elementwise.figures(),
+        **(experts or FusedExpertsFit.unmeasured()).figures(),
         "ubatch_switch_s": (switch_s, f"measured in this run: mean hand-over of two ubatches on the {executor} executor"),
         "transfers_on_compute": (
             True,

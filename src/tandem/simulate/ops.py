@@ -26,6 +26,7 @@ from tandem.modular_kernels.prepare_deepep import DeepEPHighThroughputPrepareAnd
 from tandem.modular_kernels.prepare_torch_a2a import TorchAllToAllPrepareAndFinalize
 from tandem.simulate.hardware import HardwareProfile
 from tandem.simulate.host_elementwise import ElementwiseFit, traced_op_time
+from tandem.simulate.host_experts import FusedExpertsFit
 from tandem.simulate.kernel_trace import COMBINE_BLOCK
 from tandem.simulate.model_shape import ModelShape
 
@@ -171,6 +172,9 @@ class OpCosts:
         #: A host's measured elementwise lines, for a model whose ops the simulator can count
         #: from its code (the MoE stack): they replace the norm passes and the memory terms below.
         self.traced = ElementwiseFit.from_figures(hw.figures) if shape.name == MOE_STACK else None
+        #: A host's measured fused CPU experts, for a model the runtime runs them for (its
+        #: experts are parameters; the MoE stack's are plain tensors and take torch's GEMMs).
+        self.fused = None if shape.name == MOE_STACK else FusedExpertsFit.from_figures(hw.figures)
         self.norm_passes = layer_norm_passes(shared=shape.shared_intermediate > 0)
 
     def _gemm(self, m: float, n: int, k: int, groups: int = 1, fp8: bool = True) -> float:
@@ -253,6 +257,14 @@ class OpCosts:
         return max(1, math.ceil(self.shape.experts / self.layout.ep))
 
     def _op_experts(self, w: UBatchWork) -> float:
+        if self.fused is not None:
+            s = self.shape
+            return self.fused.time(tokens=w.tokens, top_k=s.top_k, local_experts=self.local_experts(), hidden=s.hidden,
+                                   intermediate=s.moe_intermediate, element=float(self.hw.figures.get("element_bytes", 4)))
+        return self.gemm_experts(w)
+
+    def gemm_experts(self, w: UBatchWork) -> float:
+        """The routed experts as a GEMM per expert and projection (torch's path; SBO's blocks)."""
         s, local = self.shape, self.local_experts()
         # Balanced routing (as DeepSeek's profile): every rank receives tokens x top-k rows.
         m = w.tokens * s.top_k / local
