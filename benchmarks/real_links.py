@@ -23,8 +23,8 @@ Each row is also predicted (#31): `tandem simulate --hardware here` measured in 
 before the ranks start (gloo over loopback, outside the namespaces), with the transfers' CPU part
 taken from each job's own dispatch and combine line over the unshaped veth, and each rate's wire
 part from that job's probes (`tandem.simulate.shaped_link.ShapedLink.calibrated`: the none step's
-comm at the probe over the bytes the simulated step sends, times (probe / rate) ** the measured
-exponent). Per row: measured against predicted, the error, the sign of (mode - none) both ways,
+comm over the bytes the simulated step sends at the two calibration probes and at each row's own
+rate just before the row, joined in log-log). Per row: measured against predicted, the error, the sign of (mode - none) both ways,
 and the simulated terms between the step and its floor (switch cost, split loss, transfer CPU or
 exposed wire; the ranks' imbalance is not modelled); beside it the overlap model alone (every CPU
 cost scaled to the row's measured compute; `real_links_predict.py`). `auto`, which picks a mode
@@ -325,7 +325,7 @@ def run_job(job: dict, plan: dict, host: dict, control: Control | None, rank: in
         f"(comm ~ rate^-{alpha:.2f}); rates " + ", ".join(f"{r:.0f}" for r in rates)
     )
 
-    # What the row predictions calibrate from (`predict_job`), known before the first row.
+    # What the row predictions calibrate from (`predict_job`); each row adds its own link probe.
     calibrated = {**job, "probe_mbit": probe, "probe_comm_s": probe_comm, "fit_alpha": alpha,
                   "veth_line_points": veth_line, "veth_sync_wait_s": veth_sync_wait, "compute_under_transfer": under_transfer,
                   "unshaped_none_s": unshaped_none_s, "compute_alone_s": alone_s,

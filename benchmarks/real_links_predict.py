@@ -13,6 +13,7 @@ imports it from its own directory.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -130,9 +131,11 @@ class CalibratedJob:
     the ranks' own steps ran 5-24 % slower than it says in the runs that probed every row's
     rate; the link is calibrated from that same measured unshaped step (its probes are shaped
     minus unshaped), so a profile that prices the unshaped step otherwise puts the difference
-    into every row (two such runs: 41 and 57 of 84 rows within +-10 % unscaled, 55 and 70 scaled;
-    a run before the row probes, 60 and 59). It also puts what the transfers add to the unshaped
-    step beyond their timed calls (not modelled) into every CPU cost alike."""
+    into every row (two such runs: 41 and 57 of 84 rows within +-10 % unscaled, 57 and 67 scaled;
+    a run before the row probes, 60 and 58). It also puts what the transfers add to the unshaped
+    step beyond their timed calls (not modelled) into every CPU cost alike. A job without its own
+    line keeps the host's loopback line unscaled; a scale that is not a positive number (a
+    measured step shorter than the simulated transfers alone) is refused."""
 
     model: str
     args: dict
@@ -151,16 +154,21 @@ class CalibratedJob:
         from tandem.simulate.shaped_link import ShapedLink, over_link
 
         model, args = job["workload"], _sim_args(job, plan)
-        veth = _veth_figures(job)
-        base = _profile(host, **veth)
+        f = host["figures"]
+        # The transfer line a job is priced with, never scaled: its own over the veth (measured
+        # on the ranks), else the host's loopback line.
+        line = _veth_figures(job) or {k: f[k] for k in ("comm_latency_s", "nvlink_bytes_per_s")}
+        base = _profile(host, **line)
         unshaped, scale = _steps_s(model, base, args, ["none"])["none"], 1.0
         if job.get("unshaped_none_s"):
             # The none step is its compute and its transfers in sequence: compute alone takes the
-            # measured step less the transfers, which keep the job's own line (measured on the ranks).
+            # measured step less the transfers.
             alone = _steps_s(model, _transfers_free(base), args, ["none"])["none"]
             scale = (job["unshaped_none_s"] - (unshaped - alone)) / alone
-            slowed = _slowed(_profile(host), scale)
-            base = _profile({**host, "figures": slowed.figures}, **veth)
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"{model} {job['phase']}: the measured unshaped none step ({job['unshaped_none_s'] * 1e3:.1f} ms) "
+                                 f"is not longer than its simulated transfers ({(unshaped - alone) * 1e3:.1f} ms): no CPU scale")
+            base = _profile({**host, "figures": _slowed(_profile(host), scale).figures}, **line)
             unshaped = _steps_s(model, base, args, ["none"])["none"]
         unit = over_link(base, ShapedLink(1.0, 1.0, "one second per byte: the step's wire bytes"))
         wire_bytes = _steps_s(model, unit, args, ["none"])["none"] - unshaped
@@ -193,7 +201,9 @@ def predict_job(job: dict, plan: dict, host: dict) -> dict:
     if "shape" in job:
         return {"not_modelled": CUSTOM_SHAPE}
     c = CalibratedJob.of(job, plan, host)
-    rows = [_predict_row(row, c.model, c.args, c.base, host, c.link(row["rate_mbit"]), ShapedLink.nominal(row["rate_mbit"]))
+    # The greenlet executor's hand-over is a CPU cost like the thread executor's in `c.base`.
+    scaled_host = {**host, "greenlet_switch_s": host["greenlet_switch_s"] * c.cpu_scale}
+    rows = [_predict_row(row, c.model, c.args, c.base, scaled_host, c.link(row["rate_mbit"]), ShapedLink.nominal(row["rate_mbit"]))
             for row in job["rows"]]
     f = c.base.figures
     cpu_line = ", ".join(f"{k} {f['comm_latency_s'][k] * 1e3:.2f} ms + {f['nvlink_bytes_per_s'][k] / 1e9:.2f} GB/s"

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tandem.simulate import HardwareProfile
 from tandem.simulate.block_combine import block_compute
 from tandem.simulate.host_experts import (
     EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, TOKENS, FusedExpertsFit, measure_fused_experts, row_flops, weight_bytes,
@@ -38,7 +39,7 @@ def test_a_layer_reads_its_active_experts_once_and_computes_its_rows():
     seconds = FIT.time(tokens=64, top_k=2, local_experts=8, hidden=1024, intermediate=512, element=4)
     active = 8 * (1 - (7 / 8) ** 128)
     assert seconds == pytest.approx(active * 3 * 1024 * 512 * 4 / 40e9 + 128 * 6 * 1024 * 512 / 100e9)
-    # One token's two rows read two experts' weights, not eight.
+    # One token's two rows read 8 x (1 - (7/8)^2) = 1.875 experts' weights, not eight.
     one = FIT.time(tokens=1, top_k=2, local_experts=8, hidden=1024, intermediate=512, element=4)
     assert one == pytest.approx(8 * (1 - (7 / 8) ** 2) * 3 * 1024 * 512 * 4 / 40e9 + 2 * 6 * 1024 * 512 / 100e9)
 
@@ -53,6 +54,17 @@ def test_a_models_experts_take_the_fused_kernel_the_moe_stacks_the_gemm_curve():
     assert _costs("small-moe", None).compute("experts", work) == pytest.approx(fused.gemm_experts(work))
     stack = Workload("decode", 64, 1).split(1)[0]
     assert _costs("moe-stack", FIT).compute("experts", stack) == pytest.approx(_costs("moe-stack", None).compute("experts", stack))
+
+
+def test_the_experts_weights_are_read_at_the_profiles_element_size():
+    work = Workload("decode", 64, 256).split(1)[0]
+    hw = given_host(small_rate=50e9, switch_s=0.0, experts=FIT)
+    half = HardwareProfile(hw.name, {**hw.figures, "element_bytes": 2}, hw.sources)
+    shape = model_shape("small-moe")
+    two = OpCosts(shape, half, Layout(ep=2, decode=True, low_latency=False)).compute("experts", work)
+    assert two == pytest.approx(FIT.time(tokens=64, top_k=shape.top_k, local_experts=shape.experts // 2, hidden=shape.hidden,
+                                         intermediate=shape.moe_intermediate, element=2))
+    assert two < _costs("small-moe", FIT).compute("experts", work)
 
 
 def test_combine_down_gemm_blocks_stay_on_the_gemm_path():

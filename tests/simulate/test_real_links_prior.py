@@ -103,11 +103,12 @@ def test_a_rows_link_is_the_probe_taken_at_its_own_rate():
     prices that row's wire from that probe, not from the two probes' exponent."""
     rlp = _real_links_predict()
     saved = json.loads(SAVED_RUN.read_text())
-    job = next(j for j in saved["jobs"] if j["workload"] == "small-moe" and j["phase"] == "decode")
-    c = rlp.CalibratedJob.of({**job, "rate_probes": [[60.0, 0.25]]}, saved["plan"], saved["host_profile"])
-    assert c.link(60.0).seconds_per_byte == pytest.approx(0.25 / c.wire_bytes, rel=1e-9)
-    extrapolated = rlp.CalibratedJob.of({k: v for k, v in job.items() if k != "rate_probes"}, saved["plan"], saved["host_profile"])
-    assert extrapolated.link(60.0).seconds_per_byte != pytest.approx(0.25 / c.wire_bytes, rel=0.05)
+    job = {k: v for k, v in next(j for j in saved["jobs"] if j["workload"] == "small-moe" and j["phase"] == "decode").items()
+           if k != "rate_probes"}
+    extrapolated = rlp.CalibratedJob.of(job, saved["plan"], saved["host_profile"])
+    probe_s = 2.0 * extrapolated.link(60.0).seconds_per_byte * extrapolated.wire_bytes  # twice what the exponent says
+    c = rlp.CalibratedJob.of({**job, "rate_probes": [[60.0, probe_s]]}, saved["plan"], saved["host_profile"])
+    assert c.link(60.0).seconds_per_byte == pytest.approx(probe_s / c.wire_bytes, rel=1e-9)
 
 
 @pytest.mark.skipif(not SAVED_RUN.exists(), reason="no saved real_links run")
@@ -126,18 +127,39 @@ def test_a_slowdown_the_repeats_do_not_resolve_is_priced_as_none():
 
 
 @pytest.mark.skipif(not SAVED_RUN.exists(), reason="no saved real_links run")
-def test_a_job_prices_its_unshaped_none_step_as_it_measured_it_keeping_its_own_transfer_line():
-    """The profile's CPU costs are scaled to the job's unshaped none step (measured at its start,
-    before any row), the job's own transfer line (measured on the ranks) left as measured."""
+@pytest.mark.parametrize("workload, phase", [("moe-stack", "decode"), ("small-moe", "decode")])
+def test_a_job_prices_its_unshaped_none_step_as_it_measured_it_keeping_its_own_transfer_line(workload, phase):
+    """The profile's CPU costs (the fused experts' rates among them, where the profile has them)
+    are scaled to the job's unshaped none step (measured at its start, before any row), the
+    job's own transfer line (measured on the ranks) left as measured."""
+    rlp = _real_links_predict()
+    saved = json.loads(SAVED_RUN.read_text())
+    host = saved["host_profile"]
+    host = {**host, "figures": {"fused_experts_weight_bytes_per_s": 40e9, "fused_experts_flops": 100e9, **host["figures"]}}
+    job = next(j for j in saved["jobs"] if j["workload"] == workload and j["phase"] == phase)
+    slower = {**job, "unshaped_none_s": 1.3 * job["unshaped_none_s"]}
+    c, s = (rlp.CalibratedJob.of(j, saved["plan"], host) for j in (job, slower))
+    assert c.unshaped_none_s == pytest.approx(job["unshaped_none_s"], rel=1e-6)
+    assert s.unshaped_none_s == pytest.approx(slower["unshaped_none_s"], rel=1e-6) and s.cpu_scale > c.cpu_scale
+    own = {k: v[0] for k, v in rlp._veth_figures(job).items()}
+    for hw in (c.base, s.base):
+        assert {k: hw.figures[k] for k in own} == own
+    assert s.base.figures["bf16_flops"] < c.base.figures["bf16_flops"]
+    assert s.base.figures["fused_experts_flops"] < c.base.figures["fused_experts_flops"]
+
+
+@pytest.mark.skipif(not SAVED_RUN.exists(), reason="no saved real_links run")
+def test_a_job_without_its_own_line_keeps_the_hosts_line_unscaled():
     rlp = _real_links_predict()
     saved = json.loads(SAVED_RUN.read_text())
     job = next(j for j in saved["jobs"] if j["workload"] == "moe-stack" and j["phase"] == "decode")
-    slower = {**job, "unshaped_none_s": 1.3 * job["unshaped_none_s"]}
-    c, s = (rlp.CalibratedJob.of(j, saved["plan"], saved["host_profile"]) for j in (job, slower))
-    assert c.unshaped_none_s == pytest.approx(job["unshaped_none_s"], rel=1e-6)
-    assert s.unshaped_none_s == pytest.approx(slower["unshaped_none_s"], rel=1e-6) and s.cpu_scale > c.cpu_scale
-    assert s.base.figures["comm_latency_s"] == c.base.figures["comm_latency_s"]
-    assert s.base.figures["bf16_flops"] < c.base.figures["bf16_flops"]
+    bare = {k: v for k, v in job.items() if k != "veth_line_points"}
+    c = rlp.CalibratedJob.of({**bare, "unshaped_none_s": 1.3 * job["unshaped_none_s"]}, saved["plan"], saved["host_profile"])
+    assert c.unshaped_none_s == pytest.approx(1.3 * job["unshaped_none_s"], rel=1e-6)
+    for key in ("comm_latency_s", "nvlink_bytes_per_s"):
+        assert c.base.figures[key] == saved["host_profile"]["figures"][key]
+    with pytest.raises(ValueError, match="no CPU scale"):
+        rlp.CalibratedJob.of({**bare, "unshaped_none_s": 1e-6}, saved["plan"], saved["host_profile"])
 
 
 def test_a_custom_stack_shape_gets_no_prior():

@@ -101,6 +101,9 @@ def test_a_calibrated_link_is_its_probe_at_a_probed_rate_and_log_log_between_pro
     assert at(50.0) == pytest.approx(1.2e-7 * 2.0)
     assert at(800.0) == pytest.approx(2e-8 / 2.0)
     assert "between the 100 and 200 Mbit/s probes" in ShapedLink.calibrated(150.0, probes=probes, exponent=1.0, how="p").source
+    # Two probes at one rate are one point, their mean.
+    twice = ShapedLink.calibrated(200.0, probes=probes + [(200.0, 7e-8)], exponent=1.0, how="p")
+    assert twice.seconds_per_byte == pytest.approx(6e-8)
 
 
 def test_the_link_is_a_figure_of_the_profile_with_its_source():

@@ -11,7 +11,10 @@ so its experts take torch's path (a GEMM per expert) and keep the curve; so do
 
 `measure_fused_experts` times the kernel at small-moe's layer on 2 ranks (8 local experts,
 hidden 1024, expert intermediate 512, top-2, float32), the weights of 4 layers cycled so each
-call reads its weights from memory as a step does, at a few token counts; the line through
+call reads its weights from memory as a step does, at a few token counts, in one process (the
+cold GEMM reads are measured on every rank at once; two ranks streaming at once share the
+memory bandwidth, so this weight rate is likely optimistic for a 2-rank step, which the
+real-link predictions' per-job CPU scale absorbs only on average); the line through
 them gives a time per call fixed in the tokens (streaming the experts' weights: weight bytes per
 second) and a time per token (its rows' arithmetic and the kernel's per-row work: FLOP/s). Any
 other expert shape is priced at those two rates.
@@ -77,7 +80,10 @@ class FusedExpertsFit:
 
     def time(self, *, tokens: float, top_k: int, local_experts: int, hidden: int, intermediate: int, element: float) -> float:
         """One layer's experts for `tokens` tokens, a rank receiving tokens x `top_k` rows spread
-        evenly over its `local_experts` (balanced routing; an expert with no row is not read)."""
+        evenly over its `local_experts` (balanced routing; an expert with no row is not read). The
+        rows are taken as independent draws, though a token's top-k experts are distinct: at one
+        token and top-2 over 8 experts that reads 1.875 experts' weights, not 2; from a few
+        tokens on, every expert is active either way."""
         rows = tokens * top_k
         active = local_experts * (1.0 - (1.0 - 1.0 / local_experts) ** rows)
         return (weight_bytes(active, hidden, intermediate, element) / self.weight_bytes_per_s

@@ -97,11 +97,13 @@ class ShapedLink:
         rate = _check_rate("the link rate", rate_mbit)
         if not probes:
             raise ValueError("a calibrated link needs at least one probe")
-        table: dict[float, float] = {}
+        by_rate: dict[float, list[float]] = {}
         for mbit, seconds_per_byte in probes:
             if not (math.isfinite(seconds_per_byte) and seconds_per_byte > 0):
                 raise ValueError(f"a probe's seconds per byte must be positive, got {seconds_per_byte!r}")
-            table[_check_rate("the probe rate", mbit)] = seconds_per_byte
+            by_rate.setdefault(_check_rate("the probe rate", mbit), []).append(seconds_per_byte)
+        # Two probes at one rate (rows clamped to the same rate) are one point: their mean.
+        table = {mbit: sum(values) / len(values) for mbit, values in by_rate.items()}
         if not (math.isfinite(exponent) and exponent > 0):
             raise ValueError(f"the rate exponent must be positive, got {exponent!r}")
         seconds, said = _through_probes(rate, sorted(table.items()), exponent)
