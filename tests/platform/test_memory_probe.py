@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import json
+import mmap
 import time
 
 from tandem.platform.memory_probe import MemoryProbe, sample, start_from_env
 
 
 def test_a_sample_splits_resident_memory_and_sees_an_allocation():
+    size = 64 << 20
     before = sample()
-    held = [bytearray(1 << 20) for _ in range(64)]  # 64 MB, touched (bytearray zero-fills)
+    # A fresh private anonymous mapping, every page touched: 64 MB that cannot come from pages the
+    # process already holds (1 MB bytearrays can: after earlier tests free large blocks, glibc
+    # serves them from its heap's resident free pages, and one CI run saw 45 MB of 64 arrive).
+    held = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: shared pages count as shmem
+    for offset in range(0, size, mmap.PAGESIZE):
+        held[offset] = 1
     after = sample()
     assert after["rss_anon_mb"] - before["rss_anon_mb"] >= 48, (before, after)
     assert abs(after["rss_mb"] - after["rss_anon_mb"] - after["rss_file_mb"]) < 0.05 * after["rss_mb"]
     assert after["python_blocks"] >= before["python_blocks"]
-    del held
+    held.close()
 
 
 def test_the_probe_writes_samples_and_names_the_line_that_grew(tmp_path):
