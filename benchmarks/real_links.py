@@ -61,7 +61,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's tandem, not an installed one
 
-from real_links_predict import auto_prior, format_predictions, measure_host, predict  # noqa: E402 - after the path
+from real_links_predict import auto_prior, format_predictions, kept_under_transfer, measure_host, predict  # noqa: E402 - after the path
 
 MODES = ["none", "dbo", "dbo-greenlet", "tbo", "sbo-combine-down-gemm", "sbo-combine-shared", "sbo-dispatch-shared", "auto"]
 #: comm / compute targets of the three link rates.
@@ -414,9 +414,10 @@ def _compute_under_transfer(rate_mbit: float, log, repeat: int = 5) -> dict:
         start = time.perf_counter()
         dist.all_to_all_single(out, payload)
         wire.append(time.perf_counter() - start)
-    rate = statistics.mean(alone) / statistics.mean(busy)  # bimodal: see real_links_predict._wire_cpu_per_byte
+    rate, resolved = kept_under_transfer(alone, busy)
     log(f"  compute under a transfer at {rate_mbit:.0f} Mbit/s: {statistics.mean(busy) * 1e3:.1f} ms against "
-        f"{statistics.mean(alone) * 1e3:.1f} ms alone (means; rate {rate:.2f}; the wire outlasted the loop {sum(overlapped)} of {repeat})")
+        f"{statistics.mean(alone) * 1e3:.1f} ms alone (means; rate {rate:.2f}{'' if resolved else ', not resolved'}; "
+        f"the wire outlasted the loop {sum(overlapped)} of {repeat})")
     # The transfer ran beside the loop for the loop's time, then alone: what it did not move
     # while the loop ran is the share of its pace compute took from it.
     kept = (_median(wire) - (_median(beside) - _median(busy))) / _median(busy)

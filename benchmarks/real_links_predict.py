@@ -296,6 +296,16 @@ def resolved_slower(slow: list[float], fast: list[float]) -> bool:
     return min(slow) > max(fast)
 
 
+def kept_under_transfer(alone: list[float], busy: list[float]) -> tuple[float, bool]:
+    """(the share of its core a loop keeps while a transfer is on the wire, whether the repeats
+    resolve a loss): the ratio of the means of the loop timed alone and under a transfer, at
+    most 1, resolved where the mean under a transfer is above every loop alone. The mean, not
+    the median: the samples under a transfer are bimodal (in some the transfer's threads got no
+    core and the loop ran as alone: 61 and 118-138 ms against 62-72 alone), and a step meets
+    many transfers, so it pays the average loss."""
+    return min(statistics.mean(alone) / statistics.mean(busy), 1.0), statistics.mean(busy) > max(alone)
+
+
 def _ms_range(samples: list[float]) -> str:
     return f"{min(samples) * 1e3:.0f}-{max(samples) * 1e3:.0f}"
 
@@ -311,14 +321,11 @@ def _wire_cpu_per_byte(job: dict, wire_bytes: float) -> tuple[float | None, str]
     # divides by at each row's rate: at the measurement's own rate the loss is the measured one.
     at = _link(job, under["rate_mbit"], wire_bytes).seconds_per_byte
     busy, alone = under["under_transfer_s"], under["alone_s"]
-    if not statistics.mean(busy) > max(alone):
+    kept, resolved = kept_under_transfer(alone, busy)
+    if not resolved:
         return 0.0, (f"not resolved: a matmul loop on both ranks took {_ms_range(busy)} ms (mean {statistics.mean(busy) * 1e3:.0f}) "
                      f"while an all-to-all was on the wire at {under['rate_mbit']:.0f} Mbit/s, {_ms_range(alone)} ms alone, "
                      "priced as no loss")
-    # The mean, not the median: the loop's samples under a transfer are bimodal (in some the
-    # transfer's threads got no core and the loop ran as alone: 61 and 118-138 ms against 62-72
-    # alone), and a step meets many transfers, so it pays the average loss.
-    kept = min(statistics.mean(alone) / statistics.mean(busy), 1.0)
     how = (f"a matmul loop on both ranks kept {kept:.2f} of its core (mean of {len(busy)}) while an all-to-all outlasted "
            f"it on the wire at {under['rate_mbit']:.0f} Mbit/s ({at * 1e9:.1f} ns per byte there)")
     return (1.0 - kept) * at, how
