@@ -59,8 +59,7 @@ def block_compute(costs: OpCosts, name: str, work: UBatchWork, blocks: int) -> f
     """Seconds of a compute step of combine-down-gemm's experts (`COMPUTE_STEPS`)."""
     if name == EXPERTS_UP:
         # The runtime runs blocks on torch's path, never the fused CPU kernel (`TorchExperts.apply_blocks`).
-        experts = costs.compute("experts", work) if costs.fused is None else costs.gemm_experts(work)
-        return experts - costs.down_projection(work)
+        return costs.torch_path_experts(work) - costs.down_projection(work)
     if name == DOWN_BLOCK:
         return costs.down_projection(work, blocks)
     raise KeyError(f"{name!r} is not a step of combine-down-gemm's experts")

@@ -120,7 +120,7 @@ def host_profile(
         "comm_sms_normal": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
         "comm_sms_low_latency": (0, "derived: transfers take no core of their own (see transfers_on_compute)"),
         **elementwise.figures(),
-        **(experts or FusedExpertsFit.unmeasured()).figures(),
+        **experts.figures(),
         "ubatch_switch_s": (switch_s, f"measured in this run: mean hand-over of two ubatches on the {executor} executor"),
         "transfers_on_compute": (
             True,

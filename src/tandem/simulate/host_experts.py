@@ -100,13 +100,14 @@ class FusedExpertsFit:
                 FLOPS_FIGURE: (self.flops_per_s, f"{how}: a token's rows' FLOPs over its slope")}
 
 
-def measure_fused_experts(repeat: int = 5) -> FusedExpertsFit | None:
-    """The kernel's line on this host (see the module docstring), or None where tandem's CPU
-    kernels are not built here (the runtime then takes torch's path, which the curve prices)."""
+def measure_fused_experts(repeat: int = 5) -> FusedExpertsFit:
+    """The kernel's line on this host (see the module docstring); `FusedExpertsFit.unmeasured()`
+    where tandem's CPU kernels are not built here (the runtime then takes torch's path, which
+    the curve prices)."""
     from tandem.platform import cpu_kernels
 
     if not cpu_kernels.available():
-        return None
+        return FusedExpertsFit.unmeasured()
     g = torch.Generator().manual_seed(0)
     layers = [(cpu_kernels.pack(torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=g) * HIDDEN**-0.5),
                cpu_kernels.pack(torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=g) * INTERMEDIATE**-0.5))

@@ -263,8 +263,14 @@ class OpCosts:
                                    intermediate=s.moe_intermediate, element=float(self.hw.figures.get("element_bytes", 4)))
         return self.gemm_experts(w)
 
+    def torch_path_experts(self, w: UBatchWork) -> float:
+        """The routed experts as the runtime runs them without the fused CPU kernel (its torch
+        path, which SBO's blocks always take): `compute("experts")` without `fused`."""
+        traced = traced_op_time(self.traced, "experts", w.tokens, self.layout.ep) if self.traced is not None else 0.0
+        return self.gemm_experts(w) + traced
+
     def gemm_experts(self, w: UBatchWork) -> float:
-        """The routed experts as a GEMM per expert and projection (torch's path; SBO's blocks)."""
+        """The routed experts as a GEMM per expert and projection."""
         s, local = self.shape, self.local_experts()
         # Balanced routing (as DeepSeek's profile): every rank receives tokens x top-k rows.
         m = w.tokens * s.top_k / local
